@@ -1,0 +1,65 @@
+"""ringtrain: scale one PyTorch training function to N data-parallel workers.
+
+The public API; nothing outside this list is public::
+
+    Trainer, Result, TrainingFailedError, WorkerFailure
+    ScalingConfig, RunConfig, CheckpointConfig, FailureConfig
+    get_context, report, get_checkpoint, Checkpoint
+    prepare_model, prepare_data_loader, get_device
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Worker-side and config names are light; the driver and torch-dependent parts load on first use
+# so that `import ringtrain` in a worker or in the CLI stays fast.
+from ringtrain.checkpoint.checkpoint import Checkpoint
+from ringtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ringtrain.env import DistributedContext
+from ringtrain.result import Result, TrainingFailedError, WorkerFailure
+from ringtrain.session import get_checkpoint, get_context, report
+
+if TYPE_CHECKING:
+    from ringtrain.prepare import get_device, prepare_data_loader, prepare_model
+    from ringtrain.trainer import Trainer
+
+_LAZY = {
+    "Trainer": "ringtrain.trainer",
+    "prepare_model": "ringtrain.prepare",
+    "prepare_data_loader": "ringtrain.prepare",
+    "get_device": "ringtrain.prepare",
+}
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointConfig",
+    "DistributedContext",
+    "FailureConfig",
+    "Result",
+    "RunConfig",
+    "ScalingConfig",
+    "Trainer",
+    "TrainingFailedError",
+    "WorkerFailure",
+    "__version__",
+    "get_checkpoint",
+    "get_context",
+    "get_device",
+    "prepare_data_loader",
+    "prepare_model",
+    "report",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ringtrain' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,165 @@
+"""The authenticated channel between workers and the driver, and the messages it carries.
+
+Built on :mod:`multiprocessing.connection`: the driver listens on loopback (or on the address a
+multi-node backend needs) with a per-run secret; a client must answer an HMAC challenge with that
+secret before a single message is accepted, so nobody else on the host can inject reports.
+Messages are small frozen dataclasses. This module imports neither torch nor the controller, so both
+sides can use it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+# --------------------------------------------------------------------------- messages (worker -> driver)
+
+
+@dataclass(frozen=True)
+class Hello:
+    rank: int
+    pid: int
+    hostname: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """One ``report()`` call of one rank.
+
+    ``checkpoint_files`` maps each file the rank uploaded for this round's checkpoint (path relative
+    to the checkpoint directory) to ``{"size": bytes, "sha256": hex}``; ``None`` when the rank
+    attached no checkpoint.
+    """
+
+    rank: int
+    round: int
+    time: float
+    metrics: dict[str, Any]
+    checkpoint_files: dict[str, dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    rank: int
+    time: float
+    exc_type: str
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Done:
+    rank: int
+    time: float
+    rounds: int
+
+
+# --------------------------------------------------------------------------- messages (driver -> worker)
+
+
+@dataclass(frozen=True)
+class Start:
+    """Sent to each worker after its Hello. ``payload``: cloudpickled ``(train_fn, config)`` in
+    function mode, ``None`` in script mode. ``latest_checkpoint``: URI to resume from, or None."""
+
+    payload: bytes | None = None
+    latest_checkpoint: str | None = None
+
+
+# --------------------------------------------------------------------------- driver side events
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A worker process ended. ``returncode`` < 0 means killed by signal ``-returncode``."""
+
+    rank: int
+    time: float
+    returncode: int
+
+
+Event = Hello | Report | WorkerError | Done | Exited
+
+
+def new_authkey() -> bytes:
+    """A fresh 32-byte secret for one run."""
+    return secrets.token_bytes(32)
+
+
+class DriverListener:
+    """Accepts worker connections; each accepted connection is handed to ``on_connection``.
+
+    Args:
+        authkey: the run's secret.
+        host: interface to listen on; loopback by default.
+        on_connection: called from the accept thread with each authenticated connection.
+    """
+
+    def __init__(self, authkey: bytes, on_connection: Any, host: str = "127.0.0.1") -> None:
+        self._listener = Listener(address=(host, 0), family="AF_INET", authkey=authkey)
+        self._on_connection = on_connection
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="ringtrain-accept", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._listener.address  # type: ignore[misc]
+        return f"{host}:{port}"
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                continue  # a failed handshake (wrong secret, port scan): ignore that client
+            except Exception:
+                # multiprocessing raises AuthenticationError for a wrong secret.
+                continue
+            self._on_connection(conn)
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+
+@dataclass
+class WorkerChannel:
+    """The worker's end: a connection guarded by a lock (the heartbeat thread shares it)."""
+
+    conn: Connection
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def connect(cls, address: str, authkey: bytes, timeout_s: float = 60.0) -> WorkerChannel:
+        host, _, port = address.rpartition(":")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return cls(Client((host, int(port)), family="AF_INET", authkey=authkey))
+            except (ConnectionRefusedError, ConnectionResetError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def send(self, message: Any) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def recv(self) -> Any:
+        return self.conn.recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass

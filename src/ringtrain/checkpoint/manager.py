@@ -1,0 +1,135 @@
+"""Driver-side checkpoint bookkeeping: publication and retention."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringtrain.checkpoint import storage
+from ringtrain.checkpoint.checkpoint import Checkpoint
+from ringtrain.config import CheckpointConfig
+
+logger = logging.getLogger("ringtrain")
+
+
+@dataclass
+class TrackedCheckpoint:
+    round: int
+    checkpoint: Checkpoint
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointManager:
+    """Publishes checkpoints of completed rounds and applies ``CheckpointConfig`` retention.
+
+    Retention keeps the ``num_to_keep`` best checkpoints by ``checkpoint_score_attribute`` (by
+    recency when no attribute is set) and always the latest one, which a restart resumes from and
+    ``Result.checkpoint`` points to; so up to ``num_to_keep + 1`` directories can exist. A
+    checkpoint whose metrics lack the score attribute ranks below every scored one.
+
+    Args:
+        fs: fsspec filesystem of the run directory.
+        run_path: the run directory on ``fs``.
+        config: retention settings.
+    """
+
+    def __init__(self, fs: Any, run_path: str, config: CheckpointConfig) -> None:
+        self.fs = fs
+        self.run_path = run_path
+        self.config = config
+        self.checkpoints: list[TrackedCheckpoint] = []  # oldest first
+        self.deleted: list[tuple[str, str]] = []  # (path, reason), for the event log
+        self._warned_missing_score = False
+
+    # ------------------------------------------------------------------ discovery
+    def scan(self) -> list[str]:
+        """Load the valid checkpoints already in the run directory (a run started again with the
+        same name); remove stale staging directories. Returns messages about skipped ones."""
+        notes: list[str] = []
+        if not self.fs.exists(self.run_path):
+            return notes
+        found: list[TrackedCheckpoint] = []
+        for entry in self.fs.ls(self.run_path, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if name.endswith(".tmp") and name.startswith("checkpoint_"):
+                self.fs.rm(entry, recursive=True)
+                notes.append(f"removed incomplete checkpoint {name} (its round never completed)")
+                continue
+            round_ = storage.parse_round(name)
+            if round_ is None:
+                continue
+            try:
+                manifest = storage.read_manifest(self.fs, entry)
+            except ValueError as exc:
+                notes.append(f"skipping invalid checkpoint: {exc}")
+                continue
+            ckpt = Checkpoint(entry, self.fs)
+            found.append(TrackedCheckpoint(round_, ckpt, dict(manifest.get("metrics") or {})))
+        self.checkpoints = sorted(found, key=lambda t: t.round)
+        return notes
+
+    @property
+    def next_round(self) -> int:
+        return self.checkpoints[-1].round + 1 if self.checkpoints else 0
+
+    @property
+    def latest(self) -> TrackedCheckpoint | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+    # ------------------------------------------------------------------ publication
+    def publish(
+        self, round_: int, files: dict[str, dict[str, Any]], metrics: dict[str, Any]
+    ) -> TrackedCheckpoint:
+        """Publish the staged files of ``round_`` as a checkpoint and apply retention."""
+        path = storage.publish(self.fs, self.run_path, round_, files, metrics)
+        tracked = TrackedCheckpoint(round_, Checkpoint(path, self.fs), dict(metrics))
+        self.checkpoints = [t for t in self.checkpoints if t.round != round_] + [tracked]
+        self.checkpoints.sort(key=lambda t: t.round)
+        self._apply_retention()
+        return tracked
+
+    # ------------------------------------------------------------------ retention
+    def _score(self, tracked: TrackedCheckpoint) -> float:
+        attr = self.config.checkpoint_score_attribute
+        if attr is None:
+            return float(tracked.round)
+        value = tracked.metrics.get(attr)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            if not self._warned_missing_score:
+                logger.warning(
+                    "checkpoint of round %d has no numeric metric %r "
+                    "(CheckpointConfig.checkpoint_score_attribute); it ranks last for retention",
+                    tracked.round,
+                    attr,
+                )
+                self._warned_missing_score = True
+            return -math.inf
+        return float(value) if self.config.checkpoint_score_order == "max" else -float(value)
+
+    def ranked(self) -> list[TrackedCheckpoint]:
+        """Checkpoints best first (ties: newer first)."""
+        return sorted(self.checkpoints, key=lambda t: (self._score(t), t.round), reverse=True)
+
+    def _apply_retention(self) -> None:
+        keep_n = self.config.num_to_keep
+        if keep_n is None or len(self.checkpoints) <= keep_n:
+            return
+        latest = self.checkpoints[-1]
+        keep = {t.round for t in self.ranked()[:keep_n]} | {latest.round}
+        survivors = []
+        for tracked in self.checkpoints:
+            if tracked.round in keep:
+                survivors.append(tracked)
+                continue
+            reason = (
+                f"retention: not among the {keep_n} best by "
+                f"{self.config.checkpoint_score_attribute or 'recency'}"
+            )
+            try:
+                self.fs.rm(tracked.checkpoint.path, recursive=True)
+            except FileNotFoundError:
+                pass
+            self.deleted.append((tracked.checkpoint.path, reason))
+        self.checkpoints = survivors

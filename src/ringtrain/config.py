@@ -1,0 +1,228 @@
+"""Typed, validated configuration.
+
+Every config is a frozen dataclass that rejects a bad value in ``__post_init__``, before any process
+starts, with a message that names the field and the fix. ``to_dict()`` gives the JSON-able form that
+is written to the run directory's ``config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+BACKENDS = ("local",)
+"""Launcher backends known to this version."""
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def _check_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r} ({fix})")
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value} ({fix})")
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """How many workers, and on what.
+
+    Attributes:
+        num_workers: world size, the number of data-parallel worker processes (>= 1).
+        use_gpu: give each worker one CUDA device and use NCCL; otherwise CPU and gloo.
+        resources_per_worker: ``{"CPU": k}`` sets each worker's torch thread count to ``int(k)``
+            (default: the machine's cores divided by ``num_workers``, at least 1); ``{"GPU": g}``
+            must be 1 when ``use_gpu`` (one device per worker).
+        backend: the launcher: ``"local"`` starts worker processes on this machine.
+    """
+
+    num_workers: int = 1
+    use_gpu: bool = False
+    resources_per_worker: Mapping[str, float] | None = None
+    backend: str = "local"
+
+    def __post_init__(self) -> None:
+        _check_int(
+            "ScalingConfig", "num_workers", self.num_workers, 1, "use num_workers=1 for a single process"
+        )
+        if not isinstance(self.use_gpu, bool):
+            raise TypeError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"ScalingConfig.backend must be one of {', '.join(map(repr, BACKENDS))}, "
+                f"got {self.backend!r} (use backend='local' to run on this machine)"
+            )
+        if self.resources_per_worker is not None:
+            if not isinstance(self.resources_per_worker, Mapping):
+                raise TypeError(
+                    "ScalingConfig.resources_per_worker must be a dict like {'CPU': 2}, "
+                    f"got {type(self.resources_per_worker).__name__}"
+                )
+            for key, amount in self.resources_per_worker.items():
+                if key not in ("CPU", "GPU"):
+                    raise ValueError(
+                        f"ScalingConfig.resources_per_worker has unknown resource {key!r} "
+                        "(use 'CPU' for threads per worker, 'GPU' for devices per worker)"
+                    )
+                if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+                    raise ValueError(
+                        f"ScalingConfig.resources_per_worker[{key!r}] must be a positive number, "
+                        f"got {amount!r}"
+                    )
+            gpus = self.resources_per_worker.get("GPU")
+            if gpus is not None and (not self.use_gpu or gpus != 1):
+                raise ValueError(
+                    f"ScalingConfig.resources_per_worker['GPU']={gpus!r} is not supported: each "
+                    "worker drives exactly one GPU (set use_gpu=True and drop the 'GPU' key)"
+                )
+            # A frozen dataclass may still hold a caller's mutable dict; keep our own copy.
+            object.__setattr__(self, "resources_per_worker", dict(self.resources_per_worker))
+
+    def threads_per_worker(self, cpu_count: int | None = None) -> int:
+        """Torch intra-op threads each worker uses (>= 1)."""
+        if self.resources_per_worker and "CPU" in self.resources_per_worker:
+            return max(1, int(self.resources_per_worker["CPU"]))
+        cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+        return max(1, cores // self.num_workers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Which checkpoints to keep.
+
+    Attributes:
+        num_to_keep: keep at most this many checkpoints (``None``: keep all). The latest checkpoint
+            is never deleted, so at most ``num_to_keep`` of the best plus the latest survive.
+        checkpoint_score_attribute: a metric name reported with each checkpoint; checkpoints are
+            ranked by it (``None``: ranked by recency).
+        checkpoint_score_order: ``"max"`` keeps the highest scores, ``"min"`` the lowest.
+    """
+
+    num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: Literal["max", "min"] = "max"
+
+    def __post_init__(self) -> None:
+        if self.num_to_keep is not None:
+            _check_int(
+                "CheckpointConfig",
+                "num_to_keep",
+                self.num_to_keep,
+                1,
+                "use num_to_keep=None to keep every checkpoint",
+            )
+        if self.checkpoint_score_attribute is not None and (
+            not isinstance(self.checkpoint_score_attribute, str) or not self.checkpoint_score_attribute
+        ):
+            raise ValueError(
+                "CheckpointConfig.checkpoint_score_attribute must be a metric name (a non-empty "
+                f"str) or None, got {self.checkpoint_score_attribute!r}"
+            )
+        if self.checkpoint_score_order not in ("max", "min"):
+            raise ValueError(
+                "CheckpointConfig.checkpoint_score_order must be 'max' or 'min', "
+                f"got {self.checkpoint_score_order!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    """What to do when a worker fails.
+
+    Attributes:
+        max_failures: how many worker-group failures to survive by restarting the group from the
+            latest checkpoint; 0 stops at the first failure, -1 retries forever.
+    """
+
+    max_failures: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int(
+            "FailureConfig",
+            "max_failures",
+            self.max_failures,
+            -1,
+            "use 0 to stop at the first failure, -1 to retry forever",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where a run writes, and how it behaves.
+
+    Attributes:
+        name: the run's directory name under ``storage_path`` (default: the entrypoint's name and a
+            timestamp). Running again with the same name reuses the directory.
+        storage_path: a local directory or an fsspec URL (``file://``, ``memory://``, ``s3://``...).
+        checkpoint_config: checkpoint retention.
+        failure_config: restart behaviour.
+        callbacks: objects with any of ``on_report(rank, round, metrics)``,
+            ``on_checkpoint(checkpoint, metrics)``, ``on_failure(failure)``, ``on_end(result)``,
+            called on the driver.
+        progress: ``"auto"`` (live display on a terminal, log lines otherwise), ``"rich"``,
+            ``"plain"`` or ``"off"``.
+    """
+
+    name: str | None = None
+    storage_path: str = "./runs"
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failure_config: FailureConfig = field(default_factory=FailureConfig)
+    callbacks: Sequence[Any] = ()
+    progress: Literal["auto", "rich", "plain", "off"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not _NAME_RE.match(self.name)):
+            raise ValueError(
+                f"RunConfig.name must be a directory name of letters, digits, '_', '.', '-', got "
+                f"{self.name!r} (or leave it None for '<function>_<timestamp>')"
+            )
+        if not isinstance(self.storage_path, (str, os.PathLike)) or not str(self.storage_path):
+            raise ValueError(
+                f"RunConfig.storage_path must be a directory or fsspec URL, got {self.storage_path!r}"
+            )
+        object.__setattr__(self, "storage_path", os.fspath(self.storage_path))
+        if not isinstance(self.checkpoint_config, CheckpointConfig):
+            raise TypeError(
+                "RunConfig.checkpoint_config must be a ringtrain.CheckpointConfig, got "
+                f"{type(self.checkpoint_config).__name__}"
+            )
+        if not isinstance(self.failure_config, FailureConfig):
+            raise TypeError(
+                "RunConfig.failure_config must be a ringtrain.FailureConfig, got "
+                f"{type(self.failure_config).__name__}"
+            )
+        if self.progress not in ("auto", "rich", "plain", "off"):
+            raise ValueError(
+                f"RunConfig.progress must be 'auto', 'rich', 'plain' or 'off', got {self.progress!r}"
+            )
+        callbacks = tuple(self.callbacks)
+        hooks = ("on_report", "on_checkpoint", "on_failure", "on_end")
+        for cb in callbacks:
+            if not any(callable(getattr(cb, h, None)) for h in hooks):
+                raise TypeError(
+                    f"RunConfig.callbacks: {cb!r} has none of the hooks {', '.join(hooks)}"
+                )
+        object.__setattr__(self, "callbacks", callbacks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "storage_path": self.storage_path,
+            "checkpoint_config": self.checkpoint_config.to_dict(),
+            "failure_config": self.failure_config.to_dict(),
+            "callbacks": [type(cb).__name__ for cb in self.callbacks],
+            "progress": self.progress,
+        }

@@ -1,0 +1,413 @@
+"""The driver-side state machine.
+
+``run()`` → ``_run_attempt()`` → ``_handle(event)``, top to bottom::
+
+    INITIALIZING ──▶ RUNNING ──▶ FINISHED
+                       │  ▲
+             failure   ▼  │ FailurePolicy: RESTART
+                     RESTARTING
+                       │ FailurePolicy: RAISE
+                       ▼
+                     ERRORED            (Ctrl-C anywhere: ABORTED)
+
+One attempt = one worker group. Every rank's n-th ``report()`` belongs to round n; when all ranks
+have reported a round, its checkpoint files (if any rank attached some) are published and retention
+applied. On the first failure the controller keeps collecting events for ``failure_grace_s`` (the
+peers of a crashed rank usually fail a moment later with a connection error, and the real cause
+must win), stops the group, and asks the FailurePolicy what to do.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ringtrain.channel import Done, Event, Exited, Hello, Report, WorkerError
+from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.controller.policy import Decision, FailurePolicy
+from ringtrain.launch.base import Launcher, WorkerGroup, WorkerSpec
+from ringtrain.monitor.progress import ProgressReporter
+from ringtrain.result import Result, TrainingFailedError, WorkerFailure
+from ringtrain.rundir import RunDirectory
+
+logger = logging.getLogger("ringtrain")
+
+# Errors a rank raises because a *peer* died: never the root cause when another failure exists.
+_PEER_ERROR = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
+    r"failed to recv|Socket Timeout|NCCL communicator was aborted|"
+    r"DistBackendError|DistNetworkError|ProcessGroupGloo|Gloo|remote process exited",
+    re.IGNORECASE,
+)
+
+
+class RunState(enum.Enum):
+    INITIALIZING = "INITIALIZING"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    FINISHED = "FINISHED"
+    ERRORED = "ERRORED"
+    ABORTED = "ABORTED"
+
+
+SpecFactory = Callable[[int, int, "str | None"], WorkerSpec]
+"""(attempt, start_round, latest checkpoint URI) -> the spec of that attempt's workers."""
+
+
+class _Attempt:
+    """Book-keeping of one worker group."""
+
+    def __init__(self, number: int, world_size: int) -> None:
+        self.number = number
+        self.world_size = world_size
+        self.pending: dict[int, dict[int, Report]] = {}  # round -> rank -> report
+        self.last_round: dict[int, int] = {}  # rank -> last round it reported
+        self.exited: dict[int, int] = {}  # rank -> return code
+        self.done: set[int] = set()
+        self.failures: dict[int, WorkerFailure] = {}
+        self.first_failure_at: float | None = None
+
+    @property
+    def all_exited(self) -> bool:
+        return len(self.exited) == self.world_size
+
+
+class Controller:
+    """Runs a training job to completion through restarts.
+
+    Args:
+        launcher: starts worker groups.
+        make_spec: builds each attempt's :class:`WorkerSpec`.
+        world_size: number of workers.
+        run_dir: the run directory writer.
+        checkpoints: publication and retention of checkpoints.
+        failure_policy: restart-or-raise decisions.
+        progress: the live display.
+        callbacks: user callbacks (``on_report``, ``on_checkpoint``, ``on_failure``, ``on_end``).
+        failure_grace_s: how long to keep collecting events after the first failure (seconds).
+        stop_grace_s: SIGTERM-to-SIGKILL grace when stopping a group (seconds).
+    """
+
+    def __init__(
+        self,
+        *,
+        launcher: Launcher,
+        make_spec: SpecFactory,
+        world_size: int,
+        run_dir: RunDirectory,
+        checkpoints: CheckpointManager,
+        failure_policy: FailurePolicy,
+        progress: ProgressReporter,
+        callbacks: Sequence[Any] = (),
+        failure_grace_s: float = 1.0,
+        stop_grace_s: float = 5.0,
+        poll_interval_s: float = 0.1,
+    ) -> None:
+        self.launcher = launcher
+        self.make_spec = make_spec
+        self.world_size = world_size
+        self.run_dir = run_dir
+        self.checkpoints = checkpoints
+        self.failure_policy = failure_policy
+        self.progress = progress
+        self.callbacks = list(callbacks)
+        self.failure_grace_s = failure_grace_s
+        self.stop_grace_s = stop_grace_s
+        self.poll_interval_s = poll_interval_s
+
+        self.state = RunState.INITIALIZING
+        self.group: WorkerGroup | None = None
+        self.failures: list[WorkerFailure] = []
+        self.error: TrainingFailedError | None = None
+        self.metrics_per_rank: dict[int, dict[str, Any]] = {}
+        self.metrics_history: list[dict[str, Any]] = []
+        self.next_round = checkpoints.next_round
+        self.start_time = time.time()
+        self._attempt: _Attempt | None = None
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> Result:
+        """Run attempts until the job finishes or the FailurePolicy says stop."""
+        self.progress.start(self.run_dir.name, self.world_size, self.run_dir.uri)
+        self._write_result()
+        attempt = 0
+        try:
+            while True:
+                failure = self._run_attempt(attempt)
+                if failure is None:
+                    self.state = RunState.FINISHED
+                    break
+                self.failures.append(failure)
+                self._callback("on_failure", failure)
+                decision = self.failure_policy.decide(failure, len(self.failures))
+                logger.warning(decision.reason)
+                self.progress.message(decision.reason)
+                self.run_dir.event("decision", decision=decision.decision.value, reason=decision.reason)
+                if decision.decision is Decision.RAISE:
+                    self.state = RunState.ERRORED
+                    self.error = TrainingFailedError(self.failures)
+                    break
+                self.state = RunState.RESTARTING
+                attempt += 1
+        except BaseException:
+            self.state = RunState.ABORTED
+            raise
+        finally:
+            if self.group is not None:
+                self.group.stop(grace_s=self.stop_grace_s)
+            result = self.result()
+            self.run_dir.event(
+                "run_end", status=self.state.value, duration_s=time.time() - self.start_time
+            )
+            self._write_result()
+            self.run_dir.close()
+            self.progress.close(self.state.value)
+            if self.state is not RunState.ABORTED:
+                self._callback("on_end", result)
+        return result
+
+    def _run_attempt(self, number: int) -> WorkerFailure | None:
+        latest = self.checkpoints.latest
+        spec = self.make_spec(number, self.next_round, latest.checkpoint.uri if latest else None)
+        self._attempt = attempt = _Attempt(number, spec.world_size)
+        self.run_dir.event("run_start", world_size=spec.world_size, attempt=number)
+        for rank in range(spec.world_size):
+            self.progress.worker_state(rank, "starting")
+        self.group = self.launcher.start(spec)
+        self.state = RunState.RUNNING
+        try:
+            while not attempt.all_exited:
+                for event in self.group.poll(self.poll_interval_s):
+                    self._handle(event)
+                if (
+                    attempt.first_failure_at is not None
+                    and time.monotonic() - attempt.first_failure_at > self.failure_grace_s
+                ):
+                    break
+        finally:
+            self.group.stop(grace_s=self.stop_grace_s)
+            self.group = None
+        self._end_attempt(attempt)
+        if not attempt.failures:
+            return None
+        return _root_cause(list(attempt.failures.values()))
+
+    # ------------------------------------------------------------------ events
+    def _handle(self, event: Event) -> None:
+        attempt = self._attempt
+        assert attempt is not None
+        if isinstance(event, Hello):
+            self.progress.worker_state(event.rank, "running")
+        elif isinstance(event, Report):
+            self._on_report(attempt, event)
+        elif isinstance(event, Done):
+            attempt.done.add(event.rank)
+        elif isinstance(event, WorkerError):
+            self._on_failure(
+                attempt,
+                WorkerFailure(
+                    rank=event.rank,
+                    kind="exception",
+                    message=f"rank {event.rank} raised {event.exc_type}: {event.message}",
+                    exc_type=event.exc_type,
+                    traceback=event.traceback,
+                    attempt=attempt.number,
+                    round=attempt.last_round.get(event.rank, -1),
+                    time=event.time,
+                ),
+            )
+        elif isinstance(event, Exited):
+            self._on_exit(attempt, event)
+
+    def _on_report(self, attempt: _Attempt, report: Report) -> None:
+        self.metrics_per_rank[report.rank] = report.metrics
+        attempt.last_round[report.rank] = report.round
+        self.run_dir.event(
+            "report",
+            time=report.time,
+            rank=report.rank,
+            round=report.round,
+            metrics=report.metrics,
+            checkpoint=report.checkpoint_files is not None,
+        )
+        self.progress.report(report.rank, report.round, report.metrics)
+        self._callback("on_report", report.rank, report.round, report.metrics)
+        reports = attempt.pending.setdefault(report.round, {})
+        reports[report.rank] = report
+        if len(reports) == attempt.world_size:
+            del attempt.pending[report.round]
+            self._complete_round(report.round, reports)
+
+    def _complete_round(self, round_: int, reports: dict[int, Report]) -> None:
+        metrics = reports[0].metrics if 0 in reports else next(iter(reports.values())).metrics
+        self.metrics_history.append(metrics)
+        self.next_round = round_ + 1
+        files: dict[str, dict[str, Any]] = {}
+        owners: dict[str, int] = {}
+        attached = False
+        for rank in sorted(reports):
+            rank_files = reports[rank].checkpoint_files
+            if rank_files is None:
+                continue
+            attached = True
+            for rel, info in rank_files.items():
+                if rel in files:
+                    self.progress.message(
+                        f"round {round_}: ranks {owners[rel]} and {rank} both wrote checkpoint "
+                        f"file {rel!r}; the last write wins (use distinct file names per rank)"
+                    )
+                    info = _digest_on_storage(self.checkpoints, round_, rel)
+                files[rel] = {**info, "rank": owners.setdefault(rel, rank)}
+        if attached:
+            score_metrics = dict(metrics)
+            for r in sorted(reports):  # a score attribute only some rank reported still counts
+                for k, v in reports[r].metrics.items():
+                    score_metrics.setdefault(k, v)
+            tracked = self.checkpoints.publish(round_, files, score_metrics)
+            name = tracked.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+            self.run_dir.event("checkpoint", round=round_, path=name, metrics=metrics)
+            for path, reason in self.checkpoints.deleted:
+                self.run_dir.event("checkpoint_deleted", path=path, reason=reason)
+            self.checkpoints.deleted.clear()
+            self._callback("on_checkpoint", tracked.checkpoint, metrics)
+        self.progress.round_complete(round_, metrics)
+
+    def _on_failure(self, attempt: _Attempt, failure: WorkerFailure) -> None:
+        previous = attempt.failures.get(failure.rank)
+        if previous is not None and previous.kind == "exception":
+            return  # the exception says more than the exit status that follows it
+        attempt.failures[failure.rank] = failure
+        if attempt.first_failure_at is None:
+            attempt.first_failure_at = time.monotonic()
+        self.progress.worker_state(failure.rank, "failed")
+        self.run_dir.event(
+            "failure",
+            time=failure.time,
+            rank=failure.rank,
+            kind=failure.kind,
+            message=failure.message,
+            traceback=failure.traceback,
+            attempt=attempt.number,
+        )
+
+    def _on_exit(self, attempt: _Attempt, event: Exited) -> None:
+        attempt.exited[event.rank] = event.returncode
+        if event.returncode == 0:
+            self.progress.worker_state(event.rank, "finished")
+            return
+        # Events are only handled before the group is stopped, so a non-zero exit here is a real
+        # failure of this rank (perhaps caused by a peer's: _root_cause sorts that out).
+        if event.returncode < 0:
+            kind, what = "signal", f"was killed by {_signal_name(-event.returncode)}"
+        else:
+            kind, what = "exit", f"exited with status {event.returncode}"
+        if event.rank in attempt.failures:
+            return
+        self._on_failure(
+            attempt,
+            WorkerFailure(
+                rank=event.rank,
+                kind=kind,
+                message=f"rank {event.rank} {what}",
+                returncode=event.returncode,
+                attempt=attempt.number,
+                round=attempt.last_round.get(event.rank, -1),
+                time=event.time,
+            ),
+        )
+
+    def _end_attempt(self, attempt: _Attempt) -> None:
+        if attempt.failures or not attempt.pending:
+            return
+        counts = {rank: attempt.last_round.get(rank, -1) + 1 for rank in range(attempt.world_size)}
+        self.progress.message(
+            "ranks called report() a different number of times "
+            f"({', '.join(f'rank {r}: {n}' for r, n in counts.items())}); "
+            f"rounds {sorted(attempt.pending)} never completed and their checkpoints were dropped"
+        )
+
+    # ------------------------------------------------------------------ outputs
+    def result(self) -> Result:
+        best = [(t.checkpoint, t.metrics) for t in self.checkpoints.ranked()]
+        latest = self.checkpoints.latest
+        return Result(
+            metrics=dict(self.metrics_per_rank.get(0, {})),
+            metrics_per_rank={r: dict(m) for r, m in sorted(self.metrics_per_rank.items())},
+            checkpoint=latest.checkpoint if latest else None,
+            best_checkpoints=best,
+            path=self.run_dir.uri,
+            error=self.error,
+            failures=list(self.failures),
+            metrics_history=list(self.metrics_history),
+        )
+
+    def _write_result(self) -> None:
+        result = self.result()
+        now = time.time()
+        finished = self.state in (RunState.FINISHED, RunState.ERRORED, RunState.ABORTED)
+        self.run_dir.write_json(
+            "result.json",
+            {
+                "status": self.state.value if finished else "RUNNING",
+                "name": self.run_dir.name,
+                "path": self.run_dir.uri,
+                "driver_pid": os.getpid(),
+                "start_time": self.start_time,
+                "end_time": now if finished else None,
+                "duration_s": now - self.start_time,
+                "world_size": self.world_size,
+                "rounds": self.next_round,
+                "metrics": result.metrics,
+                "metrics_per_rank": {str(r): m for r, m in result.metrics_per_rank.items()},
+                "checkpoint": result.checkpoint.uri if result.checkpoint else None,
+                "best_checkpoints": [
+                    {"path": c.uri, "metrics": m} for c, m in result.best_checkpoints
+                ],
+                "error": str(self.error) if self.error else None,
+                "failures": [f.to_dict() for f in self.failures],
+            },
+        )
+
+    def _callback(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception:
+                logger.exception("callback %s.%s raised; the run continues", type(cb).__name__, hook)
+
+
+def _root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
+    """The failure that explains the others: a non-peer error first, then the earliest."""
+
+    def secondary(f: WorkerFailure) -> bool:
+        return f.kind == "exception" and bool(
+            _PEER_ERROR.search(f"{f.exc_type} {f.message}")
+        )
+
+    primaries = [f for f in failures if not secondary(f)] or failures
+    return min(primaries, key=lambda f: (f.time, f.rank))
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _digest_on_storage(checkpoints: CheckpointManager, round_: int, rel: str) -> dict[str, Any]:
+    from ringtrain.checkpoint import storage
+
+    path = storage.join(
+        checkpoints.fs, checkpoints.run_path, storage.staging_dirname(round_), rel
+    )
+    return storage.file_digest(checkpoints.fs, path)

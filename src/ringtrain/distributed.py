@@ -1,0 +1,51 @@
+"""Process-group set-up on top of torch.distributed (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+from typing import Any
+
+from ringtrain.env import DistributedContext
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def init_process_group(ctx: DistributedContext, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialise the default process group for ``ctx`` if it is not initialised yet.
+
+    NCCL with ``cuda:{local_rank}`` as the current device when ``ctx.use_gpu``, gloo otherwise;
+    rendezvous through ``env://`` (``MASTER_ADDR``/``MASTER_PORT``). Does nothing for a single
+    process.
+
+    Args:
+        ctx: the worker's context.
+        timeout_s: collective timeout, seconds: a collective waiting longer raises instead of
+            blocking forever.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if ctx.world_size == 1 or dist.is_initialized():
+        return
+    kwargs: dict[str, Any] = {}
+    if ctx.use_gpu:
+        if torch.cuda.device_count() <= ctx.local_rank:
+            raise RuntimeError(
+                f"rank {ctx.world_rank} needs cuda:{ctx.local_rank} but this process sees "
+                f"{torch.cuda.device_count()} CUDA device(s)"
+            )
+        torch.cuda.set_device(ctx.local_rank)
+        backend = "nccl"
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kwargs["device_id"] = torch.device("cuda", ctx.local_rank)
+    else:
+        backend = "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=ctx.world_rank,
+        world_size=ctx.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )

@@ -1,0 +1,214 @@
+"""Where rank information comes from.
+
+This is the only module that reads the distributed environment variables. ringtrain's local launcher
+sets the same variables torchrun sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) plus a few ``RINGTRAIN_*``
+ones for its driver channel, so a worker it starts, a process started by torchrun and one started by
+SLURM's ``srun`` are all described by one :class:`DistributedContext`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Variables of the ringtrain launcher contract (driver -> worker).
+ENV_DRIVER_ADDR = "RINGTRAIN_DRIVER_ADDR"  # "host:port" of the driver's report channel
+ENV_AUTHKEY = "RINGTRAIN_AUTHKEY"  # hex secret of the channel
+ENV_RUN_DIR = "RINGTRAIN_RUN_DIR"  # the run directory (path or fsspec URL)
+ENV_ATTEMPT = "RINGTRAIN_ATTEMPT"  # 0 on the first attempt
+ENV_USE_GPU = "RINGTRAIN_USE_GPU"  # "1" when workers drive one CUDA device each
+ENV_START_ROUND = "RINGTRAIN_START_ROUND"  # first report round of this attempt
+ENV_THREADS = "RINGTRAIN_NUM_THREADS"
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Everything a worker knows about its place in the job.
+
+    Attributes:
+        world_rank: this worker's rank in ``[0, world_size)``.
+        world_size: number of workers.
+        local_rank: rank among the workers on this node; selects the CUDA device.
+        local_world_size: number of workers on this node.
+        node_rank: index of this node.
+        master_addr: host of rank 0's rendezvous store.
+        master_port: port of rank 0's rendezvous store.
+        use_gpu: whether this worker drives ``cuda:{local_rank}``.
+        attempt: 0 on the first attempt; incremented each time the group is restarted.
+        run_dir: the run directory (path or fsspec URL), or ``None`` outside a ringtrain run.
+        source: where the information came from: ``"ringtrain"``, ``"torchrun"``, ``"slurm"``,
+            or ``"single"`` (no distributed environment: a single process).
+    """
+
+    world_rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    use_gpu: bool = False
+    attempt: int = 0
+    run_dir: str | None = None
+    source: str = "single"
+    extra: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def device(self) -> Any:
+        """The ``torch.device`` this worker computes on."""
+        import torch
+
+        if self.use_gpu:
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from exc
+    if default is None:
+        raise KeyError(f"none of the environment variables {', '.join(names)} is set")
+    return default
+
+
+def detect_source(environ: Mapping[str, str] | None = None) -> str:
+    """Which launcher started this process: ringtrain, torchrun, slurm, or single."""
+    env = os.environ if environ is None else environ
+    if env.get(ENV_DRIVER_ADDR):
+        return "ringtrain"
+    if env.get("RANK") and env.get("WORLD_SIZE"):
+        return "torchrun"
+    if env.get("SLURM_PROCID") and env.get("SLURM_NTASKS") and int(env["SLURM_NTASKS"]) > 1:
+        return "slurm"
+    return "single"
+
+
+def context_from_env(environ: Mapping[str, str] | None = None) -> DistributedContext:
+    """Build the context of this process from its environment.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        The context; ``source == "single"`` and ``world_size == 1`` when no launcher is detected.
+
+    Raises:
+        ValueError: if a variable is malformed or ranks are out of range.
+    """
+    env = os.environ if environ is None else environ
+    source = detect_source(env)
+    if source == "single":
+        return DistributedContext(use_gpu=env.get(ENV_USE_GPU) == "1")
+    if source == "slurm":
+        world_size = _int(env, "SLURM_NTASKS")
+        rank = _int(env, "SLURM_PROCID")
+        local_rank = _int(env, "SLURM_LOCALID", default=0)
+        local_world_size = _int(env, "SLURM_NTASKS_PER_NODE", default=0) or max(
+            1, world_size // _int(env, "SLURM_NNODES", default=1)
+        )
+        node_rank = _int(env, "SLURM_NODEID", default=0)
+        master_addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_NODELIST", ""))
+        master_port = _int(env, "MASTER_PORT", default=29500)
+    else:
+        world_size = _int(env, "WORLD_SIZE")
+        rank = _int(env, "RANK")
+        local_rank = _int(env, "LOCAL_RANK", default=0)
+        local_world_size = _int(env, "LOCAL_WORLD_SIZE", default=world_size)
+        node_rank = _int(env, "GROUP_RANK", "NODE_RANK", default=0)
+        master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+        master_port = _int(env, "MASTER_PORT", default=29500)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"local rank {local_rank} is outside [0, local_world_size={local_world_size})")
+    use_gpu = env.get(ENV_USE_GPU) == "1" if ENV_USE_GPU in env else _cuda_requested(env)
+    return DistributedContext(
+        world_rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        use_gpu=use_gpu,
+        attempt=_int(env, ENV_ATTEMPT, "TORCHELASTIC_RESTART_COUNT", default=0),
+        run_dir=env.get(ENV_RUN_DIR) or None,
+        source=source,
+        extra={k: env[k] for k in (ENV_DRIVER_ADDR, ENV_AUTHKEY, ENV_START_ROUND) if k in env},
+    )
+
+
+def _cuda_requested(env: Mapping[str, str]) -> bool:
+    # Under torchrun/SLURM nobody tells us; use the GPU when this process can see one.
+    if env.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist such as ``node[01-04,07]`` or ``a1,a2``."""
+    if not nodelist:
+        return "127.0.0.1"
+    head = nodelist.split(",")[0]
+    if "[" in nodelist:
+        prefix, _, rest = nodelist.partition("[")
+        first = rest.split(",")[0].split("-")[0].rstrip("]")
+        return prefix + first
+    return head
+
+
+def worker_environment(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    threads: int,
+    use_gpu: bool,
+    attempt: int,
+    run_dir: str,
+    driver_addr: str,
+    authkey_hex: str,
+    start_round: int,
+) -> dict[str, str]:
+    """The variables the launcher sets in each worker: torchrun's, plus ringtrain's channel."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "NODE_RANK": str(node_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        ENV_THREADS: str(threads),
+        ENV_USE_GPU: "1" if use_gpu else "0",
+        ENV_ATTEMPT: str(attempt),
+        ENV_RUN_DIR: run_dir,
+        ENV_DRIVER_ADDR: driver_addr,
+        ENV_AUTHKEY: authkey_hex,
+        ENV_START_ROUND: str(start_round),
+        "PYTHONUNBUFFERED": "1",
+    }

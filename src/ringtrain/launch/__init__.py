@@ -1,0 +1,1 @@
+"""Launchers: how worker processes start."""

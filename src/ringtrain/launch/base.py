@@ -1,0 +1,64 @@
+"""The launcher contract: ``Launcher.start(spec) -> WorkerGroup``.
+
+The controller sees only this contract, so local processes and (later) Ray actors are
+interchangeable. A worker group delivers :mod:`ringtrain.channel` events (Hello, Report,
+WorkerError, Done, Exited) through ``poll`` and can be stopped from any state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ringtrain.channel import Event
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker of one attempt runs.
+
+    Attributes:
+        world_size: number of workers.
+        payload: cloudpickled ``(train_fn, train_loop_config)`` (function mode), or ``None``.
+        script: path of a per-worker script (script mode), run as ``__main__``.
+        script_args: the script's ``sys.argv[1:]``.
+        use_gpu: one CUDA device per worker, NCCL.
+        threads: torch intra-op threads per worker.
+        run_dir: the run directory (path or fsspec URL).
+        attempt: 0 on the first attempt.
+        start_round: the report round the first ``report()`` of this attempt gets.
+        latest_checkpoint: URI of the checkpoint to resume from, or ``None``.
+        env: extra environment variables for the workers.
+    """
+
+    world_size: int
+    run_dir: str
+    payload: bytes | None = None
+    script: str | None = None
+    script_args: tuple[str, ...] = ()
+    use_gpu: bool = False
+    threads: int = 1
+    attempt: int = 0
+    start_round: int = 0
+    latest_checkpoint: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class WorkerGroup(Protocol):
+    world_size: int
+
+    def poll(self, timeout_s: float) -> list[Event]:
+        """Events that arrived, waiting up to ``timeout_s`` seconds for the first one."""
+        ...
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every worker: SIGTERM, then SIGKILL after ``grace_s`` seconds. Idempotent."""
+        ...
+
+    def pids(self) -> dict[int, int]:
+        """rank -> process id of the workers started (for diagnostics and tests)."""
+        ...
+
+
+class Launcher(Protocol):
+    def start(self, spec: WorkerSpec) -> WorkerGroup: ...

@@ -1,0 +1,211 @@
+"""Worker processes on this machine: the embedded default launcher.
+
+Each worker is ``python -m ringtrain.launch.worker`` in its own session (so a Ctrl-C in the terminal
+reaches only the driver, which then stops the workers in order) with the torchrun variables set.
+The driver hosts the rendezvous ``TCPStore`` itself on an OS-assigned loopback port, as torchrun's
+agent does (``TORCHELASTIC_USE_AGENT_STORE``), so there is no race for a "free" port. Worker output
+is forwarded line by line with a ``(rank N)`` prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import IO, Any
+
+from ringtrain.channel import DriverListener, Event, Exited, Hello, Start, new_authkey
+from ringtrain.env import worker_environment
+from ringtrain.launch.base import WorkerSpec
+
+
+class LocalLauncher:
+    """Starts a :class:`LocalWorkerGroup`.
+
+    Args:
+        forward_output: prefix and forward worker stdout/stderr to the driver's (default); when
+            False workers inherit the driver's stdout/stderr directly.
+    """
+
+    def __init__(self, forward_output: bool = True) -> None:
+        self.forward_output = forward_output
+
+    def start(self, spec: WorkerSpec) -> LocalWorkerGroup:
+        return LocalWorkerGroup(spec, forward_output=self.forward_output)
+
+
+class LocalWorkerGroup:
+    """N worker processes, their channel connections, and one event queue.
+
+    Threads: one accepts connections, one per connection reads messages, one per process waits for
+    its exit, and (with output forwarding) one per pipe copies lines. All of them only put events on
+    the queue that :meth:`poll` drains, so the controller handles events on one thread.
+    """
+
+    def __init__(self, spec: WorkerSpec, forward_output: bool = True) -> None:
+        import torch.distributed as dist
+
+        self.world_size = spec.world_size
+        self.spec = spec
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._conns: dict[int, Connection] = {}
+        self._threads: list[threading.Thread] = []
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._stopped = False
+        self._lock = threading.Lock()
+        authkey = new_authkey()
+        self._listener = DriverListener(authkey, self._on_connection)
+        # The rendezvous store lives in the driver for the attempt's lifetime.
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, spec.world_size, is_master=True, wait_for_workers=False
+        )
+        store_port = self._store.port
+        base_env = dict(os.environ)
+        base_env["PYTHONPATH"] = os.pathsep.join(
+            [p for p in sys.path if p] + ([base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else [])
+        )
+        base_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        base_env.update(spec.env)
+        cmd = [sys.executable, "-m", "ringtrain.launch.worker"]
+        if spec.script is not None:
+            cmd += ["--script", spec.script, *spec.script_args]
+        try:
+            for rank in range(spec.world_size):
+                env = dict(base_env)
+                env.update(
+                    worker_environment(
+                        rank=rank,
+                        world_size=spec.world_size,
+                        local_rank=rank,
+                        local_world_size=spec.world_size,
+                        node_rank=0,
+                        master_addr="127.0.0.1",
+                        master_port=store_port,
+                        threads=spec.threads,
+                        use_gpu=spec.use_gpu,
+                        attempt=spec.attempt,
+                        run_dir=spec.run_dir,
+                        driver_addr=self._listener.address,
+                        authkey_hex=authkey.hex(),
+                        start_round=spec.start_round,
+                    )
+                )
+                pipe = subprocess.PIPE if forward_output else None
+                proc = subprocess.Popen(
+                    cmd, env=env, stdout=pipe, stderr=pipe, start_new_session=True
+                )
+                self._procs[rank] = proc
+                self._spawn(self._wait_exit, rank, proc)
+                if forward_output:
+                    assert proc.stdout is not None and proc.stderr is not None
+                    self._spawn(_forward, rank, proc.stdout, "stdout")
+                    self._spawn(_forward, rank, proc.stderr, "stderr")
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+
+    # ------------------------------------------------------------------ threads
+    def _spawn(self, target: Any, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name=f"ringtrain-{target.__name__}")
+        t.start()
+        self._threads.append(t)
+
+    def _wait_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        self._events.put(Exited(rank=rank, time=time.time(), returncode=code))
+
+    def _on_connection(self, conn: Connection) -> None:
+        self._spawn(self._read, conn)
+
+    def _read(self, conn: Connection) -> None:
+        rank = None
+        try:
+            hello = conn.recv()
+            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world_size:
+                conn.close()
+                return
+            rank = hello.rank
+            with self._lock:
+                if self._stopped:
+                    conn.close()
+                    return
+                self._conns[rank] = conn
+            conn.send(
+                Start(payload=self.spec.payload, latest_checkpoint=self.spec.latest_checkpoint)
+            )
+            self._events.put(hello)
+            while True:
+                self._events.put(conn.recv())
+        except (EOFError, OSError):
+            pass  # the worker exited or was killed; its Exited event says how
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    # ------------------------------------------------------------------ contract
+    def poll(self, timeout_s: float) -> list[Event]:
+        events: list[Event] = []
+        try:
+            events.append(self._events.get(timeout=timeout_s))
+            while True:
+                events.append(self._events.get_nowait())
+        except queue.Empty:
+            pass
+        return events
+
+    def pids(self) -> dict[int, int]:
+        return {rank: p.pid for rank, p in self._procs.items()}
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        alive = [p for p in self._procs.values() if p.poll() is None]
+        for proc in alive:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self._procs.values():
+            # SIGKILL the whole process group: the worker and any DataLoader workers it forked.
+            _signal_group(proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        self._listener.close()
+        for conn in list(self._conns.values()):
+            with contextlib.suppress(OSError):
+                conn.close()
+        for t in self._threads:
+            t.join(timeout=2)
+        del self._store
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _forward(rank: int, pipe: IO[bytes], stream_name: str) -> None:
+    """Copy a worker's output line by line to the driver's stream, prefixed with its rank."""
+    prefix = f"(rank {rank}) "
+    try:
+        for raw in iter(pipe.readline, b""):
+            stream = sys.stdout if stream_name == "stdout" else sys.stderr
+            try:
+                stream.write(prefix + raw.decode("utf-8", errors="replace"))
+                stream.flush()
+            except (ValueError, OSError):
+                pass  # the driver's stream was closed (interpreter shutting down)
+    finally:
+        with contextlib.suppress(OSError):
+            pipe.close()

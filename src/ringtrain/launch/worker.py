@@ -1,0 +1,153 @@
+"""The worker bootstrap: ``python -m ringtrain.launch.worker [--script PATH ARGS...]``.
+
+Started by a launcher with the variables of :func:`ringtrain.env.worker_environment`. It
+
+1. arranges to die with its parent (``PR_SET_PDEATHSIG`` on Linux, plus a watchdog thread that
+   polls the parent pid everywhere), so no worker outlives a killed driver;
+2. connects to the driver's authenticated channel, says Hello and receives its Start message;
+3. sets the torch thread count, installs the session, and in function mode initialises the
+   process group (gloo on CPU, NCCL on GPU) before calling ``train_fn(config)``; in script mode runs
+   the script as ``__main__`` (the script calls ``init_process_group`` itself, or lets ringtrain do
+   it on first need);
+4. reports an exception (type, message, traceback) to the driver before exiting with status 1, or
+   sends Done and exits 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import os
+import runpy
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from ringtrain.channel import Done, Hello, Start, WorkerChannel, WorkerError
+from ringtrain.distributed import init_process_group
+from ringtrain.env import ENV_AUTHKEY, ENV_DRIVER_ADDR, ENV_THREADS, context_from_env
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Exit when the parent process (the driver) dies, even if it is SIGKILLed."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)  # the parent died before prctl took effect
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="ringtrain-parent-watchdog", daemon=True).start()
+
+
+def _destroy_process_group() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    die_with_parent()
+
+    from ringtrain import session as session_mod
+    from ringtrain.checkpoint.checkpoint import Checkpoint
+
+    ctx = context_from_env()
+    channel = WorkerChannel.connect(os.environ[ENV_DRIVER_ADDR], bytes.fromhex(os.environ[ENV_AUTHKEY]))
+    channel.send(Hello(rank=ctx.world_rank, pid=os.getpid(), hostname=socket.gethostname()))
+    start: Start = channel.recv()
+    sess = session_mod.Session(
+        context=ctx,
+        channel=channel,
+        next_round=int(ctx.extra.get("RINGTRAIN_START_ROUND", "0")),
+        latest_checkpoint=Checkpoint(start.latest_checkpoint) if start.latest_checkpoint else None,
+    )
+    session_mod._install_session(sess)
+
+    code = 0
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ.get(ENV_THREADS, "1")))
+        if argv and argv[0] == "--script":
+            script, script_args = argv[1], argv[2:]
+            sys.argv = [script, *script_args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as exc:
+                if exc.code not in (None, 0):
+                    raise
+        else:
+            import cloudpickle
+
+            assert start.payload is not None, "function mode needs a payload"
+            train_fn, config = cloudpickle.loads(start.payload)
+            init_process_group(ctx)
+            if _takes_config(train_fn):
+                train_fn(config if config is not None else {})
+            else:
+                train_fn()
+        channel.send(Done(rank=ctx.world_rank, time=time.time(), rounds=sess.next_round))
+    except BaseException as exc:  # noqa: BLE001 - everything is reported, then we exit non-zero
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+        try:
+            channel.send(
+                WorkerError(
+                    rank=ctx.world_rank,
+                    time=time.time(),
+                    exc_type=type(exc).__name__,
+                    message=str(exc),
+                    traceback="".join(traceback.format_exception(exc)),
+                )
+            )
+        except OSError:
+            pass
+        traceback.print_exc()
+    finally:
+        _destroy_process_group()
+        channel.close()
+    return code
+
+
+def _takes_config(fn: Any) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return bool(positional)
+
+
+if __name__ == "__main__":
+    sys.stdout.flush()
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: daemon threads and half-destroyed torch state can hang or crash
+    # at exit, and every resource worth closing was closed above.
+    os._exit(code)

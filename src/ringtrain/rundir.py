@@ -1,0 +1,88 @@
+"""Writing the run directory (layout documented in docs/run-directory.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ringtrain.checkpoint.storage import join
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, default=repr, allow_nan=True)
+
+
+class RunDirectory:
+    """The driver's writer for ``{storage_path}/{name}/``.
+
+    Args:
+        storage_path: local directory or fsspec URL.
+        name: the run's name (a directory name).
+    """
+
+    def __init__(self, storage_path: str, name: str) -> None:
+        self.fs, base = fsspec.core.url_to_fs(storage_path)
+        if isinstance(self.fs, LocalFileSystem):
+            base = os.path.abspath(base)
+        self.path: str = join(self.fs, base, name)
+        self.uri: str = self.path if self.is_local else str(self.fs.unstrip_protocol(self.path))
+        self.name = name
+        self._events: Any = None
+        self._buffer: list[str] = []
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def create(self) -> None:
+        self.fs.makedirs(self.path, exist_ok=True)
+
+    def write_json(self, filename: str, obj: Any) -> None:
+        """Write ``obj`` to ``filename`` atomically on local disks (temp file + rename)."""
+        text = json.dumps(obj, indent=2, default=repr, allow_nan=True)
+        target = join(self.fs, self.path, filename)
+        if self.is_local:
+            tmp = target + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        else:
+            with self.fs.open(target, "w") as f:
+                f.write(text)
+
+    def event(self, type_: str, **fields: Any) -> None:
+        """Append one line to ``events.jsonl``."""
+        line = _json({"type": type_, "time": time.time(), **fields}) + "\n"
+        if self.is_local:
+            if self._events is None:
+                self._events = open(join(self.fs, self.path, "events.jsonl"), "a")  # noqa: SIM115
+            self._events.write(line)
+            self._events.flush()
+        else:
+            # Object stores cannot append: keep the lines and rewrite the file (see flush()).
+            self._buffer.append(line)
+
+    def flush(self) -> None:
+        if self.is_local:
+            if self._events is not None:
+                self._events.flush()
+            return
+        if self._buffer:
+            target = join(self.fs, self.path, "events.jsonl")
+            previous = self.fs.cat_file(target).decode() if self.fs.exists(target) else ""
+            with self.fs.open(target, "w") as f:
+                f.write(previous + "".join(self._buffer))
+            self._buffer.clear()
+
+    def close(self) -> None:
+        self.flush()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
