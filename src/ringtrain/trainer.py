@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ringtrain
@@ -237,4 +240,28 @@ def run_workers(
         progress=progress,
         callbacks=run_config.callbacks,
     )
-    return controller.run()
+    with _sigterm_as_interrupt():
+        return controller.run()
+
+
+class DriverTerminated(KeyboardInterrupt):
+    """The driver received SIGTERM; raised like Ctrl-C so that workers are stopped and the run
+    directory records ``ABORTED``."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the run is active, turn SIGTERM (a scheduler's preemption notice) into an
+    interruption with the same orderly shutdown as Ctrl-C. Only possible on the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise DriverTerminated(f"the driver received {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,193 @@
+"""The ``ringtrain`` command: ``run``, ``ls``, ``show``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+DESCRIPTION = """\
+ringtrain runs a PyTorch training job as N data-parallel worker processes,
+collects every worker's metrics and checkpoints into a run directory, and
+reports which rank failed and why.
+
+  ringtrain run -n 2 train.py --lr 0.01    run a per-worker script on 2 workers
+  ringtrain ls                             list the runs under ./runs
+  ringtrain show runs/train_2026-11-21_12-00-00
+                                           metrics, checkpoints and failures of one run
+
+Python API: ringtrain.Trainer(train_fn, ScalingConfig(...), RunConfig(...)).fit()
+"""
+
+RUN_HELP = """\
+Start N worker processes, each running SCRIPT as __main__ with the variables
+torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT). Inside the script, plain torch.distributed works
+(init_process_group() with no arguments), and so do ringtrain.get_context(),
+ringtrain.report(metrics, checkpoint) and ringtrain.prepare_model(); a script
+that calls ringtrain.Trainer(...).fit() runs its train function in place as
+its rank. Everything after SCRIPT is passed to the script unchanged.
+
+Example:
+  ringtrain run -n 2 examples/mnist.py --epochs 3
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringtrain",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from ringtrain import __version__
+
+    parser.add_argument("--version", action="version", version=f"ringtrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        help="run a per-worker script on N workers",
+        description=RUN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument(
+        "-n",
+        "-np",
+        "--num-workers",
+        dest="num_workers",
+        type=_positive_int,
+        default=1,
+        help="number of worker processes, the world size (default: 1)",
+    )
+    run.add_argument("--name", help="run name (default: SCRIPT's stem and a timestamp)")
+    run.add_argument(
+        "--storage-path", default="./runs", help="where run directories go (default: ./runs)"
+    )
+    run.add_argument("--gpu", action="store_true", help="one CUDA device per worker (NCCL)")
+    run.add_argument(
+        "--threads", type=_positive_int, help="torch threads per worker (default: cores / N)"
+    )
+    run.add_argument(
+        "--max-failures",
+        type=int,
+        default=0,
+        help="restart the workers after up to this many failures (-1: forever; default: 0)",
+    )
+    run.add_argument(
+        "--progress",
+        choices=("auto", "rich", "plain", "off"),
+        default="auto",
+        help="live display on a terminal, log lines otherwise (default: auto)",
+    )
+    run.add_argument("script", metavar="SCRIPT", help="the per-worker Python script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="its arguments")
+
+    ls = sub.add_parser(
+        "ls",
+        help="list runs with status, duration and last metrics",
+        description="List the runs under STORAGE (a directory or fsspec URL).",
+    )
+    ls.add_argument("storage", nargs="?", default="./runs", help="default: ./runs")
+
+    show = sub.add_parser(
+        "show",
+        help="show one run: config, metrics per round, checkpoints, failures",
+        description="Show one run directory: its config, a table of rank 0's metrics per "
+        "round, its checkpoints and its failures.",
+    )
+    show.add_argument("run_dir", metavar="RUN_DIR")
+    show.add_argument("--rounds", type=_positive_int, default=30, help="last N rounds (default 30)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "run":
+        return _cmd_run(args, parser)
+    if args.command == "ls":
+        return _cmd_ls(args)
+    return _cmd_show(args)
+
+
+def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ringtrain.config import FailureConfig, RunConfig, ScalingConfig
+
+    if not os.path.isfile(args.script):
+        parser.error(f"SCRIPT {args.script!r} is not a file")
+    try:
+        scaling = ScalingConfig(
+            num_workers=args.num_workers,
+            use_gpu=args.gpu,
+            resources_per_worker={"CPU": args.threads} if args.threads else None,
+        )
+        run_config = RunConfig(
+            name=args.name,
+            storage_path=args.storage_path,
+            failure_config=FailureConfig(max_failures=args.max_failures),
+            progress=args.progress,
+        )
+        from ringtrain.trainer import default_run_name, run_workers, validate_gpus
+
+        validate_gpus(scaling)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    stem = os.path.splitext(os.path.basename(args.script))[0]
+    result = run_workers(
+        name=run_config.name or default_run_name(stem),
+        entrypoint=args.script,
+        scaling_config=scaling,
+        run_config=run_config,
+        script=os.path.abspath(args.script),
+        script_args=tuple(args.script_args),
+    )
+    if result.error is not None:
+        print(f"ringtrain: run failed: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ringtrain.monitor.runs import list_runs, render_runs
+
+    try:
+        runs = list_runs(args.storage)
+    except FileNotFoundError as exc:
+        print(f"ringtrain ls: {exc}", file=sys.stderr)
+        return 1
+    render_runs(runs, Console())
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ringtrain.monitor.runs import load_run, render_run
+
+    try:
+        details = load_run(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"ringtrain show: {exc}", file=sys.stderr)
+        return 1
+    render_run(details, Console(), max_rounds=args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

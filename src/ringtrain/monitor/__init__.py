@@ -1,0 +1,1 @@
+"""Watching runs: the driver's live progress display and reading finished or running runs."""

@@ -1,0 +1,507 @@
+"""The driver's live progress display.
+
+The driver calls one :class:`ProgressReporter` from its event loop (one thread) as workers start,
+report and finish. :func:`make_progress` picks the display: a live rich panel on a terminal
+(:class:`RichProgress`), plain log lines otherwise (:class:`PlainProgress`), or nothing
+(:class:`NullProgress`).
+
+Typical use::
+
+    progress = make_progress("auto")
+    progress.start("mnist", world_size=2, run_dir="/abs/runs/mnist")
+    try:
+        ...  # progress.worker_state(...), progress.report(...), progress.round_complete(...)
+    finally:
+        progress.close(status)
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol, TextIO, runtime_checkable
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from ringtrain.monitor.runs import format_duration, format_metrics, format_value
+
+__all__ = [
+    "WORKER_STATES",
+    "NullProgress",
+    "PlainProgress",
+    "ProgressReporter",
+    "RichProgress",
+    "make_progress",
+]
+
+#: The states :meth:`ProgressReporter.worker_state` is called with.
+WORKER_STATES = ("starting", "running", "finished", "failed", "stopped")
+
+_STATE_STYLES = {
+    "starting": "yellow",
+    "running": "cyan",
+    "finished": "green",
+    "failed": "bold red",
+    "stopped": "dim",
+}
+_STATUS_STYLES = {
+    "FINISHED": "green",
+    "ERRORED": "red",
+    "ABORTED": "yellow",
+}
+_FIRST_KEYS = ("epoch",)
+
+
+@runtime_checkable
+class ProgressReporter(Protocol):
+    """What the driver tells the progress display. All methods are called from one thread."""
+
+    def start(self, name: str, world_size: int, run_dir: str) -> None:
+        """The run starts.
+
+        Args:
+            name: The run's name.
+            world_size: Number of workers.
+            run_dir: The run directory (local path or fsspec URL).
+        """
+        ...
+
+    def worker_state(self, rank: int, state: str) -> None:
+        """A worker changed state.
+
+        Args:
+            rank: The worker's rank.
+            state: ``"starting"``, ``"running"``, ``"finished"``, ``"failed"`` or ``"stopped"``.
+        """
+        ...
+
+    def report(self, rank: int, round: int, metrics: dict[str, Any]) -> None:
+        """One rank's report arrived.
+
+        Args:
+            rank: The reporting worker's rank.
+            round: The 0-based report round on that rank.
+            metrics: The reported metrics.
+        """
+        ...
+
+    def round_complete(self, round: int, metrics: dict[str, Any]) -> None:
+        """All ranks have reported a round.
+
+        Args:
+            round: The 0-based report round.
+            metrics: Rank 0's metrics of that round.
+        """
+        ...
+
+    def message(self, text: str) -> None:
+        """A notable event: a checkpoint saved, a failure, a restart.
+
+        Args:
+            text: The line to show.
+        """
+        ...
+
+    def close(self, status: str) -> None:
+        """The run is over; stop the display. Safe to call more than once.
+
+        Args:
+            status: The run's final status (``FINISHED``, ``ERRORED``, ``ABORTED``).
+        """
+        ...
+
+
+class _ReporterBase:
+    """Context-manager support: ``with reporter:`` closes it, ``ERRORED`` on an exception."""
+
+    def close(self, status: str) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self) -> _ReporterBase:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            status = "FINISHED"
+        elif issubclass(exc_type, KeyboardInterrupt):
+            status = "ABORTED"
+        else:
+            status = "ERRORED"
+        self.close(status)
+
+
+class NullProgress(_ReporterBase):
+    """A reporter that shows nothing (mode ``"off"``)."""
+
+    def start(self, name: str, world_size: int, run_dir: str) -> None:
+        """Does nothing."""
+
+    def worker_state(self, rank: int, state: str) -> None:
+        """Does nothing."""
+
+    def report(self, rank: int, round: int, metrics: dict[str, Any]) -> None:
+        """Does nothing."""
+
+    def round_complete(self, round: int, metrics: dict[str, Any]) -> None:
+        """Does nothing."""
+
+    def message(self, text: str) -> None:
+        """Does nothing."""
+
+    def close(self, status: str) -> None:
+        """Does nothing."""
+
+
+class PlainProgress(_ReporterBase):
+    """Plain log lines, for logs and pipes.
+
+    One line when the run starts, one per completed round (at most one per ``min_interval_s``;
+    a round line held back by the throttle is written before the next message and at close, so
+    the last round always shows), one per message and one at close::
+
+        [mnist] started: 2 workers, run directory /abs/runs/mnist
+        [mnist] round 3 epoch=2 loss=0.1234 val_acc=0.9712 (12.3s)
+        [mnist] FINISHED in 1m 32s (4 rounds)
+
+    Args:
+        stream: Where to write; ``sys.stdout`` if None.
+        min_interval_s: Shortest time between two round lines, in seconds.
+        clock: Monotonic clock in seconds (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        *,
+        min_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._stream = stream if stream is not None else sys.stdout
+        self._min_interval_s = min_interval_s
+        self._clock = clock
+        self._name = "ringtrain"
+        self._t0 = clock()
+        self._last_round_line_at: float | None = None
+        self._pending: str | None = None
+        self._last_round: int | None = None
+        self._closed = False
+
+    def _write(self, line: str) -> None:
+        try:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or broken stream must not break the run
+
+    def _prefix(self) -> str:
+        return f"[{self._name}]"
+
+    def _flush_pending(self) -> None:
+        if self._pending is not None:
+            self._write(self._pending)
+            self._pending = None
+            self._last_round_line_at = self._clock()
+
+    def start(self, name: str, world_size: int, run_dir: str) -> None:
+        """Writes the start line. See :meth:`ProgressReporter.start`."""
+        self._name = name
+        self._t0 = self._clock()
+        plural = "s" if world_size != 1 else ""
+        self._write(
+            f"{self._prefix()} started: {world_size} worker{plural}, run directory {run_dir}"
+        )
+
+    def worker_state(self, rank: int, state: str) -> None:
+        """Writes nothing: the driver reports notable worker events through :meth:`message`."""
+
+    def report(self, rank: int, round: int, metrics: dict[str, Any]) -> None:
+        """Writes nothing: rounds are written once complete, by :meth:`round_complete`."""
+
+    def round_complete(self, round: int, metrics: dict[str, Any]) -> None:
+        """Writes the round's line, or holds it back if the last one was too recent.
+
+        See :meth:`ProgressReporter.round_complete`.
+        """
+        now = self._clock()
+        self._last_round = round
+        parts = [self._prefix(), f"round {round}"]
+        text = format_metrics(metrics, first=_FIRST_KEYS)
+        if text:
+            parts.append(text)
+        parts.append(f"({format_duration(now - self._t0)})")
+        line = " ".join(parts)
+        last = self._last_round_line_at
+        if last is None or now - last >= self._min_interval_s:
+            self._pending = None
+            self._write(line)
+            self._last_round_line_at = now
+        else:
+            self._pending = line  # superseded by a later round, or written before the next line
+
+    def message(self, text: str) -> None:
+        """Writes the message (after any held-back round line). See
+        :meth:`ProgressReporter.message`."""
+        self._flush_pending()
+        first, *rest = text.splitlines() or [""]
+        self._write(f"{self._prefix()} {first}")
+        for line in rest:
+            self._write(line)
+
+    def close(self, status: str) -> None:
+        """Writes any held-back round line and the final line. Only the first call writes."""
+        if self._closed:
+            return
+        self._closed = True
+        self._flush_pending()
+        line = f"{self._prefix()} {status} in {format_duration(self._clock() - self._t0)}"
+        if self._last_round is not None:
+            n = self._last_round + 1
+            line += f" ({n} round{'s' if n != 1 else ''})"
+        self._write(line)
+
+
+@dataclass
+class _Worker:
+    state: str = "starting"
+    round: int | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class RichProgress(_ReporterBase):
+    """A live panel on a terminal, redrawn about ``refresh_per_second`` times a second.
+
+    The panel shows the run name, elapsed time, the last completed round (and epoch, if the
+    metrics have one), rank 0's latest metrics and a table of workers: rank, state, last round
+    reported and last metric values. Messages are printed above the panel. The panel is left on
+    screen, with the final status, by :meth:`close`.
+
+    The public methods are meant for one thread (the driver's loop); the panel is redrawn by
+    rich's refresh thread, which only reads a snapshot taken under a lock.
+
+    Args:
+        console: The console to draw on; a new ``Console()`` (stdout) if None.
+        refresh_per_second: Redraws per second.
+        clock: Monotonic clock in seconds (injectable for tests).
+        max_worker_rows: Show at most this many workers in the table; the rest are summarised.
+        max_metric_columns: Show at most this many metric columns in the worker table.
+    """
+
+    def __init__(
+        self,
+        console: Console | None = None,
+        *,
+        refresh_per_second: float = 4.0,
+        clock: Callable[[], float] = time.monotonic,
+        max_worker_rows: int = 16,
+        max_metric_columns: int = 6,
+    ) -> None:
+        self._console = console if console is not None else Console()
+        self._refresh_per_second = refresh_per_second
+        self._clock = clock
+        self._max_worker_rows = max(1, max_worker_rows)
+        self._max_metric_columns = max(0, max_metric_columns)
+        self._lock = threading.Lock()
+        self._live: Live | None = None
+        self._name = "ringtrain"
+        self._world_size = 0
+        self._run_dir = ""
+        self._t0 = clock()
+        self._t_end: float | None = None
+        self._workers: dict[int, _Worker] = {}
+        self._round: int | None = None
+        self._metrics: dict[str, Any] = {}
+        self._status: str | None = None
+        self._closed = False
+
+    @property
+    def console(self) -> Console:
+        """The console the panel is drawn on."""
+        return self._console
+
+    def start(self, name: str, world_size: int, run_dir: str) -> None:
+        """Starts the live panel. See :meth:`ProgressReporter.start`."""
+        with self._lock:
+            self._name = name
+            self._world_size = world_size
+            self._run_dir = run_dir
+            self._t0 = self._clock()
+            for rank in range(world_size):
+                self._workers.setdefault(rank, _Worker())
+        if self._live is not None or self._closed:
+            return
+        live = Live(
+            console=self._console,
+            refresh_per_second=self._refresh_per_second,
+            get_renderable=self._render,
+            transient=False,
+        )
+        live.start()
+        self._live = live
+
+    def worker_state(self, rank: int, state: str) -> None:
+        """Records a worker's state. See :meth:`ProgressReporter.worker_state`."""
+        with self._lock:
+            self._workers.setdefault(rank, _Worker()).state = state
+
+    def report(self, rank: int, round: int, metrics: dict[str, Any]) -> None:
+        """Records a rank's report. See :meth:`ProgressReporter.report`."""
+        with self._lock:
+            worker = self._workers.setdefault(rank, _Worker())
+            worker.round = round
+            worker.metrics = dict(metrics)
+            if worker.state == "starting":
+                worker.state = "running"
+
+    def round_complete(self, round: int, metrics: dict[str, Any]) -> None:
+        """Records a completed round. See :meth:`ProgressReporter.round_complete`."""
+        with self._lock:
+            self._round = round
+            self._metrics = dict(metrics)
+
+    def message(self, text: str) -> None:
+        """Prints a line above the panel. See :meth:`ProgressReporter.message`."""
+        with self._lock:
+            elapsed = (self._t_end or self._clock()) - self._t0
+        # Never print while holding self._lock: the refresh thread holds rich's lock and waits
+        # for ours inside _render.
+        self._console.print(Text.assemble((f"{format_duration(elapsed):>7} ", "dim"), text))
+
+    def close(self, status: str) -> None:
+        """Stops the live panel, leaving its final state (with ``status``) on screen.
+
+        The panel is stopped even if drawing it fails. Only the first call has an effect.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        live, self._live = self._live, None
+        try:
+            with self._lock:
+                self._status = status
+                self._t_end = self._clock()
+        finally:
+            if live is not None:
+                live.stop()
+
+    # -- drawing ---------------------------------------------------------------------------
+
+    def _render(self) -> RenderableType:
+        try:
+            with self._lock:
+                return self._build()
+        except Exception as exc:  # drawing must never take the run down
+            return Text(f"[progress display error: {exc!r}]", style="red")
+
+    def _build(self) -> RenderableType:
+        elapsed = (self._t_end if self._t_end is not None else self._clock()) - self._t0
+        counts: dict[str, int] = {}
+        for worker in self._workers.values():
+            counts[worker.state] = counts.get(worker.state, 0) + 1
+
+        header = Text()
+        if self._status is not None:
+            header.append(self._status, style=_STATUS_STYLES.get(self._status, "bold"))
+            header.append("   ")
+        header.append("elapsed ", style="dim")
+        header.append(format_duration(elapsed))
+        header.append("   round ", style="dim")
+        header.append("-" if self._round is None else str(self._round))
+        if "epoch" in self._metrics:
+            header.append("   epoch ", style="dim")
+            header.append(format_value(self._metrics["epoch"]))
+        header.append("   workers ", style="dim")
+        order = [s for s in WORKER_STATES if s in counts]
+        order += sorted(s for s in counts if s not in WORKER_STATES)
+        header.append(", ".join(f"{counts[s]} {s}" for s in order) or "-")
+
+        metrics_line = Text()
+        metrics_line.append("metrics ", style="dim")
+        metrics_line.append(
+            format_metrics({k: v for k, v in self._metrics.items() if k != "epoch"}, max_items=12)
+            or "-"
+        )
+
+        parts: list[RenderableType] = [header, metrics_line]
+        if self._workers:
+            parts.append(self._worker_table())
+        border = _STATUS_STYLES.get(self._status or "", "blue")
+        return Panel(
+            Group(*parts),
+            title=Text(f"ringtrain · {self._name}", style="bold"),
+            title_align="left",
+            subtitle=Text(self._run_dir, style="dim") if self._run_dir else None,
+            subtitle_align="right",
+            border_style=border,
+        )
+
+    def _worker_table(self) -> Table:
+        ranks = sorted(self._workers)
+        keys: dict[str, None] = {}
+        for rank in ranks:
+            for key in self._workers[rank].metrics:
+                keys.setdefault(key, None)
+        shown_keys = list(keys)[: self._max_metric_columns]
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        table.add_column("Rank", justify="right", no_wrap=True)
+        table.add_column("State", no_wrap=True)
+        table.add_column("Round", justify="right", no_wrap=True)
+        for key in shown_keys:
+            table.add_column(key, justify="right", no_wrap=True, overflow="ellipsis")
+        limit = self._max_worker_rows
+        shown = ranks[: limit - 1] if len(ranks) > limit else ranks
+        for rank in shown:
+            w = self._workers[rank]
+            table.add_row(
+                str(rank),
+                Text(w.state, style=_STATE_STYLES.get(w.state, "")),
+                "-" if w.round is None else str(w.round),
+                *(format_value(w.metrics[k], 12) if k in w.metrics else "" for k in shown_keys),
+            )
+        hidden = len(ranks) - len(shown)
+        if hidden:
+            table.add_row("…", Text(f"{hidden} more", style="dim"), "", *("" for _ in shown_keys))
+        return table
+
+
+def make_progress(mode: str = "auto", stream: TextIO | None = None) -> ProgressReporter:
+    """Makes the driver's progress reporter.
+
+    Args:
+        mode: ``"auto"`` (a live panel when ``stream`` is a terminal, plain lines otherwise),
+            ``"rich"`` (the live panel, even if ``stream`` is not a terminal), ``"plain"`` or
+            ``"off"`` (shows nothing). Case-insensitive.
+        stream: Where to write; ``sys.stdout`` if None.
+
+    Returns:
+        The reporter.
+
+    Raises:
+        ValueError: ``mode`` is not one of the above.
+    """
+    mode = mode.lower().strip()
+    if mode == "off":
+        return NullProgress()
+    if mode == "plain":
+        return PlainProgress(stream)
+    if mode == "rich":
+        return RichProgress(Console(file=stream, force_terminal=True))
+    if mode == "auto":
+        console = Console(file=stream)
+        if console.is_terminal and not console.is_dumb_terminal:
+            return RichProgress(console)
+        return PlainProgress(stream)
+    raise ValueError(f"progress mode must be 'auto', 'rich', 'plain' or 'off', not {mode!r}")

@@ -1,0 +1,991 @@
+"""Reading run directories for ``ringtrain ls`` and ``ringtrain show``.
+
+A run directory follows ``docs/run-directory.md``: ``config.json``, ``events.jsonl``,
+``checkpoint_NNNNNN/manifest.json`` and ``result.json`` under ``{storage_path}/{name}/``. The
+storage path may be a local path or any fsspec URL (``memory://``, ``s3://``, ...).
+
+Everything here only reads, and tolerates runs that are still being written: a truncated last
+line in ``events.jsonl``, a ``result.json`` caught half-rewritten, a checkpoint directory whose
+``manifest.json`` is not there yet (such a checkpoint does not exist and is not listed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+__all__ = [
+    "CheckpointInfo",
+    "FailureInfo",
+    "RoundMetrics",
+    "RunDetails",
+    "RunSummary",
+    "format_bytes",
+    "format_duration",
+    "format_metrics",
+    "format_timestamp",
+    "format_value",
+    "list_runs",
+    "load_run",
+    "render_run",
+    "render_runs",
+]
+
+CONFIG_FILE = "config.json"
+EVENTS_FILE = "events.jsonl"
+RESULT_FILE = "result.json"
+MANIFEST_FILE = "manifest.json"
+
+#: Statuses a run can end with; ``RUNNING`` and ``UNKNOWN`` are the others.
+TERMINAL_STATUSES = frozenset({"FINISHED", "ERRORED", "ABORTED"})
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+
+_STATUS_STYLES = {
+    "RUNNING": "bold cyan",
+    "FINISHED": "green",
+    "ERRORED": "bold red",
+    "ABORTED": "yellow",
+    "UNKNOWN": "dim",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunSummary:
+    """One line of ``ringtrain ls``.
+
+    Attributes:
+        name: The run's name: its directory's name under the storage path.
+        path: The run directory, in the same form as the storage path that was listed (a local
+            path or an fsspec URL); it can be passed to :func:`load_run`.
+        status: ``RUNNING``, ``FINISHED``, ``ERRORED`` or ``ABORTED``; ``ABORTED`` also for a
+            ``RUNNING`` run whose driver process is gone from this host; ``UNKNOWN`` when there
+            is no readable ``result.json``.
+        start_time: When the run started, Unix time in seconds, or None if unknown.
+        duration_s: Run time in seconds (for a running run: until now), or None if unknown.
+        world_size: Number of workers, or None if unknown.
+        metrics: The last metrics reported by rank 0 (empty if none).
+        num_checkpoints: Number of complete checkpoints (directories with a valid manifest).
+        rounds: Number of report rounds completed, or None if unknown.
+        error: The run's error message, if it failed.
+    """
+
+    name: str
+    path: str
+    status: str
+    start_time: float | None = None
+    duration_s: float | None = None
+    world_size: int | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    num_checkpoints: int = 0
+    rounds: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class RoundMetrics:
+    """The metrics of one report round.
+
+    Attributes:
+        round: The 0-based report round.
+        time: When the report was written, Unix time in seconds, or None if unknown.
+        metrics: The reported metrics.
+    """
+
+    round: int
+    time: float | None
+    metrics: dict[str, Any]
+
+
+@dataclass
+class CheckpointInfo:
+    """A complete checkpoint of a run (a ``checkpoint_NNNNNN`` directory with a valid manifest).
+
+    Attributes:
+        name: The directory name, e.g. ``checkpoint_000002``.
+        path: The checkpoint directory, in the form of the run directory it was loaded from.
+        round: The report round the checkpoint was attached to.
+        metrics: Rank 0's metrics of that round, as recorded in the manifest.
+        size_bytes: Total size of the checkpoint's files in bytes.
+        created: When the checkpoint was completed, Unix time in seconds, or None if unknown.
+        files: The manifest's ``files`` table (file name -> size, sha256, rank).
+    """
+
+    name: str
+    path: str
+    round: int
+    metrics: dict[str, Any]
+    size_bytes: int
+    created: float | None = None
+    files: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FailureInfo:
+    """A worker failure recorded by the run.
+
+    Attributes:
+        rank: The failed worker's rank, or None if not known.
+        kind: ``exception``, ``signal`` or ``exit``.
+        message: One-line description of the failure.
+        traceback: The worker's formatted traceback, if there was one.
+        time: When the failure was recorded, Unix time in seconds, or None if unknown.
+    """
+
+    rank: int | None
+    kind: str
+    message: str
+    traceback: str | None = None
+    time: float | None = None
+
+
+@dataclass
+class RunDetails:
+    """Everything ``ringtrain show`` displays about one run.
+
+    Attributes:
+        summary: The same summary :func:`list_runs` gives for the run.
+        config: The parsed ``config.json``, or None if missing or unreadable.
+        result: The parsed ``result.json``, or None if missing or unreadable.
+        rounds: Rank 0's metrics per report round, sorted by round. When a round was reported
+            more than once (a restarted run), the latest report wins.
+        rank_metrics: Each rank's last report, keyed by rank.
+        checkpoints: The run's complete checkpoints, sorted by round.
+        failures: Worker failures, in the order they happened.
+        skipped_event_lines: Lines of ``events.jsonl`` that could not be parsed (usually a last
+            line still being written) and were ignored.
+    """
+
+    summary: RunSummary
+    config: dict[str, Any] | None
+    result: dict[str, Any] | None
+    rounds: list[RoundMetrics] = field(default_factory=list)
+    rank_metrics: dict[int, RoundMetrics] = field(default_factory=dict)
+    checkpoints: list[CheckpointInfo] = field(default_factory=list)
+    failures: list[FailureInfo] = field(default_factory=list)
+    skipped_event_lines: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------------------------
+
+
+def format_duration(seconds: float | None) -> str:
+    """Formats a duration for people.
+
+    Args:
+        seconds: The duration in seconds, or None.
+
+    Returns:
+        ``"-"`` for None or a non-finite value, ``"12.3s"`` under a minute, then ``"1m 32s"``,
+        ``"2h 05m"`` and ``"3d 04h"``.
+    """
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    seconds = max(0.0, float(seconds))
+    if seconds < 59.95:  # what rounds to 60.0 is shown as "1m 00s"
+        return f"{seconds:.1f}s"
+    total = round(seconds)
+    minutes, secs = divmod(total, 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h {minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours:02d}h"
+
+
+def format_value(value: Any, max_len: int = 40) -> str:
+    """Formats one metric value: floats with 4 significant digits, other values as text.
+
+    Args:
+        value: The value.
+        max_len: Longest result in characters; longer text is cut with an ellipsis.
+
+    Returns:
+        The formatted value, e.g. ``"0.1235"`` for ``0.123456`` and ``"3"`` for ``3``.
+    """
+    if isinstance(value, bool) or value is None:
+        text = str(value)
+    elif isinstance(value, float):
+        text = f"{value:.4g}"
+    elif isinstance(value, int):
+        text = str(value)
+    else:
+        text = str(value)
+    if len(text) > max_len:
+        text = text[: max(1, max_len - 1)] + "…"
+    return text
+
+
+def format_metrics(
+    metrics: Mapping[str, Any], max_items: int | None = None, first: Sequence[str] = ()
+) -> str:
+    """Formats metrics as ``key=value`` pairs separated by spaces.
+
+    Args:
+        metrics: The metrics.
+        max_items: Show at most this many pairs, then ``(+N more)``; None shows all.
+        first: Keys to put first when present (e.g. ``("epoch",)``); the rest keep their order.
+
+    Returns:
+        The formatted metrics, e.g. ``"epoch=2 loss=0.1234"``; empty for no metrics.
+    """
+    keys = [k for k in first if k in metrics]
+    keys += [k for k in metrics if k not in keys]
+    shown = keys if max_items is None else keys[:max_items]
+    text = " ".join(f"{k}={format_value(metrics[k])}" for k in shown)
+    if len(shown) < len(keys):
+        text += f" (+{len(keys) - len(shown)} more)"
+    return text
+
+
+def format_bytes(size: int | None) -> str:
+    """Formats a size in bytes with binary units, e.g. ``"1.5 KiB"``.
+
+    Args:
+        size: The size in bytes, or None.
+
+    Returns:
+        The formatted size; ``"-"`` for None.
+    """
+    if size is None:
+        return "-"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover - loop always returns
+
+
+def format_timestamp(t: float | None, seconds: bool = True) -> str:
+    """Formats a Unix time as local time, ``YYYY-mm-dd HH:MM:SS``.
+
+    Args:
+        t: The time, Unix time in seconds, or None.
+        seconds: Whether to show the seconds.
+
+    Returns:
+        The formatted time; ``"-"`` for None.
+    """
+    if t is None or not math.isfinite(t):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M", time.localtime(t))
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def _join_user(base: str, name: str) -> str:
+    """Joins a name onto a user-facing path or URL."""
+    if "://" in base:
+        return base.rstrip("/") + "/" + name
+    return os.path.join(base, name)
+
+
+def _join_fs(base: str, name: str) -> str:
+    """Joins a name onto a filesystem-internal (protocol-less, '/'-separated) path."""
+    return base.rstrip("/") + "/" + name
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _is_local(fs: Any) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _read_bytes(fs: Any, path: str) -> bytes | None:
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+    except (OSError, ValueError):
+        return None
+    return bytes(data)
+
+
+def _read_json(fs: Any, path: str) -> dict[str, Any] | None:
+    """Reads a JSON object; None if the file is missing, unreadable, invalid or not an object."""
+    data = _read_bytes(fs, path)
+    if data is None:
+        return None
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _read_events(fs: Any, path: str) -> tuple[list[dict[str, Any]], int]:
+    """Reads ``events.jsonl``: the parsed events and the number of lines skipped as unreadable."""
+    data = _read_bytes(fs, path)
+    if data is None:
+        return [], 0
+    events: list[dict[str, Any]] = []
+    skipped = 0
+    # Split on b"\n" only: JSON strings may hold U+2028 and friends, which str.splitlines splits.
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            skipped += 1
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("type"), str):
+            events.append(obj)
+        else:
+            skipped += 1
+    return events, skipped
+
+
+def _ls(fs: Any, path: str) -> list[dict[str, Any]]:
+    try:
+        entries = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [e for e in entries if isinstance(e, dict) and "name" in e]
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, but belongs to someone else
+    except OSError:
+        return False
+    return True
+
+
+def _driver_gone(result: Mapping[str, Any]) -> bool:
+    """Whether a RUNNING result's driver process is known to be dead (local storage only)."""
+    pid = _as_int(result.get("driver_pid"))
+    if pid is None:
+        return False
+    # The contract does not require a host name; honour one if the driver records it, so that a
+    # run on shared storage started on another machine is not declared dead from here.
+    host = result.get("hostname", result.get("host"))
+    if isinstance(host, str) and host and host != socket.gethostname():
+        return False
+    return not _pid_alive(pid)
+
+
+def _error_text(error: Any) -> str | None:
+    if error is None or error == "":
+        return None
+    if isinstance(error, dict):
+        for key in ("message", "error", "type"):
+            if isinstance(error.get(key), str):
+                return str(error[key])
+        return json.dumps(error)
+    return str(error)
+
+
+@dataclass
+class _EventDigest:
+    """What the summary and details need out of ``events.jsonl``."""
+
+    rounds: dict[int, RoundMetrics] = field(default_factory=dict)
+    rank_metrics: dict[int, RoundMetrics] = field(default_factory=dict)
+    failures: list[FailureInfo] = field(default_factory=list)
+    first_time: float | None = None
+    last_time: float | None = None
+    world_size: int | None = None
+    end_status: str | None = None
+    end_duration_s: float | None = None
+    skipped: int = 0
+
+
+def _digest_events(events: list[dict[str, Any]], skipped: int) -> _EventDigest:
+    digest = _EventDigest(skipped=skipped)
+    for ev in events:
+        t = _as_float(ev.get("time"))
+        if t is not None:
+            if digest.first_time is None:
+                digest.first_time = t
+            digest.last_time = t if digest.last_time is None else max(digest.last_time, t)
+        kind = ev.get("type")
+        if kind == "report":
+            rank = _as_int(ev.get("rank"))
+            rnd = _as_int(ev.get("round"))
+            if rank is None or rnd is None:
+                continue
+            entry = RoundMetrics(round=rnd, time=t, metrics=_as_dict(ev.get("metrics")))
+            digest.rank_metrics[rank] = entry
+            if rank == 0:
+                digest.rounds[rnd] = entry
+        elif kind == "run_start":
+            ws = _as_int(ev.get("world_size"))
+            if ws is not None:
+                digest.world_size = ws
+            # A new attempt: an earlier run_end does not describe the run any more.
+            digest.end_status = None
+            digest.end_duration_s = None
+        elif kind == "failure":
+            digest.failures.append(_failure_from(ev, t))
+        elif kind == "run_end":
+            status = ev.get("status")
+            digest.end_status = status.upper() if isinstance(status, str) else None
+            digest.end_duration_s = _as_float(ev.get("duration_s"))
+    return digest
+
+
+def _failure_from(obj: Mapping[str, Any], t: float | None) -> FailureInfo:
+    tb = obj.get("traceback")
+    return FailureInfo(
+        rank=_as_int(obj.get("rank")),
+        kind=str(obj.get("kind") or "unknown"),
+        message=str(obj.get("message") or ""),
+        traceback=tb if isinstance(tb, str) and tb else None,
+        time=t,
+    )
+
+
+def _checkpoint_size(fs: Any, path: str, files: Mapping[str, Any]) -> int:
+    sizes = [_as_int(v.get("size")) if isinstance(v, dict) else None for v in files.values()]
+    if files and all(s is not None for s in sizes):
+        return sum(s for s in sizes if s is not None)
+    try:
+        total = fs.du(path, total=True)
+    except (OSError, ValueError):
+        return 0
+    return int(total) if isinstance(total, (int, float)) else 0
+
+
+def _list_checkpoints(
+    fs: Any, fs_run_dir: str, run_dir: str, entries: list[dict[str, Any]]
+) -> list[CheckpointInfo]:
+    checkpoints: list[CheckpointInfo] = []
+    for entry in entries:
+        if entry.get("type") != "directory":
+            continue
+        name = _basename(str(entry["name"]))
+        match = _CHECKPOINT_RE.match(name)
+        if match is None:
+            continue
+        fs_path = _join_fs(fs_run_dir, name)
+        manifest = _read_json(fs, _join_fs(fs_path, MANIFEST_FILE))
+        if manifest is None:
+            continue  # no valid manifest: the checkpoint does not exist
+        rnd = _as_int(manifest.get("round"))
+        files = _as_dict(manifest.get("files"))
+        checkpoints.append(
+            CheckpointInfo(
+                name=name,
+                path=_join_user(run_dir, name),
+                round=rnd if rnd is not None else int(match.group(1)),
+                metrics=_as_dict(manifest.get("metrics")),
+                size_bytes=_checkpoint_size(fs, fs_path, files),
+                created=_as_float(manifest.get("created")),
+                files=files,
+            )
+        )
+    checkpoints.sort(key=lambda c: (c.round, c.name))
+    return checkpoints
+
+
+def _summarize(
+    name: str,
+    run_dir: str,
+    config: dict[str, Any] | None,
+    result: dict[str, Any] | None,
+    local: bool,
+    num_checkpoints: int,
+    digest: _EventDigest | None,
+    now: float,
+) -> RunSummary:
+    cfg = config or {}
+    res = result or {}
+    file_status = res.get("status")
+    file_status = file_status.upper() if isinstance(file_status, str) and file_status else None
+
+    if result is None or file_status is None:
+        status = "UNKNOWN"
+    elif file_status == "RUNNING" and digest is not None and digest.end_status:
+        # The driver logged the end but died before rewriting result.json.
+        status = digest.end_status
+    elif file_status == "RUNNING" and local and _driver_gone(res):
+        status = "ABORTED"
+    else:
+        status = file_status
+
+    start_time = _as_float(res.get("start_time"))
+    if start_time is None:
+        start_time = _as_float(cfg.get("created"))
+    if start_time is None and digest is not None:
+        start_time = digest.first_time
+
+    duration: float | None = None
+    if status == "RUNNING":
+        duration = None if start_time is None else max(0.0, now - start_time)
+    elif file_status != "RUNNING":
+        duration = _as_float(res.get("duration_s"))
+        end_time = _as_float(res.get("end_time"))
+        if duration is None and end_time is not None and start_time is not None:
+            duration = max(0.0, end_time - start_time)
+    if duration is None and status != "RUNNING" and digest is not None:
+        if digest.end_duration_s is not None:
+            duration = digest.end_duration_s
+        elif digest.last_time is not None and start_time is not None:
+            duration = max(0.0, digest.last_time - start_time)
+    if duration is None and status != "RUNNING":
+        # A dead run's last result.json: its duration is how long it had run when written.
+        duration = _as_float(res.get("duration_s"))
+
+    world_size = _as_int(res.get("world_size"))
+    if world_size is None:
+        world_size = _as_int(_as_dict(cfg.get("scaling_config")).get("num_workers"))
+    if world_size is None and digest is not None:
+        world_size = digest.world_size
+
+    metrics = _as_dict(res.get("metrics"))
+    if digest is not None and digest.rounds and (not metrics or file_status == "RUNNING"):
+        metrics = dict(digest.rounds[max(digest.rounds)].metrics)
+
+    rounds = _as_int(res.get("rounds"))
+    if digest is not None and digest.rounds and (rounds is None or file_status == "RUNNING"):
+        rounds = max(digest.rounds) + 1
+
+    return RunSummary(
+        name=name,
+        path=run_dir,
+        status=status,
+        start_time=start_time,
+        duration_s=duration,
+        world_size=world_size,
+        metrics=metrics,
+        num_checkpoints=num_checkpoints,
+        rounds=rounds,
+        error=_error_text(res.get("error")),
+    )
+
+
+def _read_run(
+    fs: Any,
+    fs_run_dir: str,
+    run_dir: str,
+    entries: list[dict[str, Any]],
+    *,
+    need_events: bool,
+    now: float,
+) -> tuple[
+    RunSummary,
+    dict[str, Any] | None,
+    dict[str, Any] | None,
+    _EventDigest | None,
+    list[CheckpointInfo],
+]:
+    files = {_basename(str(e["name"])) for e in entries if e.get("type") == "file"}
+    config = _read_json(fs, _join_fs(fs_run_dir, CONFIG_FILE)) if CONFIG_FILE in files else None
+    result = _read_json(fs, _join_fs(fs_run_dir, RESULT_FILE)) if RESULT_FILE in files else None
+    checkpoints = _list_checkpoints(fs, fs_run_dir, run_dir, entries)
+
+    status = result.get("status") if result else None
+    if not need_events:
+        # ``ls`` reads events only for runs that result.json does not describe completely.
+        need_events = status not in TERMINAL_STATUSES or not _as_dict((result or {}).get("metrics"))
+    digest: _EventDigest | None = None
+    if need_events and EVENTS_FILE in files:
+        events, skipped = _read_events(fs, _join_fs(fs_run_dir, EVENTS_FILE))
+        digest = _digest_events(events, skipped)
+
+    summary = _summarize(
+        _basename(fs_run_dir),
+        run_dir,
+        config,
+        result,
+        _is_local(fs),
+        len(checkpoints),
+        digest,
+        now,
+    )
+    return summary, config, result, digest, checkpoints
+
+
+def list_runs(storage_path: str) -> list[RunSummary]:
+    """Lists the runs under a storage path.
+
+    A run is an immediate subdirectory holding ``config.json`` or ``result.json``; other entries
+    are skipped.
+
+    Args:
+        storage_path: The storage path runs were written to: a local directory or an fsspec URL
+            (e.g. ``"./runs"``, ``"memory://runs"``, ``"s3://bucket/runs"``).
+
+    Returns:
+        One summary per run, sorted by start time, newest last (runs with no known start time
+        first, then by name).
+
+    Raises:
+        FileNotFoundError: The storage path does not exist or is not a directory.
+    """
+    fs, fs_root = url_to_fs(storage_path)
+    _invalidate(fs)
+    if not fs.exists(fs_root):
+        raise FileNotFoundError(f"storage path {storage_path!r} does not exist: no runs there")
+    if not fs.isdir(fs_root):
+        raise FileNotFoundError(f"storage path {storage_path!r} is a file, not a directory of runs")
+    now = time.time()
+    runs: list[RunSummary] = []
+    for entry in sorted(_ls(fs, fs_root), key=lambda e: str(e["name"])):
+        if entry.get("type") != "directory":
+            continue
+        name = _basename(str(entry["name"]))
+        fs_run_dir = _join_fs(fs_root, name)
+        entries = _ls(fs, fs_run_dir)
+        names = {_basename(str(e["name"])) for e in entries if e.get("type") == "file"}
+        if CONFIG_FILE not in names and RESULT_FILE not in names:
+            continue
+        summary, *_ = _read_run(
+            fs, fs_run_dir, _join_user(storage_path, name), entries, need_events=False, now=now
+        )
+        runs.append(summary)
+    runs.sort(key=lambda r: (r.start_time is not None, r.start_time or 0.0, r.name))
+    return runs
+
+
+def load_run(run_dir: str) -> RunDetails:
+    """Loads everything known about one run.
+
+    Args:
+        run_dir: The run directory: a local path or an fsspec URL (e.g. ``RunSummary.path``).
+
+    Returns:
+        The run's details. Unparseable lines of ``events.jsonl`` (a run still being written) are
+        skipped and counted in ``skipped_event_lines``.
+
+    Raises:
+        FileNotFoundError: The directory does not exist or holds no ``config.json``,
+            ``result.json`` or ``events.jsonl``.
+    """
+    fs, fs_run_dir = url_to_fs(run_dir)
+    _invalidate(fs)
+    if not fs.isdir(fs_run_dir):
+        raise FileNotFoundError(f"run directory {run_dir!r} does not exist")
+    entries = _ls(fs, fs_run_dir)
+    names = {_basename(str(e["name"])) for e in entries if e.get("type") == "file"}
+    if not names & {CONFIG_FILE, RESULT_FILE, EVENTS_FILE}:
+        raise FileNotFoundError(
+            f"{run_dir!r} is not a ringtrain run directory "
+            f"(no {CONFIG_FILE}, {RESULT_FILE} or {EVENTS_FILE})"
+        )
+    summary, config, result, digest, checkpoints = _read_run(
+        fs, fs_run_dir, run_dir, entries, need_events=True, now=time.time()
+    )
+    digest = digest or _EventDigest()
+    failures = list(digest.failures)
+    if not failures and result is not None and isinstance(result.get("failures"), list):
+        failures = [
+            _failure_from(f, _as_float(f.get("time")))
+            for f in result["failures"]
+            if isinstance(f, dict)
+        ]
+    return RunDetails(
+        summary=summary,
+        config=config,
+        result=result,
+        rounds=[digest.rounds[r] for r in sorted(digest.rounds)],
+        rank_metrics={r: digest.rank_metrics[r] for r in sorted(digest.rank_metrics)},
+        checkpoints=checkpoints,
+        failures=failures,
+        skipped_event_lines=digest.skipped,
+    )
+
+
+def _invalidate(fs: Any) -> None:
+    """Drops cached listings, so a run that is still being written is read as it is now."""
+    with contextlib.suppress(Exception):  # best effort
+        fs.invalidate_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+
+def _status_text(status: str) -> Text:
+    return Text(status, style=_STATUS_STYLES.get(status, ""))
+
+
+def render_runs(runs: Sequence[RunSummary], console: Console) -> None:
+    """Prints the ``ringtrain ls`` table.
+
+    Args:
+        runs: The runs, as :func:`list_runs` returns them.
+        console: Where to print.
+    """
+    if not runs:
+        console.print("No runs found.")
+        return
+    headers = ("Status", "Started", "Duration", "Workers", "Rounds", "Ckpts")
+    rows = [
+        (
+            run.status,
+            format_timestamp(run.start_time, seconds=False),
+            format_duration(run.duration_s),
+            "-" if run.world_size is None else str(run.world_size),
+            "-" if run.rounds is None else str(run.rounds),
+            str(run.num_checkpoints),
+        )
+        for run in runs
+    ]
+    # The name and the metrics share what the fixed columns leave: the name gets its full length
+    # when it can (folded past that), up to half of that room or all but 24 columns of it.
+    fixed = sum(max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(headers))
+    room = max(0, console.width - fixed - 4)
+    longest = max(len("Name"), *(len(run.name) for run in runs))
+    name_width = max(8, min(longest, max(room // 2, min(room - 24, 32))))
+
+    # expand + ratio: every other column gets its natural width, the metrics the rest.
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, expand=True)
+    table.add_column("Name", style="bold", overflow="fold", width=name_width)
+    for header in headers:
+        justify: Literal["left", "right"] = "left" if header in ("Status", "Started") else "right"
+        table.add_column(header, justify=justify, no_wrap=True)
+    table.add_column("Last metrics", no_wrap=True, overflow="ellipsis", ratio=1)
+    for run, row in zip(runs, rows, strict=True):
+        table.add_row(
+            Text(run.name),
+            _status_text(row[0]),
+            *row[1:],
+            Text(format_metrics(run.metrics, max_items=8, first=("epoch",))),
+        )
+    console.print(table)
+
+
+def _metric_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    keys: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            keys.setdefault(key, None)
+    return list(keys)
+
+
+def render_run(
+    details: RunDetails,
+    console: Console,
+    *,
+    max_rounds: int = 30,
+    max_columns: int = 12,
+) -> None:
+    """Prints the ``ringtrain show`` report: summary, metrics per round, workers, checkpoints
+    and failures.
+
+    Args:
+        details: The run, as :func:`load_run` returns it.
+        console: Where to print.
+        max_rounds: Show at most the last this many rounds of the metrics table; a note says how
+            many were hidden.
+        max_columns: Show at most this many metric columns; a note names the hidden ones.
+    """
+    s = details.summary
+    header = Table.grid(padding=(0, 2))
+    header.add_column(style="bold")
+    header.add_column()
+    header.add_row("Run", Text(s.name))
+    header.add_row("Path", Text(s.path))
+    header.add_row("Status", _status_text(s.status))
+    header.add_row("Started", format_timestamp(s.start_time))
+    header.add_row("Duration", format_duration(s.duration_s))
+    header.add_row("Workers", "-" if s.world_size is None else str(s.world_size))
+    header.add_row("Rounds", "-" if s.rounds is None else str(s.rounds))
+    config = details.config or {}
+    scaling = _as_dict(config.get("scaling_config"))
+    if scaling:
+        header.add_row("Scaling", Text(format_metrics(scaling)))
+    loop_config = config.get("train_loop_config")
+    if isinstance(loop_config, dict) and loop_config:
+        header.add_row("Config", Text(format_metrics(loop_config)))
+    if s.metrics:
+        metrics_text = format_metrics(s.metrics, max_items=max_columns, first=("epoch",))
+        header.add_row("Metrics", Text(metrics_text))
+    result = details.result or {}
+    if isinstance(result.get("checkpoint"), str):
+        header.add_row("Checkpoint", Text(result["checkpoint"]))
+    if s.error:
+        header.add_row("Error", Text(s.error, style="red"))
+    console.print(header)
+
+    if details.skipped_event_lines:
+        n = details.skipped_event_lines
+        console.print(
+            Text(f"({n} unreadable line{'s' if n != 1 else ''} in {EVENTS_FILE} skipped)", "dim")
+        )
+
+    _render_metrics_table(details, console, max_rounds=max_rounds, max_columns=max_columns)
+    if len(details.rank_metrics) > 1:
+        _render_rank_table(details, console, max_columns=max_columns)
+    _render_checkpoints(details, console)
+    _render_failures(details, console)
+
+
+def _render_metrics_table(
+    details: RunDetails, console: Console, *, max_rounds: int, max_columns: int
+) -> None:
+    console.print()
+    if not details.rounds:
+        console.print(Text("No metrics reported yet.", style="dim"))
+        return
+    keys = _metric_columns([r.metrics for r in details.rounds])
+    shown_keys = keys[: max(0, max_columns)]
+    hidden_keys = keys[len(shown_keys) :]
+    rows = details.rounds[-max_rounds:] if max_rounds > 0 else []
+    hidden_rounds = len(details.rounds) - len(rows)
+    start = details.summary.start_time
+
+    table = Table(title="Metrics (rank 0)", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("Round", justify="right", no_wrap=True)
+    table.add_column("Time", justify="right", no_wrap=True)
+    for key in shown_keys:
+        table.add_column(key, justify="right", no_wrap=True, overflow="ellipsis")
+    for row in rows:
+        elapsed = None if row.time is None or start is None else row.time - start
+        table.add_row(
+            str(row.round),
+            format_duration(elapsed),
+            *(format_value(row.metrics[k]) if k in row.metrics else "" for k in shown_keys),
+        )
+    console.print(table)
+    notes = []
+    if hidden_rounds:
+        notes.append(f"{hidden_rounds} earlier round{'s' if hidden_rounds != 1 else ''} hidden")
+    if hidden_keys:
+        notes.append(
+            f"{len(hidden_keys)} metric column{'s' if len(hidden_keys) != 1 else ''} hidden: "
+            + ", ".join(hidden_keys)
+        )
+    if notes:
+        console.print(Text("(" + "; ".join(notes) + ")", style="dim"))
+
+
+def _render_rank_table(details: RunDetails, console: Console, *, max_columns: int) -> None:
+    keys = _metric_columns([r.metrics for r in details.rank_metrics.values()])
+    shown_keys = keys[: max(0, max_columns)]
+    table = Table(title="Last report per rank", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("Rank", justify="right", no_wrap=True)
+    table.add_column("Round", justify="right", no_wrap=True)
+    for key in shown_keys:
+        table.add_column(key, justify="right", no_wrap=True, overflow="ellipsis")
+    for rank, row in details.rank_metrics.items():
+        table.add_row(
+            str(rank),
+            str(row.round),
+            *(format_value(row.metrics[k]) if k in row.metrics else "" for k in shown_keys),
+        )
+    console.print(table)
+
+
+def _render_checkpoints(details: RunDetails, console: Console) -> None:
+    console.print()
+    if not details.checkpoints:
+        console.print(Text("No checkpoints.", style="dim"))
+        return
+    result = details.result or {}
+    latest = result.get("checkpoint")
+    latest_name = _basename(latest) if isinstance(latest, str) else None
+    best_names = {
+        _basename(b["path"])
+        for b in result.get("best_checkpoints") or []
+        if isinstance(b, dict) and isinstance(b.get("path"), str)
+    }
+    table = Table(title="Checkpoints", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("Checkpoint", no_wrap=True)
+    table.add_column("Round", justify="right", no_wrap=True)
+    table.add_column("Size", justify="right", no_wrap=True)
+    table.add_column("Created", no_wrap=True)
+    table.add_column("Metrics", overflow="fold")
+    table.add_column("", no_wrap=True)
+    for ckpt in details.checkpoints:
+        tags = []
+        if ckpt.name == latest_name:
+            tags.append("latest")
+        if ckpt.name in best_names:
+            tags.append("best")
+        table.add_row(
+            Text(ckpt.name),
+            str(ckpt.round),
+            format_bytes(ckpt.size_bytes),
+            format_timestamp(ckpt.created),
+            Text(format_metrics(ckpt.metrics, first=("epoch",))),
+            ", ".join(tags),
+        )
+    console.print(table)
+
+
+def _render_failures(details: RunDetails, console: Console) -> None:
+    if not details.failures:
+        return
+    console.print()
+    table = Table(
+        title=f"Failures ({len(details.failures)})",
+        title_justify="left",
+        title_style="bold red",
+        box=box.SIMPLE_HEAD,
+    )
+    table.add_column("Time", no_wrap=True)
+    table.add_column("Rank", justify="right", no_wrap=True)
+    table.add_column("Kind", no_wrap=True)
+    table.add_column("Message", overflow="fold")
+    for failure in details.failures:
+        table.add_row(
+            format_timestamp(failure.time),
+            "-" if failure.rank is None else str(failure.rank),
+            failure.kind,
+            Text(failure.message),
+        )
+    console.print(table)

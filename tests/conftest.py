@@ -1,0 +1,65 @@
+"""Shared fixtures: every test must leave no worker process, no distributed env var and no session
+behind (the autouse fixture fails the test that leaks)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from ringtrain import session as session_mod
+
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RINGTRAIN_DRIVER_ADDR")
+
+
+def child_pids(pid: int | None = None) -> set[int]:
+    """Live (non-zombie) direct children of ``pid`` (default: this process), from /proc."""
+    parent = os.getpid() if pid is None else pid
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == parent and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    before_children = child_pids()
+    before_env = {k: os.environ.get(k) for k in _DIST_VARS}
+    session_mod._reset_session()
+    yield
+    session_mod._reset_session()
+    leaked = child_pids() - before_children
+    if leaked:
+        wait_until(lambda: not (child_pids() - before_children), timeout_s=5)
+        leaked = child_pids() - before_children
+    assert not leaked, f"test leaked child processes {sorted(leaked)}"
+    after_env = {k: os.environ.get(k) for k in _DIST_VARS}
+    assert after_env == before_env, f"test leaked environment variables: {after_env}"

@@ -1,0 +1,282 @@
+"""Tests for ringtrain.monitor.progress: the driver's progress reporters."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+from rich.console import Console
+from rich.file_proxy import FileProxy
+
+from ringtrain.monitor.progress import (
+    NullProgress,
+    PlainProgress,
+    ProgressReporter,
+    RichProgress,
+    make_progress,
+)
+
+
+class FakeClock:
+    """A settable monotonic clock, in seconds."""
+
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class TTYStringIO(io.StringIO):
+    """A StringIO that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def plain_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No environment variable forcing rich's terminal detection either way."""
+    for var in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "NO_COLOR", "JUPYTER_COLUMNS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+
+
+# --------------------------------------------------------------------------------------------
+# PlainProgress
+# --------------------------------------------------------------------------------------------
+
+
+def test_plain_lines_format() -> None:
+    clock = FakeClock()
+    out = io.StringIO()
+    p = PlainProgress(out, clock=clock)
+
+    p.start("mnist", 2, "/abs/runs/mnist")
+    p.worker_state(0, "running")  # silent
+    p.report(0, 3, {"loss": 0.5})  # silent
+    clock.t += 12.3
+    p.round_complete(3, {"loss": 0.123449, "val_acc": 0.97123, "epoch": 2})
+    clock.t += 80.0
+    p.close("FINISHED")
+
+    assert out.getvalue().splitlines() == [
+        "[mnist] started: 2 workers, run directory /abs/runs/mnist",
+        "[mnist] round 3 epoch=2 loss=0.1234 val_acc=0.9712 (12.3s)",
+        "[mnist] FINISHED in 1m 32s (4 rounds)",
+    ]
+
+
+def test_plain_throttles_round_lines_but_keeps_the_last() -> None:
+    clock = FakeClock(0.0)
+    out = io.StringIO()
+    p = PlainProgress(out, clock=clock, min_interval_s=1.0)
+    p.start("run", 1, "runs/run")
+
+    for t, rnd in [(0.5, 0), (0.8, 1), (1.2, 2), (1.6, 3), (1.7, 4)]:
+        clock.t = t
+        p.round_complete(rnd, {"loss": float(rnd)})
+    clock.t = 2.0
+    p.close("FINISHED")
+
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "[run] started: 1 worker, run directory runs/run",
+        "[run] round 0 loss=0 (0.5s)",
+        # rounds 1 and 2 came within a second of round 0: held back, then superseded
+        "[run] round 3 loss=3 (1.6s)",
+        # round 4 was held back; close writes it (with the time it completed)
+        "[run] round 4 loss=4 (1.7s)",
+        "[run] FINISHED in 2.0s (5 rounds)",
+    ]
+
+
+def test_plain_message_flushes_held_round_first() -> None:
+    clock = FakeClock(0.0)
+    out = io.StringIO()
+    p = PlainProgress(out, clock=clock)
+    p.start("run", 2, "runs/run")
+    clock.t = 0.1
+    p.round_complete(0, {"acc": 0.5})
+    clock.t = 0.2
+    p.round_complete(1, {"acc": 0.6})  # held back
+    p.message("checkpoint saved: checkpoint_000001\n  2 files")
+    clock.t = 0.3
+    p.close("ERRORED")
+    p.close("FINISHED")  # a second close writes nothing
+
+    assert out.getvalue().splitlines()[1:] == [
+        "[run] round 0 acc=0.5 (0.1s)",
+        "[run] round 1 acc=0.6 (0.2s)",
+        "[run] checkpoint saved: checkpoint_000001",
+        "  2 files",
+        "[run] ERRORED in 0.3s (2 rounds)",
+    ]
+
+
+def test_plain_survives_closed_stream() -> None:
+    out = io.StringIO()
+    p = PlainProgress(out)
+    p.start("run", 1, "runs/run")
+    out.close()
+    p.round_complete(0, {"loss": 1.0})  # must not raise
+    p.close("FINISHED")
+
+
+def test_plain_context_manager_closes_with_errored() -> None:
+    out = io.StringIO()
+    clock = FakeClock()
+    with pytest.raises(RuntimeError), PlainProgress(out, clock=clock) as p:
+        p.start("run", 1, "runs/run")
+        raise RuntimeError("driver bug")
+    assert out.getvalue().splitlines()[-1] == "[run] ERRORED in 0.0s"
+
+
+# --------------------------------------------------------------------------------------------
+# RichProgress
+# --------------------------------------------------------------------------------------------
+
+
+def _rich(max_worker_rows: int = 16) -> tuple[RichProgress, io.StringIO, FakeClock]:
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120, color_system=None)
+    clock = FakeClock()
+    progress = RichProgress(console, clock=clock, max_worker_rows=max_worker_rows)
+    return progress, buf, clock
+
+
+def test_rich_renders_panel_and_messages() -> None:
+    p, buf, clock = _rich()
+    p.start("mnist", 2, "/abs/runs/mnist")
+    p.worker_state(0, "running")
+    p.worker_state(1, "starting")
+    for rnd in range(3):
+        for rank in range(2):
+            p.report(rank, rnd, {"epoch": rnd, "loss": 0.5 / (rnd + 1), "val_acc": 0.97123})
+        p.round_complete(rnd, {"epoch": rnd, "loss": 0.5 / (rnd + 1), "val_acc": 0.97123})
+    p.message("checkpoint saved: checkpoint_000002")
+    p.worker_state(1, "failed")
+    clock.t += 92.0
+    p.close("FINISHED")
+
+    out = buf.getvalue()
+    final = out[out.rindex("ringtrain · mnist") :]  # the panel as left on screen
+    assert "FINISHED" in final
+    assert "elapsed 1m 32s" in final
+    assert "round 2" in final
+    assert "epoch 2" in final
+    assert "loss=0.1667" in final
+    assert "val_acc=0.9712" in final
+    assert "1 running, 1 failed" in final
+    assert "/abs/runs/mnist" in final
+    rows = [line for line in final.splitlines() if "0.1667" in line and "│" in line]
+    assert any("running" in r for r in rows) and any("failed" in r for r in rows)
+    # The message was printed (above the panel), before the final panel was drawn.
+    assert "checkpoint saved: checkpoint_000002" in out
+    assert out.index("checkpoint saved") < out.rindex("ringtrain · mnist")
+
+
+def test_rich_report_moves_starting_worker_to_running() -> None:
+    p, buf, _ = _rich()
+    p.start("run", 1, "runs/run")
+    p.report(0, 0, {"loss": 1.5})
+    p.close("FINISHED")
+    final = buf.getvalue()[buf.getvalue().rindex("ringtrain · run") :]
+    row = next(line for line in final.splitlines() if "1.5" in line and "│" in line)
+    assert "running" in row
+    assert "starting" not in final
+
+
+def test_rich_close_stops_live_after_exception() -> None:
+    p, _, _ = _rich()
+    stdout_before = sys.stdout
+    with pytest.raises(KeyError), p:
+        p.start("run", 1, "runs/run")
+        assert isinstance(sys.stdout, FileProxy)  # Live redirects stdout above the panel
+        raise KeyError("boom")
+    assert sys.stdout is stdout_before
+    assert not isinstance(sys.stdout, FileProxy)
+    assert p._live is None
+
+
+def test_rich_drawing_error_does_not_break_close() -> None:
+    class Unprintable:
+        def __str__(self) -> str:
+            raise RuntimeError("no str")
+
+    p, buf, _ = _rich()
+    p.start("run", 1, "runs/run")
+    p.report(0, 0, {"weird": Unprintable()})
+    p.close("ERRORED")
+    assert "progress display error" in buf.getvalue()
+    assert not isinstance(sys.stdout, FileProxy)
+
+
+def test_rich_many_workers_are_summarised() -> None:
+    p, buf, _ = _rich(max_worker_rows=5)
+    p.start("big", 40, "runs/big")
+    p.close("ABORTED")
+    final = buf.getvalue()[buf.getvalue().rindex("ringtrain · big") :]
+    assert "36 more" in final
+    assert "40 starting" in final
+    assert "ABORTED" in final
+
+
+# --------------------------------------------------------------------------------------------
+# make_progress
+# --------------------------------------------------------------------------------------------
+
+
+def test_make_progress_modes(plain_env: None) -> None:
+    assert isinstance(make_progress("plain", io.StringIO()), PlainProgress)
+    assert isinstance(make_progress("off", io.StringIO()), NullProgress)
+    assert isinstance(make_progress("RICH", io.StringIO()), RichProgress)
+    # auto: plain lines for a pipe or file, the live panel for a terminal
+    assert isinstance(make_progress("auto", io.StringIO()), PlainProgress)
+    assert isinstance(make_progress("auto", TTYStringIO()), RichProgress)
+    for mode in ("plain", "off", "rich", "auto"):
+        assert isinstance(make_progress(mode, io.StringIO()), ProgressReporter)
+    with pytest.raises(ValueError, match="progress mode"):
+        make_progress("fancy")
+
+
+def test_make_progress_auto_on_dumb_terminal_is_plain(
+    plain_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TERM", "dumb")
+    assert isinstance(make_progress("auto", TTYStringIO()), PlainProgress)
+
+
+def test_make_progress_plain_writes_to_stream() -> None:
+    out = io.StringIO()
+    p = make_progress("plain", out)
+    p.start("s", 1, "runs/s")
+    p.round_complete(0, {"loss": 0.25})
+    p.close("FINISHED")
+    assert "[s] round 0 loss=0.25" in out.getvalue()
+
+
+def test_off_mode_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    out = io.StringIO()
+    p = make_progress("off", out)
+    p.start("quiet", 2, "runs/quiet")
+    p.worker_state(0, "running")
+    p.report(0, 0, {"loss": 1.0})
+    p.round_complete(0, {"loss": 1.0})
+    p.message("checkpoint saved")
+    p.close("FINISHED")
+    assert out.getvalue() == ""
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_rich_mode_forces_terminal_on_plain_stream() -> None:
+    out = io.StringIO()
+    p = make_progress("rich", out)
+    p.start("forced", 1, "runs/forced")
+    p.round_complete(0, {"loss": 0.5})
+    p.close("FINISHED")
+    text = out.getvalue()
+    assert "ringtrain · forced" in text
+    assert "\x1b[" in text  # drawn with terminal control codes
