@@ -10,7 +10,14 @@ import pytest
 
 from ringtrain import session as session_mod
 
-_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RINGTRAIN_DRIVER_ADDR")
+_DIST_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RINGTRAIN_DRIVER_ADDR",
+)
 
 
 def child_pids(pid: int | None = None) -> set[int]:

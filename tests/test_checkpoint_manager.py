@@ -17,7 +17,9 @@ def _stage(fs, run_path, round_, content: bytes):
     os.makedirs(src)
     with open(os.path.join(src, "model.pt"), "wb") as f:
         f.write(content)
-    return storage.upload_directory(src, fs, storage.join(fs, run_path, storage.staging_dirname(round_)))
+    return storage.upload_directory(
+        src, fs, storage.join(fs, run_path, storage.staging_dirname(round_))
+    )
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -60,7 +62,10 @@ def test_keeps_best_by_score_and_always_the_latest(run_location):
     assert [t.round for t in mgr.checkpoints] == [1, 3, 4]
     assert [t.round for t in mgr.ranked()] == [1, 3, 4]
     assert _names(fs, path) == ["checkpoint_000001", "checkpoint_000003", "checkpoint_000004"]
-    assert {p.rsplit("/", 1)[-1] for p, _ in mgr.deleted} == {"checkpoint_000000", "checkpoint_000002"}
+    assert {p.rsplit("/", 1)[-1] for p, _ in mgr.deleted} == {
+        "checkpoint_000000",
+        "checkpoint_000002",
+    }
 
 
 def test_min_order_and_missing_score_ranks_last(run_location):
@@ -120,9 +125,11 @@ def test_directory_without_manifest_is_not_a_checkpoint(run_location):
     fs.makedirs(storage.join(fs, path, "checkpoint_000004"), exist_ok=True)
     with fs.open(storage.join(fs, path, "checkpoint_000004", "model.pt"), "wb") as f:
         f.write(b"x")
-    with pytest.raises(ValueError, match="no manifest.json"):
+    with pytest.raises(ValueError, match=r"no manifest\.json"):
         storage.read_manifest(fs, storage.join(fs, path, "checkpoint_000004"))
     with fs.open(storage.join(fs, path, "checkpoint_000004", "manifest.json"), "w") as f:
         f.write(json.dumps({"files": {"model.pt": {"size": 1, "sha256": "0" * 64}}}))
     with pytest.raises(ValueError, match="SHA-256"):
-        storage.read_manifest(fs, storage.join(fs, path, "checkpoint_000004"), verify_checksums=True)
+        storage.read_manifest(
+            fs, storage.join(fs, path, "checkpoint_000004"), verify_checksums=True
+        )

@@ -35,7 +35,9 @@ def test_scaling_config_rejects_bad_values(kwargs, error, words):
 def test_threads_per_worker():
     assert rt.ScalingConfig(num_workers=2).threads_per_worker(cpu_count=8) == 4
     assert rt.ScalingConfig(num_workers=4).threads_per_worker(cpu_count=2) == 1
-    assert rt.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 3}).threads_per_worker() == 3
+    assert (
+        rt.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 3}).threads_per_worker() == 3
+    )
 
 
 def test_configs_are_frozen_and_copy_dicts():
@@ -69,7 +71,7 @@ def test_failure_config():
 
 
 def test_run_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="RunConfig.name"):
+    with pytest.raises(ValueError, match=r"RunConfig\.name"):
         rt.RunConfig(name="a/b")
     with pytest.raises(TypeError, match="checkpoint_config"):
         rt.RunConfig(checkpoint_config={"num_to_keep": 2})  # type: ignore[arg-type]

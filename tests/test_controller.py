@@ -95,7 +95,9 @@ def test_exception_is_root_cause_over_peer_errors(tmp_path):
             [
                 [_report(0, 0, a=1), _report(1, 0, a=1)],
                 [
-                    WorkerError(0, 5.0, "RuntimeError", "[../gloo] Connection closed by peer", "tb0"),
+                    WorkerError(
+                        0, 5.0, "RuntimeError", "[../gloo] Connection closed by peer", "tb0"
+                    ),
                     WorkerError(1, 5.1, "ValueError", "bad batch", "Traceback...ValueError"),
                 ],
                 [Exited(0, 5.2, 1), Exited(1, 5.2, 1)],
@@ -137,19 +139,26 @@ def test_restart_then_success_resumes_round_numbering(tmp_path):
 
 def test_failure_policy_decisions_say_why():
     policy = FailurePolicy(FailureConfig(max_failures=2))
-    failure = WorkerFailure(rank=1, kind="signal", message="rank 1 was killed by SIGKILL", round=112)
+    failure = WorkerFailure(
+        rank=1, kind="signal", message="rank 1 was killed by SIGKILL", round=112
+    )
     first = policy.decide(failure, 1)
     assert first.decision is Decision.RESTART
     assert first.reason == (
         "restarting: rank 1 was killed by SIGKILL after round 112; failure 1 of max_failures=2"
     )
     assert policy.decide(failure, 3).decision is Decision.RAISE
-    assert FailurePolicy(FailureConfig(max_failures=-1)).decide(failure, 99).decision is Decision.RESTART
+    assert (
+        FailurePolicy(FailureConfig(max_failures=-1)).decide(failure, 99).decision
+        is Decision.RESTART
+    )
 
 
 @pytest.mark.parametrize("max_failures", [0, 2])
 def test_max_failures_exhausted_lists_every_failure(tmp_path, max_failures):
-    attempts = [[[Exited(0, float(i), 2)], [Exited(1, float(i), 0)]] for i in range(max_failures + 1)]
+    attempts = [
+        [[Exited(0, float(i), 2)], [Exited(1, float(i), 0)]] for i in range(max_failures + 1)
+    ]
     ctl = _controller(tmp_path, FakeLauncher(attempts), max_failures=max_failures)
     result = ctl.run()
     assert ctl.state is RunState.ERRORED

@@ -11,10 +11,10 @@ import textwrap
 
 import pytest
 import torch
-import workloads
-from conftest import pid_alive, wait_until
 
 import ringtrain as rt
+import workloads
+from conftest import pid_alive, wait_until
 
 
 def fit(fn, n, tmp_path, name="run", config=None, raise_on_error=True, **run_kwargs):
@@ -35,10 +35,16 @@ def _final_params(result):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_world_size_times_batch_equals_one_worker_with_global_batch(tmp_path, world_size):
     b, steps = 4, 6
-    multi = fit(workloads.equivalence_fn, world_size, tmp_path, "multi",
-                {"batch_size": b, "steps": steps})
-    single = fit(workloads.equivalence_fn, 1, tmp_path, "single",
-                 {"batch_size": world_size * b, "steps": steps})
+    multi = fit(
+        workloads.equivalence_fn, world_size, tmp_path, "multi", {"batch_size": b, "steps": steps}
+    )
+    single = fit(
+        workloads.equivalence_fn,
+        1,
+        tmp_path,
+        "single",
+        {"batch_size": world_size * b, "steps": steps},
+    )
     p_multi, p_single = _final_params(multi), _final_params(single)
     initial = workloads.make_model().state_dict()
     for key, value in p_single.items():
@@ -73,7 +79,9 @@ def test_metrics_of_every_rank_and_retention_by_score(tmp_path):
         assert set(manifest["files"]) == {"model.pt"}
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     reports = [e for e in events if e["type"] == "report"]
-    assert sorted((e["rank"], e["round"]) for e in reports) == [(r, i) for r in (0, 1) for i in range(5)]
+    assert sorted((e["rank"], e["round"]) for e in reports) == [
+        (r, i) for r in (0, 1) for i in range(5)
+    ]
     assert all("time" in e and "metrics" in e for e in reports)
     saved = json.loads((run_dir / "result.json").read_text())
     assert saved["status"] == "FINISHED" and saved["metrics_per_rank"]["1"]["rank"] == 1
@@ -94,7 +102,9 @@ def test_worker_exception_names_rank_and_carries_traceback(tmp_path):
 
 
 def test_raise_on_error_false_returns_result_with_error(tmp_path):
-    result = fit(workloads.raising_fn, 2, tmp_path, "noraise", {"bad_rank": 0}, raise_on_error=False)
+    result = fit(
+        workloads.raising_fn, 2, tmp_path, "noraise", {"bad_rank": 0}, raise_on_error=False
+    )
     assert isinstance(result.error, rt.TrainingFailedError)
     assert result.error.rank == 0
     assert result.metrics == {"ok": 1}

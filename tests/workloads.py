@@ -63,8 +63,15 @@ def metrics_fn(config):
         t = torch.tensor([float(ctx.world_rank)])
         if ctx.world_size > 1:
             dist.all_reduce(t)
-        rt.report({"round": i, "rank": ctx.world_rank, "rank_sum": t.item(), "score": config["scores"][i]},
-                  checkpoint=save_checkpoint(torch.nn.Linear(1, 1)) if ctx.world_rank == 0 else None)
+        rt.report(
+            {
+                "round": i,
+                "rank": ctx.world_rank,
+                "rank_sum": t.item(),
+                "score": config["scores"][i],
+            },
+            checkpoint=save_checkpoint(torch.nn.Linear(1, 1)) if ctx.world_rank == 0 else None,
+        )
 
 
 def raising_fn(config):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-# --------------------------------------------------------------------------- messages (worker -> driver)
+# ---------------------------------------------------------------- messages (worker -> driver)
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Done:
     rounds: int
 
 
-# --------------------------------------------------------------------------- messages (driver -> worker)
+# ---------------------------------------------------------------- messages (driver -> worker)
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,14 @@ class DriverListener:
         self._listener = Listener(address=(host, 0), family="AF_INET", authkey=authkey)
         self._on_connection = on_connection
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name="ringtrain-accept", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="ringtrain-accept", daemon=True
+        )
         self._thread.start()
 
     @property
     def address(self) -> str:
-        host, port = self._listener.address  # type: ignore[misc]
+        host, port = self._listener.address
         return f"{host}:{port}"
 
     def _accept_loop(self) -> None:

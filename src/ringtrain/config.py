@@ -22,7 +22,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 def _check_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r} ({fix})")
+        raise TypeError(
+            f"{owner}.{name} must be an int, got {type(value).__name__} {value!r} ({fix})"
+        )
     if value < minimum:
         raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value} ({fix})")
 
@@ -47,7 +49,11 @@ class ScalingConfig:
 
     def __post_init__(self) -> None:
         _check_int(
-            "ScalingConfig", "num_workers", self.num_workers, 1, "use num_workers=1 for a single process"
+            "ScalingConfig",
+            "num_workers",
+            self.num_workers,
+            1,
+            "use num_workers=1 for a single process",
         )
         if not isinstance(self.use_gpu, bool):
             raise TypeError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}")
@@ -119,7 +125,8 @@ class CheckpointConfig:
                 "use num_to_keep=None to keep every checkpoint",
             )
         if self.checkpoint_score_attribute is not None and (
-            not isinstance(self.checkpoint_score_attribute, str) or not self.checkpoint_score_attribute
+            not isinstance(self.checkpoint_score_attribute, str)
+            or not self.checkpoint_score_attribute
         ):
             raise ValueError(
                 "CheckpointConfig.checkpoint_score_attribute must be a metric name (a non-empty "
@@ -184,14 +191,17 @@ class RunConfig:
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.name is not None and (not isinstance(self.name, str) or not _NAME_RE.match(self.name)):
+        if self.name is not None and (
+            not isinstance(self.name, str) or not _NAME_RE.match(self.name)
+        ):
             raise ValueError(
                 f"RunConfig.name must be a directory name of letters, digits, '_', '.', '-', got "
                 f"{self.name!r} (or leave it None for '<function>_<timestamp>')"
             )
         if not isinstance(self.storage_path, (str, os.PathLike)) or not str(self.storage_path):
             raise ValueError(
-                f"RunConfig.storage_path must be a directory or fsspec URL, got {self.storage_path!r}"
+                "RunConfig.storage_path must be a directory or fsspec URL, "
+                f"got {self.storage_path!r}"
             )
         object.__setattr__(self, "storage_path", os.fspath(self.storage_path))
         if not isinstance(self.checkpoint_config, CheckpointConfig):
@@ -206,7 +216,8 @@ class RunConfig:
             )
         if self.progress not in ("auto", "rich", "plain", "off"):
             raise ValueError(
-                f"RunConfig.progress must be 'auto', 'rich', 'plain' or 'off', got {self.progress!r}"
+                "RunConfig.progress must be 'auto', 'rich', 'plain' or 'off', "
+                f"got {self.progress!r}"
             )
         callbacks = tuple(self.callbacks)
         hooks = ("on_report", "on_checkpoint", "on_failure", "on_end")

@@ -75,9 +75,11 @@ def _int(environ: Mapping[str, str], *names: str, default: int | None = None) ->
         value = environ.get(name)
         if value not in (None, ""):
             try:
-                return int(value)  # type: ignore[arg-type]
+                return int(value)
             except ValueError as exc:
-                raise ValueError(f"environment variable {name}={value!r} is not an integer") from exc
+                raise ValueError(
+                    f"environment variable {name}={value!r} is not an integer"
+                ) from exc
     if default is None:
         raise KeyError(f"none of the environment variables {', '.join(names)} is set")
     return default
@@ -132,7 +134,9 @@ def context_from_env(environ: Mapping[str, str] | None = None) -> DistributedCon
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
     if not 0 <= local_rank < local_world_size:
-        raise ValueError(f"local rank {local_rank} is outside [0, local_world_size={local_world_size})")
+        raise ValueError(
+            f"local rank {local_rank} is outside [0, local_world_size={local_world_size})"
+        )
     use_gpu = env.get(ENV_USE_GPU) == "1" if ENV_USE_GPU in env else _cuda_requested(env)
     return DistributedContext(
         world_rank=rank,

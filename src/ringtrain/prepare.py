@@ -103,7 +103,7 @@ def prepare_data_loader(
                 "prepare_data_loader: the loader has a custom batch_sampler; shard it yourself and "
                 "pass add_dist_sampler=False"
             )
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[Any] = DistributedSampler(
             data_loader.dataset,
             num_replicas=ctx.world_size,
             rank=ctx.world_rank,

@@ -122,7 +122,7 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> Non
     rank 0's are the run's metrics (``Result.metrics``).
 
     Args:
-        metrics: metric name -> value; 0-d tensors and NumPy scalars are converted to Python numbers.
+        metrics: metric name -> value; 0-d tensors and NumPy scalars become Python numbers.
             Values should be JSON-serialisable (others are logged as their ``repr``).
         checkpoint: files to persist for this round. Any rank may pass one; all files of the round
             land in one checkpoint directory ``checkpoint_NNNNNN`` (so ranks must use distinct
@@ -168,4 +168,3 @@ def _upload(session: Session, checkpoint: Checkpoint, round_: int) -> dict[str, 
     dest = storage.join(fs, run_path, storage.staging_dirname(round_))
     with checkpoint.as_directory() as local_dir:
         return storage.upload_directory(local_dir, fs, dest)
-

@@ -27,7 +27,9 @@ logger = logging.getLogger("ringtrain")
 
 def default_run_name(entrypoint: str) -> str:
     """``{entrypoint}_{YYYY-mm-dd_HH-MM-SS}``."""
-    safe = "".join(c if c.isalnum() or c in "_.-" else "_" for c in entrypoint).strip("_.-") or "run"
+    safe = (
+        "".join(c if c.isalnum() or c in "_.-" else "_" for c in entrypoint).strip("_.-") or "run"
+    )
     return f"{safe}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
 
 
@@ -72,7 +74,9 @@ class Trainer:
         launcher: Launcher | None = None,
     ) -> None:
         if not callable(train_fn):
-            raise TypeError(f"Trainer(train_fn=...) must be callable, got {type(train_fn).__name__}")
+            raise TypeError(
+                f"Trainer(train_fn=...) must be callable, got {type(train_fn).__name__}"
+            )
         if scaling_config is None:
             scaling_config = ScalingConfig()
         if not isinstance(scaling_config, ScalingConfig):
@@ -84,7 +88,8 @@ class Trainer:
             run_config = RunConfig()
         if not isinstance(run_config, RunConfig):
             raise TypeError(
-                f"Trainer(run_config=...) must be a ringtrain.RunConfig, got {type(run_config).__name__}"
+                "Trainer(run_config=...) must be a ringtrain.RunConfig, got "
+                f"{type(run_config).__name__}"
             )
         if train_loop_config is not None and not isinstance(train_loop_config, dict):
             raise TypeError(
@@ -198,7 +203,9 @@ def run_workers(
     for note in notes:
         progress.message(note)
     if checkpoints.latest is not None:
-        progress.message(f"run {name!r} exists: workers resume from {checkpoints.latest.checkpoint}")
+        progress.message(
+            f"run {name!r} exists: workers resume from {checkpoints.latest.checkpoint}"
+        )
     run_dir.write_json(
         "config.json",
         {

@@ -26,12 +26,12 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike[str], filesystem: Any = None) -> None:
-        path = os.fspath(path)
+        text = os.fspath(path)
         if filesystem is None:
-            filesystem, stripped = fsspec.core.url_to_fs(path)
+            filesystem, stripped = fsspec.core.url_to_fs(text)
             if isinstance(filesystem, LocalFileSystem):
-                path = os.path.abspath(stripped)
-        self.path: str = path
+                text = os.path.abspath(stripped)
+        self.path: str = text
         self.filesystem = filesystem
 
     @classmethod

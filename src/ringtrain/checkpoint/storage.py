@@ -8,9 +8,9 @@ Protocol (one checkpoint, one report round ``r``):
 2. When every rank has reported round ``r``, the driver writes ``manifest.json`` (every file, its
    size and checksum) into the temporary directory and renames it to ``checkpoint_{r:06d}``.
 
-A directory without a valid manifest is not a checkpoint. On a local filesystem the rename is atomic;
-on object stores (no directory rename) the manifest is written last, after the files are copied, so
-the rule still holds.
+A directory without a valid manifest is not a checkpoint. On a local filesystem the rename is
+atomic; on object stores (no directory rename) the manifest is written last, after the files
+are copied, so the rule still holds.
 """
 
 from __future__ import annotations

@@ -148,7 +148,9 @@ class Controller:
                 decision = self.failure_policy.decide(failure, len(self.failures))
                 logger.warning(decision.reason)
                 self.progress.message(decision.reason)
-                self.run_dir.event("decision", decision=decision.decision.value, reason=decision.reason)
+                self.run_dir.event(
+                    "decision", decision=decision.decision.value, reason=decision.reason
+                )
                 if decision.decision is Decision.RAISE:
                     self.state = RunState.ERRORED
                     self.error = TrainingFailedError(self.failures)
@@ -382,16 +384,16 @@ class Controller:
             try:
                 fn(*args)
             except Exception:
-                logger.exception("callback %s.%s raised; the run continues", type(cb).__name__, hook)
+                logger.exception(
+                    "callback %s.%s raised; the run continues", type(cb).__name__, hook
+                )
 
 
 def _root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
     """The failure that explains the others: a non-peer error first, then the earliest."""
 
     def secondary(f: WorkerFailure) -> bool:
-        return f.kind == "exception" and bool(
-            _PEER_ERROR.search(f"{f.exc_type} {f.message}")
-        )
+        return f.kind == "exception" and bool(_PEER_ERROR.search(f"{f.exc_type} {f.message}"))
 
     primaries = [f for f in failures if not secondary(f)] or failures
     return min(primaries, key=lambda f: (f.time, f.rank))
@@ -407,7 +409,5 @@ def _signal_name(signum: int) -> str:
 def _digest_on_storage(checkpoints: CheckpointManager, round_: int, rel: str) -> dict[str, Any]:
     from ringtrain.checkpoint import storage
 
-    path = storage.join(
-        checkpoints.fs, checkpoints.run_path, storage.staging_dirname(round_), rel
-    )
+    path = storage.join(checkpoints.fs, checkpoints.run_path, storage.staging_dirname(round_), rel)
     return storage.file_digest(checkpoints.fs, path)

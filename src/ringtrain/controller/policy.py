@@ -28,11 +28,15 @@ class FailurePolicy:
 
     def decide(self, failure: WorkerFailure, failures_so_far: int) -> FailureDecision:
         """Args:
-            failure: the failure that just stopped the group.
-            failures_so_far: failures of this run including this one (>= 1).
+        failure: the failure that just stopped the group.
+        failures_so_far: failures of this run including this one (>= 1).
         """
         limit = "inf" if self.max_failures < 0 else str(self.max_failures)
-        where = f"{failure.message} after round {failure.round}" if failure.round >= 0 else failure.message
+        where = (
+            f"{failure.message} after round {failure.round}"
+            if failure.round >= 0
+            else failure.message
+        )
         if self.max_failures < 0 or failures_so_far <= self.max_failures:
             return FailureDecision(
                 Decision.RESTART,

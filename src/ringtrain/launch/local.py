@@ -68,7 +68,8 @@ class LocalWorkerGroup:
         store_port = self._store.port
         base_env = dict(os.environ)
         base_env["PYTHONPATH"] = os.pathsep.join(
-            [p for p in sys.path if p] + ([base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else [])
+            [p for p in sys.path if p]
+            + ([base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else [])
         )
         base_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         base_env.update(spec.env)
@@ -112,7 +113,9 @@ class LocalWorkerGroup:
 
     # ------------------------------------------------------------------ threads
     def _spawn(self, target: Any, *args: Any) -> None:
-        t = threading.Thread(target=target, args=args, daemon=True, name=f"ringtrain-{target.__name__}")
+        t = threading.Thread(
+            target=target, args=args, daemon=True, name=f"ringtrain-{target.__name__}"
+        )
         t.start()
         self._threads.append(t)
 

@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from ringtrain.checkpoint.checkpoint import Checkpoint
 
     ctx = context_from_env()
-    channel = WorkerChannel.connect(os.environ[ENV_DRIVER_ADDR], bytes.fromhex(os.environ[ENV_AUTHKEY]))
+    channel = WorkerChannel.connect(
+        os.environ[ENV_DRIVER_ADDR], bytes.fromhex(os.environ[ENV_AUTHKEY])
+    )
     channel.send(Hello(rank=ctx.world_rank, pid=os.getpid(), hostname=socket.gethostname()))
     start: Start = channel.recv()
     sess = session_mod.Session(
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 train_fn()
         channel.send(Done(rank=ctx.world_rank, time=time.time(), rounds=sess.next_round))
-    except BaseException as exc:  # noqa: BLE001 - everything is reported, then we exit non-zero
+    except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
         try:
             channel.send(

@@ -1,0 +1,134 @@
+"""The `ringtrain` command, run as a user runs it (a subprocess of the installed console script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+RINGTRAIN = shutil.which("ringtrain") or os.path.join(os.path.dirname(sys.executable), "ringtrain")
+
+TORCHRUN_STYLE = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+    import ringtrain as rt
+
+    dist.init_process_group("gloo")          # plain torch: reads the torchrun variables
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    ctx = rt.get_context()
+    assert (ctx.world_rank, ctx.world_size) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    assert os.environ["LOCAL_WORLD_SIZE"] == os.environ["WORLD_SIZE"]
+    rt.report({"sum": t.item(), "args": " ".join(sys.argv[1:]), "rank": ctx.world_rank})
+    print(f"hello from rank {ctx.world_rank}")
+    dist.destroy_process_group()
+    """
+)
+
+TRAINER_SCRIPT = textwrap.dedent(
+    """
+    import ringtrain as rt, torch, torch.distributed as dist
+
+    def train_fn(config):
+        ctx = rt.get_context()
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        rt.report({"world": t.item(), "rank": ctx.world_rank, "lr": config["lr"]})
+
+    if __name__ == "__main__":
+        rt.Trainer(train_fn, rt.ScalingConfig(num_workers=5), train_loop_config={"lr": 0.1}).fit()
+    """
+)
+
+FAILING = textwrap.dedent(
+    """
+    import ringtrain as rt
+    ctx = rt.get_context()
+    rt.report({"x": 1})
+    if ctx.world_rank == 1:
+        raise KeyError("missing column 'label'")
+    """
+)
+
+
+def ringtrain(*args, cwd, timeout=120):
+    return subprocess.run(
+        [RINGTRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("flag", ["-n", "-np"])
+def test_run_torchrun_style_script(tmp_path, flag):
+    script = _write(tmp_path, "job.py", TORCHRUN_STYLE)
+    proc = ringtrain("run", flag, "2", "--name", "job", "--progress", "plain", script,
+                     "--lr", "0.1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "(rank 0) hello from rank 0" in proc.stdout
+    assert "(rank 1) hello from rank 1" in proc.stdout
+    result = json.loads((tmp_path / "runs" / "job" / "result.json").read_text())
+    assert result["status"] == "FINISHED"
+    assert result["metrics"] == {"sum": 3.0, "args": "--lr 0.1", "rank": 0}
+    assert result["metrics_per_rank"]["1"]["rank"] == 1
+
+
+def test_run_script_that_calls_trainer_runs_in_place(tmp_path):
+    script = _write(tmp_path, "trainer_job.py", TRAINER_SCRIPT)
+    proc = ringtrain("run", "-n", "2", "--name", "tj", "--progress", "plain", script, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    result = json.loads((tmp_path / "runs" / "tj" / "result.json").read_text())
+    # ringtrain run's 2 workers, not the script's num_workers=5
+    assert result["metrics"] == {"world": 2.0, "rank": 0, "lr": 0.1}
+
+
+def test_run_failure_exit_code_and_message(tmp_path):
+    script = _write(tmp_path, "bad.py", FAILING)
+    proc = ringtrain("run", "-n", "2", "--name", "bad", "--progress", "plain", script, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "rank 1 raised KeyError" in proc.stderr
+    assert "missing column 'label'" in proc.stderr
+
+
+def test_bad_input_is_rejected_before_anything_starts(tmp_path):
+    proc = ringtrain("run", "-n", "0", "x.py", cwd=tmp_path)
+    assert proc.returncode == 2 and "must be >= 1" in proc.stderr
+    proc = ringtrain("run", "-n", "2", "missing.py", cwd=tmp_path)
+    assert proc.returncode == 2 and "is not a file" in proc.stderr
+    proc = ringtrain("run", "--name", "a/b", _write(tmp_path, "ok.py", "pass\n"), cwd=tmp_path)
+    assert proc.returncode == 2 and "RunConfig.name" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_help_texts(tmp_path):
+    top = ringtrain("--help", cwd=tmp_path)
+    assert top.returncode == 0
+    for word in ("run", "ls", "show", "Trainer"):
+        assert word in top.stdout
+    run = ringtrain("run", "--help", cwd=tmp_path)
+    for word in ("--num-workers", "MASTER_ADDR", "--storage-path", "--max-failures", "Example"):
+        assert word in run.stdout
+
+
+def test_ls_and_show_on_a_real_run(tmp_path):
+    script = _write(tmp_path, "job.py", TORCHRUN_STYLE)
+    assert ringtrain("run", "-n", "2", "--name", "seen", "--progress", "off", script,
+                     cwd=tmp_path).returncode == 0
+    ls = ringtrain("ls", "runs", cwd=tmp_path)
+    assert ls.returncode == 0, ls.stderr
+    assert "seen" in ls.stdout and "FINISHED" in ls.stdout
+    show = ringtrain("show", "runs/seen", cwd=tmp_path)
+    assert show.returncode == 0, show.stderr
+    assert "sum" in show.stdout and "3" in show.stdout
+    missing = ringtrain("ls", "nowhere", cwd=tmp_path)
+    assert missing.returncode == 1 and "nowhere" in missing.stderr
