@@ -23,7 +23,8 @@ TORCHRUN_STYLE = textwrap.dedent(
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
     ctx = rt.get_context()
-    assert (ctx.world_rank, ctx.world_size) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    assert ctx.world_rank == int(os.environ["RANK"])
+    assert ctx.world_size == int(os.environ["WORLD_SIZE"])
     assert os.environ["LOCAL_WORLD_SIZE"] == os.environ["WORLD_SIZE"]
     rt.report({"sum": t.item(), "args": " ".join(sys.argv[1:]), "rank": ctx.world_rank})
     print(f"hello from rank {ctx.world_rank}")
@@ -72,8 +73,19 @@ def _write(tmp_path, name, text):
 @pytest.mark.parametrize("flag", ["-n", "-np"])
 def test_run_torchrun_style_script(tmp_path, flag):
     script = _write(tmp_path, "job.py", TORCHRUN_STYLE)
-    proc = ringtrain("run", flag, "2", "--name", "job", "--progress", "plain", script,
-                     "--lr", "0.1", cwd=tmp_path)
+    proc = ringtrain(
+        "run",
+        flag,
+        "2",
+        "--name",
+        "job",
+        "--progress",
+        "plain",
+        script,
+        "--lr",
+        "0.1",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "(rank 0) hello from rank 0" in proc.stdout
     assert "(rank 1) hello from rank 1" in proc.stdout
@@ -122,8 +134,12 @@ def test_help_texts(tmp_path):
 
 def test_ls_and_show_on_a_real_run(tmp_path):
     script = _write(tmp_path, "job.py", TORCHRUN_STYLE)
-    assert ringtrain("run", "-n", "2", "--name", "seen", "--progress", "off", script,
-                     cwd=tmp_path).returncode == 0
+    assert (
+        ringtrain(
+            "run", "-n", "2", "--name", "seen", "--progress", "off", script, cwd=tmp_path
+        ).returncode
+        == 0
+    )
     ls = ringtrain("ls", "runs", cwd=tmp_path)
     assert ls.returncode == 0, ls.stderr
     assert "seen" in ls.stdout and "FINISHED" in ls.stdout
