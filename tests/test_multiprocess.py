@@ -154,3 +154,45 @@ def test_no_orphan_workers_when_the_driver_dies(tmp_path, driver_signal):
     if driver_signal is not signal.SIGKILL:
         saved = json.loads((tmp_path / "orphans" / "result.json").read_text())
         assert saved["status"] == "ABORTED"
+
+
+def test_restart_after_failure_resumes_from_latest_checkpoint(tmp_path):
+    result = fit(
+        workloads.flaky_fn,
+        2,
+        tmp_path,
+        "flaky",
+        {"steps": 5, "fail_at": 3},
+        failure_config=rt.FailureConfig(max_failures=1),
+    )
+    assert result.error is None
+    assert len(result.failures) == 1
+    assert result.failures[0].rank == 1
+    assert result.failures[0].message == "rank 1 raised RuntimeError: transient failure"
+    # attempt 1 resumed after the last complete round (step 2) and finished the job
+    assert result.metrics == {"step": 4, "attempt": 1, "start": 3}
+    assert [m["step"] for m in result.metrics_history] == [0, 1, 2, 3, 4]
+    assert result.checkpoint.path.endswith("checkpoint_000004")
+
+
+def test_running_again_with_the_same_name_continues_the_run(tmp_path):
+    first = fit(workloads.flaky_fn, 2, tmp_path, "again", {"steps": 2, "fail_at": -1})
+    assert first.checkpoint.path.endswith("checkpoint_000001")
+    second = fit(workloads.flaky_fn, 2, tmp_path, "again", {"steps": 4, "fail_at": -1})
+    assert second.metrics["start"] == 2 and second.metrics["step"] == 3
+    # round numbers continue, so no checkpoint of the first run is overwritten
+    assert second.checkpoint.path.endswith("checkpoint_000003")
+    names = sorted(
+        p.name for p in (tmp_path / "again").iterdir() if p.name.startswith("checkpoint")
+    )
+    assert names == [f"checkpoint_00000{i}" for i in range(4)]
+
+
+def test_memory_storage_is_rejected_for_worker_processes(tmp_path):
+    trainer = rt.Trainer(
+        workloads.flaky_fn,
+        rt.ScalingConfig(num_workers=2),
+        rt.RunConfig(name="mem", storage_path="memory://runs"),
+    )
+    with pytest.raises(ValueError, match="memory:// lives inside one process"):
+        trainer.fit()

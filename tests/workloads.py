@@ -100,3 +100,19 @@ def sleeper_fn(config):
     with open(os.path.join(config["pid_dir"], f"rank{ctx.world_rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(600)
+
+
+def flaky_fn(config):
+    """Fails on rank 1 in the first attempt only; resumes its counter from the checkpoint."""
+    ctx = rt.get_context()
+    start = 0
+    ckpt = rt.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            start = torch.load(os.path.join(d, "model.pt"), weights_only=True)["step"] + 1
+    for step in range(start, config["steps"]):
+        if ctx.attempt == 0 and ctx.world_rank == 1 and step == config["fail_at"]:
+            raise RuntimeError("transient failure")
+        model = torch.nn.Linear(1, 1)
+        ckpt = save_checkpoint(model, step=step) if ctx.world_rank == 0 else None
+        rt.report({"step": step, "attempt": ctx.attempt, "start": start}, checkpoint=ckpt)

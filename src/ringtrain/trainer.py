@@ -168,6 +168,11 @@ class Trainer:
         )
 
 
+def _protocols(fs: Any) -> set[str]:
+    protocol = fs.protocol
+    return {protocol} if isinstance(protocol, str) else set(protocol)
+
+
 def _pickle_payload(train_fn: Callable[..., Any], config: dict[str, Any] | None) -> bytes:
     import cloudpickle
 
@@ -196,6 +201,12 @@ def run_workers(
     """Set up the run directory and drive the workers to completion (used by ``Trainer.fit`` and
     ``ringtrain run``). Returns the Result; never raises TrainingFailedError itself."""
     run_dir = RunDirectory(run_config.storage_path, name)
+    if "memory" in _protocols(run_dir.fs):
+        raise ValueError(
+            f"RunConfig.storage_path={run_config.storage_path!r}: memory:// lives inside one "
+            "process, and the workers are other processes, so their checkpoints would be lost "
+            "(use a local directory or a shared fsspec URL such as s3://)"
+        )
     run_dir.create()
     checkpoints = CheckpointManager(run_dir.fs, run_dir.path, run_config.checkpoint_config)
     notes = checkpoints.scan()
