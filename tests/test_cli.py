@@ -148,3 +148,43 @@ def test_ls_and_show_on_a_real_run(tmp_path):
     assert "sum" in show.stdout and "3" in show.stdout
     missing = ringtrain("ls", "nowhere", cwd=tmp_path)
     assert missing.returncode == 1 and "nowhere" in missing.stderr
+
+
+CHECKPOINTING = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    import ringtrain as rt
+    ctx = rt.get_context()
+    for i, acc in enumerate([0.2, 0.9, 0.5, 0.1]):
+        ckpt = None
+        if ctx.world_rank == 0:
+            d = tempfile.mkdtemp()
+            open(os.path.join(d, "w.txt"), "w").write(str(i))
+            ckpt = rt.Checkpoint.from_directory(d)
+        rt.report({"acc": acc}, checkpoint=ckpt)
+    """
+)
+
+
+def test_run_checkpoint_retention_flags(tmp_path):
+    script = _write(tmp_path, "ckpt.py", CHECKPOINTING)
+    proc = ringtrain(
+        "run",
+        "-n",
+        "2",
+        "--name",
+        "keep",
+        "--progress",
+        "off",
+        "--num-to-keep",
+        "1",
+        "--checkpoint-score-attribute",
+        "acc",
+        "--checkpoint-score-order",
+        "max",
+        script,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    kept = sorted(p.name for p in (tmp_path / "runs" / "keep").glob("checkpoint_*"))
+    assert kept == ["checkpoint_000001", "checkpoint_000003"]  # best (0.9) and latest

@@ -152,6 +152,7 @@ def test_no_orphan_workers_when_the_driver_dies(tmp_path, driver_signal):
             driver.kill()
             driver.wait()
     if driver_signal is not signal.SIGKILL:
+        # the run directory says what happened
         saved = json.loads((tmp_path / "orphans" / "result.json").read_text())
         assert saved["status"] == "ABORTED"
 
@@ -196,3 +197,41 @@ def test_memory_storage_is_rejected_for_worker_processes(tmp_path):
     )
     with pytest.raises(ValueError, match="memory:// lives inside one process"):
         trainer.fit()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_resources_per_worker_cpu_sets_torch_threads(tmp_path, threads):
+    result = rt.Trainer(
+        workloads.threads_fn,
+        rt.ScalingConfig(num_workers=2, resources_per_worker={"CPU": threads}),
+        rt.RunConfig(name="threads", storage_path=str(tmp_path), progress="off"),
+    ).fit()
+    for rank in (0, 1):
+        assert result.metrics_per_rank[rank] == {"threads": threads, "omp": str(threads)}
+
+
+def test_second_driver_on_a_running_run_is_refused(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, str(tmp_path), str(pid_dir)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert wait_until(lambda: len(list(pid_dir.iterdir())) == 2, timeout_s=60)
+        trainer = rt.Trainer(
+            workloads.threads_fn,
+            rt.ScalingConfig(num_workers=2),
+            rt.RunConfig(name="orphans", storage_path=str(tmp_path), progress="off"),
+        )
+        with pytest.raises(RuntimeError, match=f"already running \\(driver pid {driver.pid}"):
+            trainer.fit()
+    finally:
+        driver.kill()
+        driver.wait()
+    # Once that driver is dead, the same name resumes normally.
+    result = trainer.fit()
+    assert result.metrics_per_rank[1]["threads"] == 1

@@ -116,3 +116,7 @@ def flaky_fn(config):
         model = torch.nn.Linear(1, 1)
         ckpt = save_checkpoint(model, step=step) if ctx.world_rank == 0 else None
         rt.report({"step": step, "attempt": ctx.attempt, "start": start}, checkpoint=ckpt)
+
+
+def threads_fn():
+    rt.report({"threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")})

@@ -85,6 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="restart the workers after up to this many failures (-1: forever; default: 0)",
     )
     run.add_argument(
+        "--num-to-keep",
+        type=_positive_int,
+        help="keep this many best checkpoints (plus the latest; default: all)",
+    )
+    run.add_argument(
+        "--checkpoint-score-attribute",
+        metavar="METRIC",
+        help="rank checkpoints by this reported metric (default: recency)",
+    )
+    run.add_argument(
+        "--checkpoint-score-order",
+        choices=("max", "min"),
+        default="max",
+        help="keep the highest (max) or lowest (min) scores (default: max)",
+    )
+    run.add_argument(
         "--progress",
         choices=("auto", "rich", "plain", "off"),
         default="auto",
@@ -125,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ringtrain.config import FailureConfig, RunConfig, ScalingConfig
+    from ringtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     if not os.path.isfile(args.script):
         parser.error(f"SCRIPT {args.script!r} is not a file")
@@ -139,6 +155,11 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             name=args.name,
             storage_path=args.storage_path,
             failure_config=FailureConfig(max_failures=args.max_failures),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=args.num_to_keep,
+                checkpoint_score_attribute=args.checkpoint_score_attribute,
+                checkpoint_score_order=args.checkpoint_score_order,
+            ),
             progress=args.progress,
         )
         from ringtrain.trainer import default_run_name, run_workers, validate_gpus
@@ -147,14 +168,24 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     stem = os.path.splitext(os.path.basename(args.script))[0]
-    result = run_workers(
-        name=run_config.name or default_run_name(stem),
-        entrypoint=args.script,
-        scaling_config=scaling,
-        run_config=run_config,
-        script=os.path.abspath(args.script),
-        script_args=tuple(args.script_args),
-    )
+    try:
+        result = run_workers(
+            name=run_config.name or default_run_name(stem),
+            entrypoint=args.script,
+            scaling_config=scaling,
+            run_config=run_config,
+            script=os.path.abspath(args.script),
+            script_args=tuple(args.script_args),
+        )
+    except KeyboardInterrupt as exc:
+        from ringtrain.trainer import DriverTerminated
+
+        terminated = isinstance(exc, DriverTerminated)
+        print(f"ringtrain: run stopped ({exc or 'interrupted'}); workers stopped", file=sys.stderr)
+        return 128 + (15 if terminated else 2)
+    except (RuntimeError, ValueError) as exc:
+        print(f"ringtrain run: {exc}", file=sys.stderr)
+        return 2
     if result.error is not None:
         print(f"ringtrain: run failed: {result.error}", file=sys.stderr)
         return 1

@@ -168,6 +168,35 @@ class Trainer:
         )
 
 
+def _refuse_if_running(run_dir: RunDirectory) -> None:
+    """Two drivers writing one run directory would interleave rounds and overwrite each other's
+    checkpoints; a run whose driver is still alive on this host cannot be started again."""
+    import json
+    import os
+
+    if not run_dir.is_local:
+        return  # no way to see another host's processes; object stores are on the user
+    path = os.path.join(run_dir.path, "result.json")
+    try:
+        with open(path) as f:
+            previous = json.load(f)
+    except (OSError, ValueError):
+        return
+    pid = previous.get("driver_pid")
+    if previous.get("status") != "RUNNING" or not isinstance(pid, int) or pid == os.getpid():
+        return
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return  # that driver died: resuming its run is what the user wants
+    except PermissionError:
+        pass
+    raise RuntimeError(
+        f"run {run_dir.name!r} is already running (driver pid {pid}, {run_dir.uri}); "
+        "wait for it, stop it, or use another RunConfig(name=...)"
+    )
+
+
 def _protocols(fs: Any) -> set[str]:
     protocol = fs.protocol
     return {protocol} if isinstance(protocol, str) else set(protocol)
@@ -207,6 +236,7 @@ def run_workers(
             "process, and the workers are other processes, so their checkpoints would be lost "
             "(use a local directory or a shared fsspec URL such as s3://)"
         )
+    _refuse_if_running(run_dir)
     run_dir.create()
     checkpoints = CheckpointManager(run_dir.fs, run_dir.path, run_config.checkpoint_config)
     notes = checkpoints.scan()
