@@ -12,6 +12,7 @@ from typing import Any
 
 import ringtrain
 from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.checkpoint.storage import protocols
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
@@ -197,11 +198,6 @@ def _refuse_if_running(run_dir: RunDirectory) -> None:
     )
 
 
-def _protocols(fs: Any) -> set[str]:
-    protocol = fs.protocol
-    return {protocol} if isinstance(protocol, str) else set(protocol)
-
-
 def _pickle_payload(train_fn: Callable[..., Any], config: dict[str, Any] | None) -> bytes:
     import cloudpickle
 
@@ -230,7 +226,7 @@ def run_workers(
     """Set up the run directory and drive the workers to completion (used by ``Trainer.fit`` and
     ``ringtrain run``). Returns the Result; never raises TrainingFailedError itself."""
     run_dir = RunDirectory(run_config.storage_path, name)
-    if "memory" in _protocols(run_dir.fs):
+    if "memory" in protocols(run_dir.fs):
         raise ValueError(
             f"RunConfig.storage_path={run_config.storage_path!r}: memory:// lives inside one "
             "process, and the workers are other processes, so their checkpoints would be lost "

@@ -9,8 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
+from ringtrain.checkpoint.storage import is_local_fs
 
 
 class Checkpoint:
@@ -28,8 +27,10 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str], filesystem: Any = None) -> None:
         text = os.fspath(path)
         if filesystem is None:
+            import fsspec
+
             filesystem, stripped = fsspec.core.url_to_fs(text)
-            if isinstance(filesystem, LocalFileSystem):
+            if is_local_fs(filesystem):
                 text = os.path.abspath(stripped)
         self.path: str = text
         self.filesystem = filesystem
@@ -44,11 +45,13 @@ class Checkpoint:
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"Checkpoint.from_directory: {path!r} is not a directory")
+        from fsspec.implementations.local import LocalFileSystem
+
         return cls(os.path.abspath(path), LocalFileSystem())
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.filesystem, LocalFileSystem)
+        return is_local_fs(self.filesystem)
 
     @property
     def uri(self) -> str:

@@ -22,12 +22,22 @@ import re
 import time
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
-
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 CHUNK = 1 << 20
 _CKPT_RE = re.compile(r"^checkpoint_(\d{6,})$")
+
+
+def protocols(fs: Any) -> set[str]:
+    """The protocol names of an fsspec filesystem (``{"file", "local"}`` for local disks)."""
+    protocol = getattr(fs, "protocol", ())
+    return {protocol} if isinstance(protocol, str) else set(protocol)
+
+
+def is_local_fs(fs: Any) -> bool:
+    """Whether ``fs`` is the local disk, without importing fsspec (workers import this module
+    on every start; fsspec is loaded only when a checkpoint is actually written)."""
+    return bool(protocols(fs) & {"file", "local"})
 
 
 def checkpoint_dirname(round_: int) -> str:
@@ -44,7 +54,7 @@ def parse_round(dirname: str) -> int | None:
 
 
 def join(fs: Any, *parts: str) -> str:
-    if isinstance(fs, LocalFileSystem):
+    if is_local_fs(fs):
         return os.path.join(*parts)
     return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts))
 
@@ -130,7 +140,7 @@ def publish(
         _fsync(f)
     if fs.exists(final):  # a leftover of an earlier run with the same name and round
         fs.rm(final, recursive=True)
-    if isinstance(fs, LocalFileSystem):
+    if is_local_fs(fs):
         _fsync_dir(staging)
         os.replace(staging, final)
         _fsync_dir(run_path)
