@@ -20,6 +20,7 @@ from ringtrain.env import detect_source
 from ringtrain.launch.base import Launcher, WorkerSpec
 from ringtrain.launch.local import LocalLauncher
 from ringtrain.monitor.progress import make_progress
+from ringtrain.monitor.runs import pid_alive
 from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
 
@@ -186,12 +187,8 @@ def _refuse_if_running(run_dir: RunDirectory) -> None:
     pid = previous.get("driver_pid")
     if previous.get("status") != "RUNNING" or not isinstance(pid, int) or pid == os.getpid():
         return
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return  # that driver died: resuming its run is what the user wants
-    except PermissionError:
-        pass
     raise RuntimeError(
         f"run {run_dir.name!r} is already running (driver pid {pid}, {run_dir.uri}); "
         "wait for it, stop it, or use another RunConfig(name=...)"

@@ -29,7 +29,13 @@ from typing import Any
 
 from ringtrain.channel import Done, Hello, Start, WorkerChannel, WorkerError
 from ringtrain.distributed import init_process_group
-from ringtrain.env import ENV_AUTHKEY, ENV_DRIVER_ADDR, ENV_THREADS, context_from_env
+from ringtrain.env import (
+    ENV_AUTHKEY,
+    ENV_DRIVER_ADDR,
+    ENV_START_ROUND,
+    ENV_THREADS,
+    context_from_env,
+)
 
 PR_SET_PDEATHSIG = 1
 
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     sess = session_mod.Session(
         context=ctx,
         channel=channel,
-        next_round=int(ctx.extra.get("RINGTRAIN_START_ROUND", "0")),
+        next_round=int(ctx.extra.get(ENV_START_ROUND, "0")),
         latest_checkpoint=Checkpoint(start.latest_checkpoint) if start.latest_checkpoint else None,
     )
     session_mod._install_session(sess)

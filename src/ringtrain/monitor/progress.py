@@ -17,6 +17,7 @@ Typical use::
 
 from __future__ import annotations
 
+import abc
 import sys
 import threading
 import time
@@ -120,11 +121,11 @@ class ProgressReporter(Protocol):
         ...
 
 
-class _ReporterBase:
+class _ReporterBase(abc.ABC):
     """Context-manager support: ``with reporter:`` closes it, ``ERRORED`` on an exception."""
 
-    def close(self, status: str) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def close(self, status: str) -> None: ...
 
     def __enter__(self) -> _ReporterBase:
         return self

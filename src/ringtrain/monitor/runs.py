@@ -397,7 +397,7 @@ def _ls(fs: Any, path: str) -> list[dict[str, Any]]:
     return [e for e in entries if isinstance(e, dict) and "name" in e]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether a process with this id exists on this host."""
     if pid <= 0:
         return False
@@ -422,7 +422,7 @@ def _driver_gone(result: Mapping[str, Any]) -> bool:
     host = result.get("hostname", result.get("host"))
     if isinstance(host, str) and host and host != socket.gethostname():
         return False
-    return not _pid_alive(pid)
+    return not pid_alive(pid)
 
 
 def _error_text(error: Any) -> str | None:
