@@ -127,8 +127,9 @@ _DRIVER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("driver_signal", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
-def test_no_orphan_workers_when_the_driver_dies(tmp_path, driver_signal):
+def _start_sleeping_driver(tmp_path):
+    """A driver process running run 'orphans' with 2 sleeping workers; returns once both workers
+    have written their pid files."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
@@ -138,8 +139,17 @@ def test_no_orphan_workers_when_the_driver_dies(tmp_path, driver_signal):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    if not wait_until(lambda: len(list(pid_dir.iterdir())) == 2, timeout_s=60):
+        driver.kill()
+        driver.wait()
+        raise AssertionError("the driver's workers did not start within 60 s")
+    return driver, pid_dir
+
+
+@pytest.mark.parametrize("driver_signal", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
+def test_no_orphan_workers_when_the_driver_dies(tmp_path, driver_signal):
+    driver, pid_dir = _start_sleeping_driver(tmp_path)
     try:
-        assert wait_until(lambda: len(list(pid_dir.iterdir())) == 2, timeout_s=60)
         workers = [int(p.read_text()) for p in pid_dir.iterdir()]
         assert all(pid_alive(p) for p in workers)
         driver.send_signal(driver_signal)
@@ -211,17 +221,8 @@ def test_resources_per_worker_cpu_sets_torch_threads(tmp_path, threads):
 
 
 def test_second_driver_on_a_running_run_is_refused(tmp_path):
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
-    driver = subprocess.Popen(
-        [sys.executable, "-c", _DRIVER, str(tmp_path), str(pid_dir)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    driver, _ = _start_sleeping_driver(tmp_path)
     try:
-        assert wait_until(lambda: len(list(pid_dir.iterdir())) == 2, timeout_s=60)
         trainer = rt.Trainer(
             workloads.threads_fn,
             rt.ScalingConfig(num_workers=2),
