@@ -39,7 +39,10 @@ class FakeLauncher:
 
     def start(self, spec):
         self.specs.append(spec)
-        group = FakeGroup(spec.world_size, self.attempts.pop(0))
+        script = self.attempts.pop(0)
+        # A callable script is built when its attempt starts (after the controller has cleared
+        # the previous attempt's staging directories), as real workers would write files then.
+        group = FakeGroup(spec.world_size, script() if callable(script) else script)
         self.groups.append(group)
         return group
 
@@ -51,7 +54,11 @@ def _controller(tmp_path, launcher, world_size=2, max_failures=0):
     return Controller(
         launcher=launcher,
         make_spec=lambda attempt, start, latest: WorkerSpec(
-            world_size=world_size, run_dir=run_dir.uri, attempt=attempt, start_round=start
+            world_size=world_size,
+            run_dir=run_dir.uri,
+            attempt=attempt,
+            start_round=start,
+            latest_checkpoint=latest,
         ),
         world_size=world_size,
         run_dir=run_dir,
@@ -122,19 +129,62 @@ def test_signal_is_reported_by_name(tmp_path):
     assert result.error.failures[0].kind == "signal"
 
 
-def test_restart_then_success_resumes_round_numbering(tmp_path):
+def _stage(tmp_path, round_, rank, payload=b"state"):
+    """Write one rank's checkpoint file of ``round_`` as a worker would; returns its entry."""
+    import hashlib
+
+    staging = tmp_path / "run" / f"checkpoint_{round_:06d}.tmp"
+    staging.mkdir(parents=True, exist_ok=True)
+    (staging / f"rank_{rank}.bin").write_bytes(payload)
+    return {
+        f"rank_{rank}.bin": {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    }
+
+
+def test_restart_without_checkpoint_starts_over_and_replaces_lost_rounds(tmp_path):
     launcher = FakeLauncher(
         [
             [[_report(0, 0, x=1), _report(1, 0, x=1)], [Exited(1, 1.0, 3)], [Exited(0, 1.0, 1)]],
-            [[_report(0, 1, x=2), _report(1, 1, x=2)], [Exited(0, 2.0, 0), Exited(1, 2.0, 0)]],
+            [
+                [_report(0, 0, x=10), _report(1, 0, x=10)],
+                [_report(0, 1, x=20), _report(1, 1, x=20)],
+                [Exited(0, 2.0, 0), Exited(1, 2.0, 0)],
+            ],
         ]
     )
     ctl = _controller(tmp_path, launcher, max_failures=1)
     result = ctl.run()
     assert ctl.state is RunState.FINISHED
     assert [s.attempt for s in launcher.specs] == [0, 1]
-    assert launcher.specs[1].start_round == 1
+    assert launcher.specs[1].start_round == 0  # nothing to resume from: round 0 is redone
+    assert result.metrics_history == [{"x": 10}, {"x": 20}]
     assert len(result.failures) == 1 and result.failures[0].message == "rank 1 exited with status 3"
+
+
+def test_restart_resumes_after_the_latest_checkpoint(tmp_path):
+    def ckpt_report(rank, round_, **metrics):
+        files = _stage(tmp_path, round_, rank)
+        return Report(rank, round_, float(round_), metrics, checkpoint_files=files)
+
+    launcher = FakeLauncher(
+        [
+            lambda: [
+                [ckpt_report(0, 0, x=1), ckpt_report(1, 0, x=1)],
+                [_report(0, 1, x=2), _report(1, 1, x=2)],
+                [Exited(1, 1.0, -9)],
+                [Exited(0, 1.0, 1)],
+            ],
+            [[_report(0, 1, x=3), _report(1, 1, x=3)], [Exited(0, 2.0, 0), Exited(1, 2.0, 0)]],
+        ]
+    )
+    ctl = _controller(tmp_path, launcher, max_failures=1)
+    result = ctl.run()
+    assert ctl.state is RunState.FINISHED
+    assert launcher.specs[1].start_round == 1  # round 1 is recomputed, round 0 restored
+    assert launcher.specs[0].latest_checkpoint is None
+    assert launcher.specs[1].latest_checkpoint.endswith("checkpoint_000000")
+    assert result.checkpoint is not None and result.checkpoint.path.endswith("checkpoint_000000")
+    assert result.metrics_history == [{"x": 1}, {"x": 3}]
 
 
 def test_failure_policy_decisions_say_why():

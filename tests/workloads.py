@@ -120,3 +120,123 @@ def flaky_fn(config):
 
 def threads_fn():
     rt.report({"threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")})
+
+
+# ------------------------------------------------------------------ exact resume (issue 3)
+
+
+class NoisyDataset(torch.utils.data.Dataset):
+    """120 samples of 6 features, 3 classes; deterministic per index."""
+
+    def __init__(self, n: int = 120) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 6, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm_kill_during_write(round_: int, after_bytes: int) -> None:
+    """SIGKILL this process once it has written ``after_bytes`` bytes of a file of checkpoint
+    round ``round_``: a real half-written file on disk."""
+    from ringtrain.checkpoint import writer
+
+    original = writer.write_files
+
+    def write_files(fs, dest, writers, **kwargs):
+        if f"checkpoint_{round_:06d}.tmp" not in dest:
+            return original(fs, dest, writers, **kwargs)
+
+        def killing(write):
+            def run(f):
+                class Killer:
+                    written = 0
+
+                    def write(self, data):
+                        n = f.write(data)
+                        Killer.written += n
+                        if Killer.written >= after_bytes:
+                            f.flush()
+                            _kill_self()
+                        return n
+
+                    def flush(self):
+                        f.flush()
+
+                write(Killer())
+
+            return run
+
+        return original(fs, dest, {k: killing(w) for k, w in writers.items()}, **kwargs)
+
+    writer.write_files = write_files
+
+
+def exact_fn(config):
+    """The issue's loop: dropout (torch RNG), NumPy and Python noise, momentum SGD, StepLR,
+    checkpoints every ``every`` steps and at each epoch's end. On attempt 0, rank
+    ``config["kill_rank"]`` SIGKILLs itself at ``config["kill"]``:
+    ``("step", n)``, ``("epoch_start", e)`` or ``("write", round, bytes)``.
+    Rank 0 saves the final parameters and optimizer state to ``config["out"]``."""
+    import random
+
+    import numpy as np
+
+    ctx = rt.get_context()
+    kill = (
+        config.get("kill") if ctx.attempt == 0 and ctx.world_rank == config["kill_rank"] else None
+    )
+    if kill and kill[0] == "write":
+        _arm_kill_during_write(kill[1], kill[2])
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3)
+    )
+    model = rt.prepare_model(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+    loader = rt.prepare_data_loader(
+        DataLoader(
+            NoisyDataset(),
+            batch_size=config.get("batch_size", 6),
+            shuffle=True,
+            num_workers=config.get("loader_workers", 0),
+        )
+    )
+    state = rt.TrainState(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, data_loader=loader, seen=[]
+    )
+    state.restore()
+    every = config.get("every", 4)
+    for epoch in state.epochs(config["epochs"]):
+        if kill and kill == ("epoch_start", epoch):
+            _kill_self()
+        for x, y in loader:
+            x = x + 0.01 * torch.from_numpy(np.random.randn(*x.shape)).float() * random.random()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            state.step += 1
+            if kill and kill == ("step", state.step):
+                _kill_self()
+            if state.step % every == 0:
+                rt.report({"loss": loss.item(), "step": state.step}, checkpoint=state)
+        rt.report({"loss": loss.item(), "step": state.step, "epoch_end": epoch}, checkpoint=state)
+    if ctx.world_rank == 0:
+        module = model.module if hasattr(model, "module") else model
+        torch.save(
+            {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": state.step},
+            config["out"],
+        )

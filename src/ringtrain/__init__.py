@@ -5,7 +5,7 @@ The public API; nothing outside this list is public::
     Trainer, Result, TrainingFailedError, WorkerFailure
     ScalingConfig, RunConfig, CheckpointConfig, FailureConfig
     get_context, report, get_checkpoint, Checkpoint
-    prepare_model, prepare_data_loader, get_device
+    prepare_model, prepare_data_loader, get_device, TrainState
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ringtrain.session import get_checkpoint, get_context, report
 
 if TYPE_CHECKING:
     from ringtrain.prepare import get_device, prepare_data_loader, prepare_model
+    from ringtrain.state import TrainState
     from ringtrain.trainer import Trainer
 
 _LAZY = {
@@ -31,6 +32,7 @@ _LAZY = {
     "prepare_model": "ringtrain.prepare",
     "prepare_data_loader": "ringtrain.prepare",
     "get_device": "ringtrain.prepare",
+    "TrainState": "ringtrain.state",
 }
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "Result",
     "RunConfig",
     "ScalingConfig",
+    "TrainState",
     "Trainer",
     "TrainingFailedError",
     "WorkerFailure",

@@ -32,7 +32,10 @@ class Report:
 
     ``checkpoint_files`` maps each file the rank uploaded for this round's checkpoint (path relative
     to the checkpoint directory) to ``{"size": bytes, "sha256": hex}``; ``None`` when the rank
-    attached no checkpoint.
+    attached no checkpoint, or when its files are still being written in the background
+    (``checkpoint_pending``: a :class:`CheckpointDone` for this round follows).
+    ``checkpoint_error``: why this rank's files could not be written (the round then has no
+    checkpoint; training goes on).
     """
 
     rank: int
@@ -40,6 +43,30 @@ class Report:
     time: float
     metrics: dict[str, Any]
     checkpoint_files: dict[str, dict[str, Any]] | None = None
+    checkpoint_pending: bool = False
+    checkpoint_error: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointDone:
+    """A background checkpoint write of ``round`` finished: ``files`` as in
+    :class:`Report`, or ``error`` when it failed after its retries."""
+
+    rank: int
+    round: int
+    files: dict[str, dict[str, Any]] | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent every few seconds by a worker thread: the rank last made progress (a batch, a step, a
+    report) ``progress_age_s`` seconds ago. Silence means the process itself is frozen."""
+
+    rank: int
+    time: float
+    progress_age_s: float
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +109,7 @@ class Exited:
     returncode: int
 
 
-Event = Hello | Report | WorkerError | Done | Exited
+Event = Hello | Report | CheckpointDone | Heartbeat | WorkerError | Done | Exited
 
 
 def new_authkey() -> bytes:

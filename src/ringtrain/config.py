@@ -109,11 +109,16 @@ class CheckpointConfig:
         checkpoint_score_attribute: a metric name reported with each checkpoint; checkpoints are
             ranked by it (``None``: ranked by recency).
         checkpoint_score_order: ``"max"`` keeps the highest scores, ``"min"`` the lowest.
+        async_save: write ``TrainState`` checkpoints on a background thread: ``report`` copies
+            the state to host memory and returns, the files are written while training goes on
+            (the next checkpoint waits for the previous one). False writes before ``report``
+            returns.
     """
 
     num_to_keep: int | None = None
     checkpoint_score_attribute: str | None = None
     checkpoint_score_order: Literal["max", "min"] = "max"
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None:
@@ -137,6 +142,10 @@ class CheckpointConfig:
                 "CheckpointConfig.checkpoint_score_order must be 'max' or 'min', "
                 f"got {self.checkpoint_score_order!r}"
             )
+        if not isinstance(self.async_save, bool):
+            raise TypeError(
+                f"CheckpointConfig.async_save must be True or False, got {self.async_save!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -149,9 +158,15 @@ class FailureConfig:
     Attributes:
         max_failures: how many worker-group failures to survive by restarting the group from the
             latest checkpoint; 0 stops at the first failure, -1 retries forever.
+        worker_timeout_s: a worker that shows no progress (no batch from a prepared loader, no
+            ``TrainState.step`` change, no report) for this many seconds, or whose process stops
+            answering, is treated as failed (hung). Also the timeout of every collective, so a
+            dead peer never blocks the group forever. ``None`` disables hang detection (the
+            collective timeout is then torch's default, 30 minutes).
     """
 
     max_failures: int = 0
+    worker_timeout_s: float | None = 600.0
 
     def __post_init__(self) -> None:
         _check_int(
@@ -161,6 +176,14 @@ class FailureConfig:
             -1,
             "use 0 to stop at the first failure, -1 to retry forever",
         )
+        t = self.worker_timeout_s
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t
+        ):
+            raise ValueError(
+                f"FailureConfig.worker_timeout_s must be a positive number of seconds or None, "
+                f"got {t!r} (None disables hang detection)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

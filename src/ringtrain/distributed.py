@@ -11,7 +11,7 @@ from ringtrain.env import DistributedContext
 DEFAULT_TIMEOUT_S = 1800.0
 
 
-def init_process_group(ctx: DistributedContext, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) -> None:
     """Initialise the default process group for ``ctx`` if it is not initialised yet.
 
     NCCL with ``cuda:{local_rank}`` as the current device when ``ctx.use_gpu``, gloo otherwise;
@@ -21,7 +21,7 @@ def init_process_group(ctx: DistributedContext, timeout_s: float = DEFAULT_TIMEO
     Args:
         ctx: the worker's context.
         timeout_s: collective timeout, seconds: a collective waiting longer raises instead of
-            blocking forever.
+            blocking forever. Default: the run's ``FailureConfig.worker_timeout_s``, else 1800.
     """
     import torch
     import torch.distributed as dist
@@ -46,6 +46,6 @@ def init_process_group(ctx: DistributedContext, timeout_s: float = DEFAULT_TIMEO
         init_method="env://",
         rank=ctx.world_rank,
         world_size=ctx.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=timeout_s or ctx.worker_timeout_s or DEFAULT_TIMEOUT_S),
         **kwargs,
     )

@@ -22,6 +22,8 @@ ENV_ATTEMPT = "RINGTRAIN_ATTEMPT"  # 0 on the first attempt
 ENV_USE_GPU = "RINGTRAIN_USE_GPU"  # "1" when workers drive one CUDA device each
 ENV_START_ROUND = "RINGTRAIN_START_ROUND"  # first report round of this attempt
 ENV_THREADS = "RINGTRAIN_NUM_THREADS"
+ENV_WORKER_TIMEOUT = "RINGTRAIN_WORKER_TIMEOUT_S"  # FailureConfig.worker_timeout_s ("" = none)
+ENV_ASYNC_CHECKPOINT = "RINGTRAIN_ASYNC_CHECKPOINT"  # "1": TrainState saves in the background
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,12 @@ class DistributedContext:
     run_dir: str | None = None
     source: str = "single"
     extra: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def worker_timeout_s(self) -> float | None:
+        """``FailureConfig.worker_timeout_s`` of the run (None: no hang detection)."""
+        text = self.extra.get(ENV_WORKER_TIMEOUT, "")
+        return float(text) if text else None
 
     @property
     def device(self) -> Any:
@@ -150,7 +158,17 @@ def context_from_env(environ: Mapping[str, str] | None = None) -> DistributedCon
         attempt=_int(env, ENV_ATTEMPT, "TORCHELASTIC_RESTART_COUNT", default=0),
         run_dir=env.get(ENV_RUN_DIR) or None,
         source=source,
-        extra={k: env[k] for k in (ENV_DRIVER_ADDR, ENV_AUTHKEY, ENV_START_ROUND) if k in env},
+        extra={
+            k: env[k]
+            for k in (
+                ENV_DRIVER_ADDR,
+                ENV_AUTHKEY,
+                ENV_START_ROUND,
+                ENV_WORKER_TIMEOUT,
+                ENV_ASYNC_CHECKPOINT,
+            )
+            if k in env
+        },
     )
 
 

@@ -2,7 +2,8 @@
 
 ``prepare_model`` applies, in this order: device placement, then data parallelism (DDP). Each step
 is a plain function of the module. ``prepare_data_loader`` gives each rank a disjoint shard of the
-data, moves batches to the device and advances the shuffle each epoch.
+data, moves batches to the device, advances the shuffle each epoch and keeps its position
+(epoch, batch) as resumable state.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from ringtrain.data import ResumableDistributedSampler
 from ringtrain.distributed import init_process_group
 from ringtrain.session import get_context
 
@@ -71,17 +73,24 @@ def prepare_data_loader(
     move_to_device: bool = True,
     seed: int = 0,
 ) -> PreparedDataLoader:
-    """Shard a DataLoader across ranks and move its batches to the device.
+    """Shard a DataLoader across ranks, move its batches to the device, and make its position
+    part of the training state.
 
-    The loader is rebuilt with a ``DistributedSampler`` (also at world size 1, so that the shuffle
-    order depends only on ``seed`` and the epoch, never on the world size: W workers with batch b
-    see, step by step, exactly the samples that 1 worker with batch W*b sees). ``shuffle=True`` is
-    kept as the sampler's shuffle; each ``iter()`` of the returned loader is the next epoch.
+    The loader is rebuilt with a :class:`~ringtrain.data.ResumableDistributedSampler` (also at
+    world size 1, so that the shuffle order depends only on ``seed`` and the epoch, never on the
+    world size: W workers with batch b see, step by step, exactly the samples that 1 worker with
+    batch W*b sees). ``shuffle=True`` is kept as the sampler's shuffle. The returned loader counts
+    the batches it has handed out; its ``state_dict()`` (saved by :class:`ringtrain.TrainState`)
+    lets a restarted worker continue at the next unseen batch of the same shuffle order, also with
+    ``num_workers > 0``. It also gets its own ``torch.Generator``, reseeded from ``(seed, epoch)``
+    at every ``iter()``, so that starting an epoch never draws from the global torch RNG (a plain
+    DataLoader draws its workers' base seed from it, which would make a resumed run diverge).
 
     Args:
         data_loader: a DataLoader over a map-style dataset with ``batch_size`` set.
-        add_dist_sampler: shard with a DistributedSampler (False: every rank iterates the loader
-            as given, e.g. when the dataset shards itself).
+        add_dist_sampler: shard with the resumable sampler (False: every rank iterates the loader
+            as given, e.g. when the dataset shards itself; a resume then skips the consumed
+            batches by drawing and discarding them).
         move_to_device: move every tensor in each batch (nested in tuples, lists, dicts) to
             ``get_device()``.
         seed: the shuffle seed, identical on every rank.
@@ -103,7 +112,7 @@ def prepare_data_loader(
                 "prepare_data_loader: the loader has a custom batch_sampler; shard it yourself and "
                 "pass add_dist_sampler=False"
             )
-        sampler: DistributedSampler[Any] = DistributedSampler(
+        sampler = ResumableDistributedSampler(
             data_loader.dataset,
             num_replicas=ctx.world_size,
             rank=ctx.world_rank,
@@ -111,12 +120,12 @@ def prepare_data_loader(
             seed=seed,
             drop_last=data_loader.drop_last,
         )
-        loader = _rebuild(data_loader, sampler)
+        loader = _rebuild(data_loader, sampler, torch.Generator())
     device = ctx.device if move_to_device else None
-    return PreparedDataLoader(loader, device)
+    return PreparedDataLoader(loader, device, seed=seed, world_size=ctx.world_size)
 
 
-def _rebuild(dl: DataLoader, sampler: DistributedSampler) -> DataLoader:
+def _rebuild(dl: DataLoader, sampler: DistributedSampler, generator: torch.Generator) -> DataLoader:
     kwargs: dict[str, Any] = dict(
         batch_size=dl.batch_size,
         sampler=sampler,
@@ -127,7 +136,7 @@ def _rebuild(dl: DataLoader, sampler: DistributedSampler) -> DataLoader:
         timeout=dl.timeout,
         worker_init_fn=dl.worker_init_fn,
         multiprocessing_context=dl.multiprocessing_context,
-        generator=dl.generator,
+        generator=generator,
         persistent_workers=dl.persistent_workers,
     )
     if dl.num_workers > 0:
@@ -135,19 +144,39 @@ def _rebuild(dl: DataLoader, sampler: DistributedSampler) -> DataLoader:
     return DataLoader(dl.dataset, **kwargs)
 
 
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return (seed * 1_000_003 + epoch) % (1 << 63)
+
+
 class PreparedDataLoader:
-    """A DataLoader whose every ``iter()`` starts the next epoch of its DistributedSampler and
-    whose batches are already on the worker's device.
+    """A DataLoader that knows its epoch and its position within it.
+
+    Iterating it yields the batches of the current epoch (already on the worker's device),
+    starting at the next unseen batch after a :meth:`load_state_dict`; running off the end of an
+    epoch advances to the next one, so ``for epoch in range(n): for batch in loader: ...`` sees
+    a fresh shuffle every epoch. ``set_epoch(e)`` selects an epoch explicitly, as with a
+    ``DistributedSampler``. Every batch handed out counts as progress for hang detection.
 
     Attributes:
         loader: the underlying ``DataLoader``.
-        epoch: the epoch the next ``iter()`` will use; ``set_epoch`` overrides it.
+        batch: how many batches of the current epoch this rank has handed out.
     """
 
-    def __init__(self, loader: DataLoader, device: torch.device | None) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        device: torch.device | None,
+        *,
+        seed: int = 0,
+        world_size: int = 1,
+    ) -> None:
         self.loader = loader
         self.device = device
-        self.epoch = 0
+        self.seed = seed
+        self.world_size = world_size
+        self.batch = 0
+        self._epoch = 0
+        self._resume_batch: int | None = None
 
     @property
     def sampler(self) -> Any:
@@ -161,19 +190,97 @@ class PreparedDataLoader:
     def batch_size(self) -> int | None:
         return self.loader.batch_size
 
+    def _resumable(self) -> ResumableDistributedSampler | None:
+        sampler = self.loader.sampler
+        return sampler if isinstance(sampler, ResumableDistributedSampler) else None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` uses."""
+        sampler = self._resumable()
+        return sampler.epoch if sampler is not None else self._epoch
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """Select the epoch of the next ``iter()``; a different epoch starts at its first batch."""
+        if epoch != self.epoch:
+            self.batch = 0
+            self._resume_batch = None
+        sampler = self._resumable()
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        elif isinstance(self.loader.sampler, DistributedSampler):
+            self.loader.sampler.set_epoch(epoch)
+        self._epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batch", "samples", "seed", "world_size", "batch_size"}``: ``batch`` is this
+        rank's batches handed out in ``epoch``; ``samples`` the global samples consumed
+        (``batch * batch_size * world_size``, capped at the epoch's end)."""
+        bs = self.loader.batch_size or 1
+        sampler = self._resumable()
+        per_rank = min(self.batch * bs, sampler.num_samples) if sampler else self.batch * bs
+        return {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "samples": per_rank * self.world_size,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "batch_size": self.loader.batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the position ``state`` records: the next ``iter()`` yields the first batch
+        of epoch ``state["epoch"]`` this rank has not seen.
+
+        Raises:
+            ValueError: if the world size, batch size or seed differ from the saved ones (the
+                saved position would then point at different samples).
+        """
+        for key, mine in (
+            ("world_size", self.world_size),
+            ("batch_size", self.loader.batch_size),
+            ("seed", self.seed),
+        ):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"cannot resume the data loader: the checkpoint was taken with {key}="
+                    f"{state.get(key)}, this run has {key}={mine} (resume with the same "
+                    "ScalingConfig and loader settings)"
+                )
+        self.set_epoch(int(state["epoch"]))
+        self.batch = int(state["batch"])
+        self._resume_batch = self.batch
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        if isinstance(self.loader.sampler, DistributedSampler):
-            self.loader.sampler.set_epoch(self.epoch)
-        self.epoch += 1
+        from ringtrain.session import mark_progress
+
+        start = self._resume_batch or 0
+        self._resume_batch = None
+        epoch = self.epoch
+        sampler = self._resumable()
+        skip = 0
+        if sampler is not None:
+            bs = self.loader.batch_size or 1
+            sampler.set_start(min(start * bs, sampler.num_samples) * sampler.num_replicas)
+        else:
+            skip = start
+            if isinstance(self.loader.sampler, DistributedSampler):
+                self.loader.sampler.set_epoch(epoch)
+        if self.loader.generator is not None and sampler is not None:
+            self.loader.generator.manual_seed(_epoch_seed(self.seed, epoch))
+        self.batch = start
         non_blocking = bool(self.loader.pin_memory)
         for batch in self.loader:
+            if skip:
+                skip -= 1
+                continue
+            self.batch += 1
+            mark_progress()
             yield batch if self.device is None else _to_device(batch, self.device, non_blocking)
+        self.set_epoch(epoch + 1)
 
 
 def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:

@@ -15,13 +15,16 @@ class WorkerFailure:
     Attributes:
         rank: the failed worker's rank.
         kind: ``"exception"`` (the train function raised), ``"signal"`` (killed by a signal),
-            ``"exit"`` (exited with a non-zero status without raising).
+            ``"exit"`` (exited with a non-zero status without raising), ``"hang"`` (no progress
+            within ``FailureConfig.worker_timeout_s``).
         message: one line, e.g. ``"rank 1 was killed by SIGKILL"``.
         exc_type: the exception's type name (``kind == "exception"``).
         traceback: the worker's formatted traceback (``kind == "exception"``).
         returncode: the process exit status (negative: the signal number), when known.
         attempt: which attempt of the run failed (0 on the first).
         round: the last report round this rank completed before failing (-1: none).
+        step: the rank's last known training step (``TrainState.step``, or a reported ``"step"``
+            metric), ``None`` when it never told.
         time: Unix time of the failure, seconds.
     """
 
@@ -34,6 +37,12 @@ class WorkerFailure:
     attempt: int = 0
     round: int = -1
     time: float = 0.0
+    step: int | None = None
+
+    def describe(self) -> str:
+        """``message`` plus where the rank was (attempt, step)."""
+        where = f" (last known step {self.step})" if self.step is not None else ""
+        return f"attempt {self.attempt}: {self.message}{where}"
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -56,7 +65,7 @@ class TrainingFailedError(RuntimeError):
         lines = [last.message]
         if len(self.failures) > 1:
             lines.append(f"failures ({len(self.failures)}):")
-            lines += [f"  attempt {f.attempt}: {f.message}" for f in self.failures]
+            lines += [f"  {f.describe()}" for f in self.failures]
         if last.traceback:
             lines += ["", f"Traceback of rank {last.rank}:", last.traceback.rstrip()]
         super().__init__("\n".join(lines))

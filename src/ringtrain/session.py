@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringtrain.channel import Report, WorkerChannel
+from ringtrain.channel import CheckpointDone, Heartbeat, Report, WorkerChannel
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.env import ENV_START_ROUND, DistributedContext, context_from_env
@@ -32,6 +32,10 @@ class Session:
         next_round: index of the next ``report()`` call.
         latest_checkpoint: the checkpoint to resume from (``None`` on a fresh run).
         reports: the reports of this rank, kept in memory when there is no driver.
+        async_checkpoint: write TrainState checkpoints on a background thread after staging
+            them to host memory (``CheckpointConfig.async_save``).
+        last_progress: ``time.monotonic()`` of the last sign of progress (a batch from a
+            prepared loader, a step, a report); what the heartbeat tells the driver.
     """
 
     context: DistributedContext
@@ -40,8 +44,42 @@ class Session:
     latest_checkpoint: Checkpoint | None = None
     reports: list[Report] = field(default_factory=list)
     last_metrics: dict[str, Any] = field(default_factory=dict)
+    async_checkpoint: bool = False
+    last_progress: float = field(default_factory=time.monotonic)
+    last_step: int | None = None
+    checkpoint_stalls: list[float] = field(default_factory=list)
+    _writer: Any = None
     _run_fs: Any = None
     _run_path: str | None = None
+
+    def start_heartbeat(self, interval_s: float) -> None:
+        """Every ``interval_s`` seconds, tell the driver how long ago this rank last made
+        progress. The driver, not the worker, decides when that is too long: a worker stuck in a
+        collective or in C code still answers from this thread, and a frozen one goes silent."""
+        channel = self.channel
+        if channel is None:
+            return
+        rank = self.context.world_rank
+
+        def beat() -> None:
+            while True:
+                time.sleep(interval_s)
+                age = time.monotonic() - self.last_progress
+                try:
+                    channel.send(
+                        Heartbeat(
+                            rank=rank, time=time.time(), progress_age_s=age, step=self.last_step
+                        )
+                    )
+                except (OSError, ValueError):
+                    return
+
+        threading.Thread(target=beat, name="ringtrain-heartbeat", daemon=True).start()
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint being written in the background (if any) is on storage."""
+        if self._writer is not None:
+            self._writer.wait()
 
     def run_storage(self) -> tuple[Any, str] | None:
         if self.context.run_dir is None:
@@ -81,6 +119,15 @@ def current_session() -> Session:
         return _session
 
 
+def mark_progress(step: int | None = None) -> None:
+    """Record that this worker is making progress (called per batch and per step; cheap)."""
+    session = _session
+    if session is not None:
+        session.last_progress = time.monotonic()
+        if step is not None:
+            session.last_step = step
+
+
 def get_context() -> DistributedContext:
     """Where this worker stands: ``world_rank``, ``world_size``, ``local_rank``,
     ``local_world_size``, ``node_rank``, ``device``, ``attempt``.
@@ -114,57 +161,129 @@ def _clean_metrics(metrics: Any) -> dict[str, Any]:
     return clean
 
 
-def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> None:
-    """Send this rank's metrics (and optionally checkpoint files) to the driver.
+def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
+    """Send this rank's metrics (and optionally a checkpoint) to the driver.
 
     Call it the same number of times on every rank: the driver matches the n-th call of every
     rank into round n. The metrics of every rank reach the driver (``Result.metrics_per_rank``);
-    rank 0's are the run's metrics (``Result.metrics``).
+    rank 0's are the run's metrics (``Result.metrics``). When every rank's part of a round's
+    checkpoint is on storage, the driver publishes it atomically (manifest with sizes and SHA-256,
+    then rename); a round whose write failed is reported and skipped, and training goes on.
 
     Args:
         metrics: metric name -> value; 0-d tensors and NumPy scalars become Python numbers.
             Values should be JSON-serialisable (others are logged as their ``repr``).
-        checkpoint: files to persist for this round. Any rank may pass one; all files of the round
-            land in one checkpoint directory ``checkpoint_NNNNNN`` (so ranks must use distinct
-            file names). The files are copied before ``report`` returns: the source directory may
-            be deleted right after.
+        checkpoint: a :class:`ringtrain.TrainState` (rank 0 writes the shared state once, every
+            rank its RNG and data position; with ``CheckpointConfig(async_save=True)``, the
+            default, the state is staged to host memory and written on a background thread, so
+            ``report`` returns before the files are on storage), or a :class:`Checkpoint` of a
+            directory of files (copied before ``report`` returns: the directory may be deleted
+            right after; all ranks' files land in one ``checkpoint_NNNNNN``, so ranks must use
+            distinct file names). Pass it on every rank.
 
     Raises:
-        TypeError: if ``metrics`` is not a dict with str keys, or ``checkpoint`` is not a
-            ``Checkpoint``.
+        TypeError: if ``metrics`` is not a dict with str keys, or ``checkpoint`` is neither a
+            ``TrainState`` nor a ``Checkpoint``.
     """
     session = current_session()
     clean = _clean_metrics(metrics)
     round_ = session.next_round
     files = None
+    error = None
+    pending = False
     if checkpoint is not None:
-        if not isinstance(checkpoint, Checkpoint):
+        if isinstance(checkpoint, Checkpoint):
+            files, error = _write_checkpoint(session, round_, directory=checkpoint)
+        elif hasattr(checkpoint, "_checkpoint_writers"):
+            files, error, pending = _save_state(session, round_, checkpoint)
+        else:
             raise TypeError(
-                "report(checkpoint=...) must be a ringtrain.Checkpoint "
-                "(use Checkpoint.from_directory(path)), got " + type(checkpoint).__name__
+                "report(checkpoint=...) must be a ringtrain.TrainState or a ringtrain.Checkpoint "
+                "(Checkpoint.from_directory(path)), got " + type(checkpoint).__name__
             )
-        files = _upload(session, checkpoint, round_)
     message = Report(
         rank=session.context.world_rank,
         round=round_,
         time=time.time(),
         metrics=clean,
         checkpoint_files=files,
+        checkpoint_pending=pending,
+        checkpoint_error=error,
     )
     session.next_round += 1
     session.last_metrics = clean
+    session.last_progress = time.monotonic()
     if session.channel is not None:
         session.channel.send(message)
     else:
         session.reports.append(message)
 
 
-def _upload(session: Session, checkpoint: Checkpoint, round_: int) -> dict[str, dict[str, Any]]:
+def _staging_dir(session: Session, round_: int) -> tuple[Any, str] | None:
     target = session.run_storage()
     if target is None:
-        # No run directory (a plain process): keep the checkpoint where it is.
-        return {}
+        return None
     fs, run_path = target
-    dest = storage.join(fs, run_path, storage.staging_dirname(round_))
-    with checkpoint.as_directory() as local_dir:
-        return storage.upload_directory(local_dir, fs, dest)
+    return fs, storage.join(fs, run_path, storage.staging_dirname(round_))
+
+
+def _write_checkpoint(
+    session: Session,
+    round_: int,
+    *,
+    directory: Checkpoint | None = None,
+    writers: dict[str, Any] | None = None,
+) -> tuple[dict[str, dict[str, Any]] | None, str | None]:
+    """Write this rank's files of round ``round_``; returns ``(files, None)`` or ``(None, why)``:
+    a storage failure that outlasted the retries costs this checkpoint, never the training."""
+    from ringtrain.checkpoint.writer import retry, write_files
+
+    target = _staging_dir(session, round_)
+    if target is None:
+        # No run directory (a plain process): nothing to publish to.
+        return {}, None
+    fs, dest = target
+    try:
+        if directory is not None:
+            with directory.as_directory() as local_dir:
+                files = retry(
+                    lambda: storage.upload_directory(local_dir, fs, dest),
+                    what=f"copying checkpoint files to {dest}",
+                )
+        else:
+            assert writers is not None
+            files = write_files(fs, dest, writers)
+        return files, None
+    except Exception as exc:
+        rank = session.context.world_rank
+        why = f"{type(exc).__name__}: {exc}"
+        return None, f"rank {rank} could not write its checkpoint files: {why}"
+
+
+def _save_state(session: Session, round_: int, state: Any) -> tuple[Any, str | None, bool]:
+    if session.run_storage() is None:
+        return {}, None, False
+    if not session.async_checkpoint or session.channel is None:
+        files, error = _write_checkpoint(session, round_, writers=state._checkpoint_writers(False))
+        return files, error, False
+    from ringtrain.checkpoint.writer import AsyncCheckpointWriter
+
+    if session._writer is None:
+        session._writer = AsyncCheckpointWriter()
+    writer = session._writer
+    start = time.perf_counter()
+    writer.wait()  # at most one staged copy in memory
+    writers = state._checkpoint_writers(True)
+    channel = session.channel
+    rank = session.context.world_rank
+
+    def job() -> None:
+        files, error = _write_checkpoint(session, round_, writers=writers)
+        try:
+            channel.send(CheckpointDone(rank=rank, round=round_, files=files, error=error))
+        except (OSError, ValueError):
+            pass
+
+    writer.submit(job)
+    session.checkpoint_stalls.append(time.perf_counter() - start)
+    return None, None, True

@@ -16,7 +16,7 @@ from ringtrain.checkpoint.storage import protocols
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
-from ringtrain.env import detect_source
+from ringtrain.env import ENV_ASYNC_CHECKPOINT, ENV_WORKER_TIMEOUT, detect_source
 from ringtrain.launch.base import Launcher, WorkerSpec
 from ringtrain.launch.local import LocalLauncher
 from ringtrain.monitor.progress import make_progress
@@ -256,6 +256,11 @@ def run_workers(
         },
     )
     threads = scaling_config.threads_per_worker()
+    timeout = run_config.failure_config.worker_timeout_s
+    worker_env = {
+        ENV_WORKER_TIMEOUT: "" if timeout is None else repr(float(timeout)),
+        ENV_ASYNC_CHECKPOINT: "1" if run_config.checkpoint_config.async_save else "0",
+    }
 
     def make_spec(attempt: int, start_round: int, latest: str | None) -> WorkerSpec:
         return WorkerSpec(
@@ -269,6 +274,7 @@ def run_workers(
             attempt=attempt,
             start_round=start_round,
             latest_checkpoint=latest,
+            env=dict(worker_env),
         )
 
     controller = Controller(
@@ -280,6 +286,7 @@ def run_workers(
         failure_policy=FailurePolicy(run_config.failure_config),
         progress=progress,
         callbacks=run_config.callbacks,
+        worker_timeout_s=timeout,
     )
     with _sigterm_as_interrupt():
         return controller.run()

@@ -41,6 +41,7 @@ class CheckpointManager:
         self.config = config
         self.checkpoints: list[TrackedCheckpoint] = []  # oldest first
         self.deleted: list[tuple[str, str]] = []  # (path, reason), for the event log
+        self.notes: list[str] = []  # checkpoints found invalid by latest_verified()
         self._warned_missing_score = False
 
     # ------------------------------------------------------------------ discovery
@@ -69,6 +70,53 @@ class CheckpointManager:
             found.append(TrackedCheckpoint(round_, ckpt, dict(manifest.get("metrics") or {})))
         self.checkpoints = sorted(found, key=lambda t: t.round)
         return notes
+
+    def remove_staging(self) -> None:
+        """Delete every staging directory (``checkpoint_NNNNNN.tmp``): only call it while no
+        worker is writing."""
+        if not self.fs.exists(self.run_path):
+            return
+        for entry in self.fs.ls(self.run_path, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("checkpoint_") and name.endswith(".tmp"):
+                self.fs.rm(entry, recursive=True)
+
+    def discard_staging(self, round_: int) -> None:
+        """Delete the staging directory of ``round_`` (its checkpoint will not be published)."""
+        path = storage.join(self.fs, self.run_path, storage.staging_dirname(round_))
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def latest_verified(self) -> TrackedCheckpoint | None:
+        """The newest checkpoint whose every file matches its manifest byte for byte (size and
+        SHA-256). Each invalid one met on the way is renamed ``checkpoint_NNNNNN.corrupt`` (kept
+        for inspection, never loaded), dropped from the list, and described in ``notes``."""
+        while self.checkpoints:
+            tracked = self.checkpoints[-1]
+            try:
+                storage.read_manifest(self.fs, tracked.checkpoint.path, verify_checksums=True)
+                return tracked
+            except (ValueError, OSError) as exc:
+                self.checkpoints.pop()
+                quarantine = tracked.checkpoint.path.rstrip("/") + ".corrupt"
+                try:
+                    if self.fs.exists(quarantine):
+                        self.fs.rm(quarantine, recursive=True)
+                    self.fs.mv(tracked.checkpoint.path, quarantine, recursive=True)
+                except OSError:
+                    pass
+                fallback = (
+                    f"resuming from {storage.checkpoint_dirname(self.checkpoints[-1].round)}"
+                    if self.checkpoints
+                    else "no valid checkpoint is left: starting from scratch"
+                )
+                self.notes.append(
+                    f"checkpoint {storage.checkpoint_dirname(tracked.round)} is invalid ({exc}); "
+                    f"set aside as {quarantine.rsplit('/', 1)[-1]}; {fallback}"
+                )
+        return None
 
     @property
     def next_round(self) -> int:

@@ -28,7 +28,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ringtrain.channel import Done, Event, Exited, Hello, Report, WorkerError
+from ringtrain.channel import (
+    CheckpointDone,
+    Done,
+    Event,
+    Exited,
+    Heartbeat,
+    Hello,
+    Report,
+    WorkerError,
+)
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.controller.policy import Decision, FailurePolicy
 from ringtrain.launch.base import Launcher, WorkerGroup, WorkerSpec
@@ -72,10 +81,23 @@ class _Attempt:
         self.done: set[int] = set()
         self.failures: dict[int, WorkerFailure] = {}
         self.first_failure_at: float | None = None
+        now = time.monotonic()
+        self.started_at = now
+        self.last_progress: dict[int, float] = dict.fromkeys(range(world_size), now)
+        self.last_seen: dict[int, float] = dict.fromkeys(range(world_size), now)
+        self.last_step: dict[int, int] = {}
+        # Checkpoint writes: round -> rank -> ("files", {...}) | ("error", "why").
+        self.outcomes: dict[int, dict[int, tuple[str, Any]]] = {}
+        # Rounds whose reports are all in but whose files are still being written.
+        self.writing: dict[int, tuple[dict[int, Report], set[int]]] = {}
 
     @property
     def all_exited(self) -> bool:
         return len(self.exited) == self.world_size
+
+    @property
+    def all_failed_or_exited(self) -> bool:
+        return all(r in self.failures or r in self.exited for r in range(self.world_size))
 
 
 class Controller:
@@ -90,8 +112,11 @@ class Controller:
         failure_policy: restart-or-raise decisions.
         progress: the live display.
         callbacks: user callbacks (``on_report``, ``on_checkpoint``, ``on_failure``, ``on_end``).
-        failure_grace_s: how long to keep collecting events after the first failure (seconds).
+        failure_grace_s: how long to keep collecting events after the first failure (seconds);
+            cut short once every rank has failed or exited.
         stop_grace_s: SIGTERM-to-SIGKILL grace when stopping a group (seconds).
+        worker_timeout_s: a rank without progress for this long is failed as hung (seconds;
+            ``None``: never).
     """
 
     def __init__(
@@ -108,6 +133,7 @@ class Controller:
         failure_grace_s: float = 1.0,
         stop_grace_s: float = 5.0,
         poll_interval_s: float = 0.1,
+        worker_timeout_s: float | None = None,
     ) -> None:
         self.launcher = launcher
         self.make_spec = make_spec
@@ -120,13 +146,14 @@ class Controller:
         self.failure_grace_s = failure_grace_s
         self.stop_grace_s = stop_grace_s
         self.poll_interval_s = poll_interval_s
+        self.worker_timeout_s = worker_timeout_s
 
         self.state = RunState.INITIALIZING
         self.group: WorkerGroup | None = None
         self.failures: list[WorkerFailure] = []
         self.error: TrainingFailedError | None = None
         self.metrics_per_rank: dict[int, dict[str, Any]] = {}
-        self.metrics_history: list[dict[str, Any]] = []
+        self._history: dict[int, dict[str, Any]] = {}  # round -> rank 0's metrics
         self.next_round = checkpoints.next_round
         self.start_time = time.time()
         self._attempt: _Attempt | None = None
@@ -175,7 +202,20 @@ class Controller:
         return result
 
     def _run_attempt(self, number: int) -> WorkerFailure | None:
-        latest = self.checkpoints.latest
+        # No worker runs now: what a previous attempt left half-written goes, and the checkpoint
+        # to resume from is checked byte by byte (a corrupt one is set aside, the one before used).
+        self.checkpoints.remove_staging()
+        latest = self.checkpoints.latest_verified()
+        for note in self.checkpoints.notes:
+            logger.warning(note)
+            self.progress.message(note)
+            self.run_dir.event("checkpoint_invalid", reason=note)
+        self.checkpoints.notes.clear()
+        # Rounds after the checkpoint we resume from are recomputed: their report indices must
+        # line up with the restored state, and their metrics replace the lost attempt's.
+        self.next_round = latest.round + 1 if latest is not None else 0
+        for stale in [r for r in self._history if r >= self.next_round]:
+            del self._history[stale]
         spec = self.make_spec(number, self.next_round, latest.checkpoint.uri if latest else None)
         self._attempt = attempt = _Attempt(number, spec.world_size)
         self.run_dir.event("run_start", world_size=spec.world_size, attempt=number)
@@ -187,9 +227,10 @@ class Controller:
             while not attempt.all_exited:
                 for event in self.group.poll(self.poll_interval_s):
                     self._handle(event)
-                if (
-                    attempt.first_failure_at is not None
-                    and time.monotonic() - attempt.first_failure_at > self.failure_grace_s
+                if attempt.first_failure_at is None:
+                    self._check_hang(attempt)
+                elif attempt.all_failed_or_exited or (
+                    time.monotonic() - attempt.first_failure_at > self.failure_grace_s
                 ):
                     break
         finally:
@@ -204,10 +245,26 @@ class Controller:
     def _handle(self, event: Event) -> None:
         attempt = self._attempt
         assert attempt is not None
+        rank = getattr(event, "rank", None)
+        if isinstance(rank, int) and not isinstance(event, Exited):
+            now = time.monotonic()
+            attempt.last_seen[rank] = now
+            if isinstance(event, Heartbeat):
+                attempt.last_progress[rank] = max(
+                    attempt.last_progress[rank], now - event.progress_age_s
+                )
+                if event.step is not None:
+                    attempt.last_step[rank] = event.step
+                return
+            attempt.last_progress[rank] = now
         if isinstance(event, Hello):
             self.progress.worker_state(event.rank, "running")
         elif isinstance(event, Report):
             self._on_report(attempt, event)
+        elif isinstance(event, CheckpointDone):
+            outcome = ("files", event.files) if event.error is None else ("error", event.error)
+            attempt.outcomes.setdefault(event.round, {})[event.rank] = outcome
+            self._try_publish(attempt, event.round)
         elif isinstance(event, Done):
             attempt.done.add(event.rank)
         elif isinstance(event, WorkerError):
@@ -222,42 +279,121 @@ class Controller:
                     attempt=attempt.number,
                     round=attempt.last_round.get(event.rank, -1),
                     time=event.time,
+                    step=attempt.last_step.get(event.rank),
                 ),
             )
         elif isinstance(event, Exited):
             self._on_exit(attempt, event)
 
+    def _check_hang(self, attempt: _Attempt) -> None:
+        """Fail the rank that stopped making progress first, once it has been stuck longer than
+        ``worker_timeout_s`` (its peers usually wait on it inside a collective)."""
+        timeout = self.worker_timeout_s
+        if timeout is None:
+            return
+        now = time.monotonic()
+        live = [r for r in range(attempt.world_size) if r not in attempt.exited]
+        stuck = [r for r in live if now - attempt.last_progress[r] > timeout]
+        if not stuck:
+            return
+        rank = min(live, key=lambda r: (attempt.last_progress[r], r))
+        idle = now - attempt.last_progress[rank]
+        silent = now - attempt.last_seen[rank]
+        if silent > timeout:
+            how = f"stopped answering for {silent:.1f} s (the process is frozen or stopped)"
+        else:
+            how = (
+                f"made no progress for {idle:.1f} s (alive, but stuck: a deadlock, an endless "
+                "loop, or waiting on a collective)"
+            )
+        others = sorted(set(stuck) - {rank})
+        waiting = f"; ranks {others} are stuck too, waiting on it" if others else ""
+        self._on_failure(
+            attempt,
+            WorkerFailure(
+                rank=rank,
+                kind="hang",
+                message=f"rank {rank} {how}, beyond worker_timeout_s={timeout:g}{waiting}",
+                attempt=attempt.number,
+                round=attempt.last_round.get(rank, -1),
+                time=time.time(),
+                step=attempt.last_step.get(rank),
+            ),
+        )
+
     def _on_report(self, attempt: _Attempt, report: Report) -> None:
         self.metrics_per_rank[report.rank] = report.metrics
         attempt.last_round[report.rank] = report.round
+        step = report.metrics.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            attempt.last_step[report.rank] = step
         self.run_dir.event(
             "report",
             time=report.time,
             rank=report.rank,
             round=report.round,
             metrics=report.metrics,
-            checkpoint=report.checkpoint_files is not None,
+            checkpoint=report.checkpoint_files is not None or report.checkpoint_pending,
         )
         self.progress.report(report.rank, report.round, report.metrics)
         self._callback("on_report", report.rank, report.round, report.metrics)
+        if report.checkpoint_files is not None:
+            attempt.outcomes.setdefault(report.round, {})[report.rank] = (
+                "files",
+                report.checkpoint_files,
+            )
+        elif report.checkpoint_error is not None:
+            attempt.outcomes.setdefault(report.round, {})[report.rank] = (
+                "error",
+                report.checkpoint_error,
+            )
         reports = attempt.pending.setdefault(report.round, {})
         reports[report.rank] = report
         if len(reports) == attempt.world_size:
             del attempt.pending[report.round]
-            self._complete_round(report.round, reports)
+            self._complete_round(attempt, report.round, reports)
 
-    def _complete_round(self, round_: int, reports: dict[int, Report]) -> None:
+    def _complete_round(self, attempt: _Attempt, round_: int, reports: dict[int, Report]) -> None:
         metrics = reports[0].metrics if 0 in reports else next(iter(reports.values())).metrics
-        self.metrics_history.append(metrics)
+        self._history[round_] = metrics
         self.next_round = round_ + 1
+        self.progress.round_complete(round_, metrics)
+        expected = {
+            rank
+            for rank, r in reports.items()
+            if r.checkpoint_files is not None or r.checkpoint_pending or r.checkpoint_error
+        }
+        if expected:
+            attempt.writing[round_] = (reports, expected)
+            self._try_publish(attempt, round_)
+
+    def _try_publish(self, attempt: _Attempt, round_: int) -> None:
+        """Publish round ``round_``'s checkpoint once all its reports are in and every rank that
+        attached files has finished writing them."""
+        if round_ not in attempt.writing:
+            return
+        reports, expected = attempt.writing[round_]
+        outcomes = attempt.outcomes.get(round_, {})
+        if not expected <= outcomes.keys():
+            return
+        del attempt.writing[round_]
+        attempt.outcomes.pop(round_, None)
+        metrics = reports[0].metrics if 0 in reports else next(iter(reports.values())).metrics
+        errors = [why for kind, why in (outcomes[r] for r in sorted(expected)) if kind == "error"]
+        if errors:
+            message = (
+                f"checkpoint of round {round_} was not saved ({'; '.join(errors)}); "
+                "training continues, a restart would resume from the previous checkpoint"
+            )
+            logger.warning(message)
+            self.progress.message(message)
+            self.run_dir.event("checkpoint_failed", round=round_, errors=errors)
+            self.checkpoints.discard_staging(round_)
+            return
         files: dict[str, dict[str, Any]] = {}
         owners: dict[str, int] = {}
-        attached = False
-        for rank in sorted(reports):
-            rank_files = reports[rank].checkpoint_files
-            if rank_files is None:
-                continue
-            attached = True
+        for rank in sorted(expected):
+            rank_files = outcomes[rank][1]
             for rel, info in rank_files.items():
                 if rel in files:
                     self.progress.message(
@@ -266,19 +402,17 @@ class Controller:
                     )
                     info = _digest_on_storage(self.checkpoints, round_, rel)
                 files[rel] = {**info, "rank": owners.setdefault(rel, rank)}
-        if attached:
-            score_metrics = dict(metrics)
-            for r in sorted(reports):  # a score attribute only some rank reported still counts
-                for k, v in reports[r].metrics.items():
-                    score_metrics.setdefault(k, v)
-            tracked = self.checkpoints.publish(round_, files, score_metrics)
-            name = tracked.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
-            self.run_dir.event("checkpoint", round=round_, path=name, metrics=metrics)
-            for path, reason in self.checkpoints.deleted:
-                self.run_dir.event("checkpoint_deleted", path=path, reason=reason)
-            self.checkpoints.deleted.clear()
-            self._callback("on_checkpoint", tracked.checkpoint, metrics)
-        self.progress.round_complete(round_, metrics)
+        score_metrics = dict(metrics)
+        for r in sorted(reports):  # a score attribute only some rank reported still counts
+            for k, v in reports[r].metrics.items():
+                score_metrics.setdefault(k, v)
+        tracked = self.checkpoints.publish(round_, files, score_metrics)
+        name = tracked.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+        self.run_dir.event("checkpoint", round=round_, path=name, metrics=metrics)
+        for path, reason in self.checkpoints.deleted:
+            self.run_dir.event("checkpoint_deleted", path=path, reason=reason)
+        self.checkpoints.deleted.clear()
+        self._callback("on_checkpoint", tracked.checkpoint, metrics)
 
     def _on_failure(self, attempt: _Attempt, failure: WorkerFailure) -> None:
         previous = attempt.failures.get(failure.rank)
@@ -321,6 +455,7 @@ class Controller:
                 attempt=attempt.number,
                 round=attempt.last_round.get(event.rank, -1),
                 time=event.time,
+                step=attempt.last_step.get(event.rank),
             ),
         )
 
@@ -346,7 +481,7 @@ class Controller:
             path=self.run_dir.uri,
             error=self.error,
             failures=list(self.failures),
-            metrics_history=list(self.metrics_history),
+            metrics_history=[self._history[r] for r in sorted(self._history)],
         )
 
     def _write_result(self) -> None:

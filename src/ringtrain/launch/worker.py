@@ -30,6 +30,7 @@ from typing import Any
 from ringtrain.channel import Done, Hello, Start, WorkerChannel, WorkerError
 from ringtrain.distributed import init_process_group
 from ringtrain.env import (
+    ENV_ASYNC_CHECKPOINT,
     ENV_AUTHKEY,
     ENV_DRIVER_ADDR,
     ENV_START_ROUND,
@@ -89,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         channel=channel,
         next_round=int(ctx.extra.get(ENV_START_ROUND, "0")),
         latest_checkpoint=Checkpoint(start.latest_checkpoint) if start.latest_checkpoint else None,
+        async_checkpoint=ctx.extra.get(ENV_ASYNC_CHECKPOINT) == "1",
     )
     session_mod._install_session(sess)
+    sess.start_heartbeat(heartbeat_interval(ctx.worker_timeout_s))
 
     code = 0
     try:
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 train_fn(config if config is not None else {})
             else:
                 train_fn()
+        sess.wait_for_checkpoint()  # the last checkpoint must be on storage before Done
         channel.send(Done(rank=ctx.world_rank, time=time.time(), rounds=sess.next_round))
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
@@ -136,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         _destroy_process_group()
         channel.close()
     return code
+
+
+def heartbeat_interval(worker_timeout_s: float | None) -> float:
+    """Seconds between heartbeats: five per timeout, at most one per second, at least one per 2 s
+    (so the driver sees a frozen process well within the timeout)."""
+    if worker_timeout_s is None:
+        return 2.0
+    return max(0.05, min(2.0, worker_timeout_s / 5))
 
 
 def _takes_config(fn: Any) -> bool:

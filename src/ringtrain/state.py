@@ -1,0 +1,389 @@
+"""``TrainState``: what a bit-exact resume needs, saved by ``report(..., checkpoint=state)``.
+
+A checkpoint of a TrainState is two kinds of file in the round's checkpoint directory:
+
+- ``train_state.pt``, written by rank 0 only: the state dicts of the model (unwrapped from DDP, so
+  it loads at any world size), optimizer, LR scheduler, gradient scaler and any other registered
+  Stateful object, plus ``step``, ``epoch`` and the user's plain extras. Under data parallelism
+  these are identical on every rank, so they are stored once.
+- ``rank_NNNNN.pt``, one per rank: that rank's RNG states (Python ``random``, NumPy's legacy global
+  generator, torch CPU, and every CUDA device when CUDA is initialised) and its data loader
+  position.
+
+Both are loaded with ``torch.load(weights_only=True)``: a checkpoint file can never run code. The
+contract: restore, then continue, and the parameters are bit-identical to never having stopped
+(on CPU, or on GPU with deterministic kernels), because every source of nondeterminism between two
+steps is in the state: parameters, optimizer moments, schedule, RNG streams and data order.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ringtrain.checkpoint.checkpoint import Checkpoint
+from ringtrain.session import get_checkpoint, get_context, mark_progress
+
+logger = logging.getLogger("ringtrain")
+
+STATE_FILE = "train_state.pt"
+FORMAT = 1
+_NAMED = ("model", "optimizer", "lr_scheduler", "grad_scaler", "data_loader")
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def rank_file(rank: int) -> str:
+    """The per-rank file of ``rank`` in a TrainState checkpoint."""
+    return f"rank_{rank:05d}.pt"
+
+
+def _find_unsavable(value: Any, where: str, depth: int = 0) -> str | None:
+    """The first place in ``value`` that ``torch.load(weights_only=True)`` could not read back."""
+    if isinstance(value, (torch.Tensor, *_PLAIN)):
+        return None
+    if depth > 64:
+        return f"{where} is nested too deeply"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, int, float, bool, type(None))):
+                return f"{where} has a key of type {type(k).__name__}"
+            found = _find_unsavable(v, f"{where}[{k!r}]", depth + 1)
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple, set)):
+        for i, v in enumerate(value):
+            found = _find_unsavable(v, f"{where}[{i}]", depth + 1)
+            if found:
+                return found
+        return None
+    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _unwrap(model: Any) -> Any:
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+def _stage(value: Any) -> Any:
+    """A copy of ``value`` whose tensors live in (fresh) host memory: safe to write from another
+    thread while training goes on mutating the originals."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        return t.to("cpu", non_blocking=False)
+    if isinstance(value, OrderedDict):
+        return OrderedDict((k, _stage(v)) for k, v in value.items())
+    if isinstance(value, dict):
+        return {k: _stage(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_stage(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_stage(v) for v in value)
+    return value
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states: Python, NumPy (legacy global), torch CPU, CUDA (if used)."""
+    np_state = np.random.get_state(legacy=False)
+    assert isinstance(np_state, dict)
+    key = np_state["state"]["key"]
+    rng: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    """Set the RNG states :func:`capture_rng` returned."""
+    random.setstate(_as_tuple(rng["python"]))
+    n = rng["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": n["bit_generator"],
+            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": int(n["pos"])},
+            "has_gauss": int(n["has_gauss"]),
+            "gauss": float(n["gauss"]),
+        }
+    )
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        states = rng["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        else:
+            logger.warning(
+                "checkpoint has CUDA RNG states for %d devices, this process sees %d; "
+                "CUDA RNG not restored",
+                len(states),
+                torch.cuda.device_count(),
+            )
+
+
+def _as_tuple(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_as_tuple(v) for v in value)
+    return value
+
+
+def _torch_writer(obj: Any) -> Callable[[Any], None]:
+    return lambda f: torch.save(obj, f)
+
+
+class TrainState:
+    """The training state that a restart restores bit-exactly.
+
+    Args:
+        model: the model (DDP-wrapped or not; saved unwrapped).
+        optimizer: a ``torch.optim.Optimizer``.
+        lr_scheduler: a ``torch.optim.lr_scheduler.LRScheduler``.
+        grad_scaler: a ``torch.amp.GradScaler``.
+        data_loader: the loader returned by :func:`ringtrain.prepare_data_loader` (or any object
+            with ``state_dict``/``load_state_dict``, e.g. torchdata's ``StatefulDataLoader``); its
+            position is saved per rank.
+        step: the optimizer step counter (steps).
+        epoch: the epoch counter (epochs).
+        **extras: more Stateful objects (anything with ``state_dict``/``load_state_dict``: an EMA
+            model, a second optimizer...) or plain values (numbers, strings, tensors, and lists,
+            tuples and dicts of them), read and written as ``state["name"]``.
+
+    Raises:
+        TypeError: naming every object that cannot be saved: not Stateful and not a plain value, a
+            plain ``DataLoader`` (it has no position; use ``prepare_data_loader``), or a state dict
+            holding something a ``weights_only`` checkpoint cannot hold (a function, a custom
+            class).
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        grad_scaler: Any = None,
+        data_loader: Any = None,
+        *,
+        step: int = 0,
+        epoch: int = 0,
+        **extras: Any,
+    ) -> None:
+        objects: dict[str, Any] = {}
+        plain: dict[str, Any] = {}
+        problems: list[str] = []
+        named = dict(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            grad_scaler=grad_scaler,
+            data_loader=data_loader,
+        )
+        for name, obj in [*named.items(), *extras.items()]:
+            if obj is None and name in _NAMED:
+                continue
+            if isinstance(obj, torch.utils.data.DataLoader):
+                problems.append(
+                    f"{name}: a torch DataLoader has no saved position; pass the loader "
+                    "returned by ringtrain.prepare_data_loader()"
+                )
+            elif _is_stateful(obj):
+                target = _unwrap(obj) if name == "model" else obj
+                try:
+                    found = _find_unsavable(target.state_dict(), f"{name}.state_dict()")
+                except Exception as exc:  # a state_dict() that cannot even be built
+                    found = f"{name}.state_dict() raised {type(exc).__name__}: {exc}"
+                if found:
+                    problems.append(f"{name}: {found}, which a weights_only checkpoint cannot hold")
+                objects[name] = obj
+            elif name in _NAMED:
+                problems.append(
+                    f"{name}: a {type(obj).__name__} has no state_dict()/load_state_dict()"
+                )
+            else:
+                found = _find_unsavable(obj, name)
+                if found:
+                    problems.append(
+                        f"{name}: {found}; extras must be Stateful (state_dict/load_state_dict) "
+                        "or plain values (numbers, strings, tensors, lists and dicts of them)"
+                    )
+                plain[name] = obj
+        if problems:
+            raise TypeError("TrainState cannot save:\n  " + "\n  ".join(problems))
+        self._objects = objects
+        self.extras = plain
+        self._step = int(step)
+        self.epoch = int(epoch)
+        self.restored_from: Checkpoint | None = None
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def step(self) -> int:
+        """The step counter; setting it counts as progress for hang detection."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = int(value)
+        mark_progress(self._step)
+
+    @property
+    def data_loader(self) -> Any:
+        return self._objects.get("data_loader")
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self.extras:
+            return self.extras[name]
+        return self._objects[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if name in self._objects:
+            raise KeyError(f"{name!r} is a registered Stateful object; it cannot be replaced")
+        found = _find_unsavable(value, name)
+        if found:
+            raise TypeError(f"TrainState[{name!r}]: {found}, which a checkpoint cannot hold")
+        self.extras[name] = value
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """Yield the epochs from the current (restored) one up to ``num_epochs - 1``.
+
+        Before each epoch the data loader is set to it (a restored position within that epoch is
+        kept); after the body of an epoch, ``epoch`` advances.
+        """
+        while self.epoch < num_epochs:
+            loader = self.data_loader
+            if loader is not None and hasattr(loader, "set_epoch"):
+                loader.set_epoch(self.epoch)
+            yield self.epoch
+            self.epoch += 1
+
+    # ------------------------------------------------------------------ saving
+    def _shared_payload(self) -> dict[str, Any]:
+        objects = {}
+        for name, obj in self._objects.items():
+            if name == "data_loader":
+                continue
+            objects[name] = (_unwrap(obj) if name == "model" else obj).state_dict()
+        return {
+            "format": FORMAT,
+            "step": self._step,
+            "epoch": self.epoch,
+            "world_size": get_context().world_size,
+            "objects": objects,
+            "extras": dict(self.extras),
+        }
+
+    def _rank_payload(self) -> dict[str, Any]:
+        loader = self.data_loader
+        return {
+            "format": FORMAT,
+            "rank": get_context().world_rank,
+            "step": self._step,
+            "epoch": self.epoch,
+            "rng": capture_rng(),
+            "data_loader": loader.state_dict() if loader is not None else None,
+        }
+
+    def _checkpoint_writers(self, stage: bool) -> dict[str, Callable[[Any], None]]:
+        """This rank's files of a checkpoint, as ``name -> writer``. With ``stage``, every tensor
+        is first copied to fresh host memory, so the writers may run on another thread while
+        training continues."""
+        rank = get_context().world_rank
+        payloads = {rank_file(rank): self._rank_payload()}
+        if rank == 0:
+            payloads[STATE_FILE] = self._shared_payload()
+        if stage:
+            payloads = {name: _stage(obj) for name, obj in payloads.items()}
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+        return {name: _torch_writer(obj) for name, obj in payloads.items()}
+
+    # ------------------------------------------------------------------ restoring
+    def restore(self, checkpoint: Checkpoint | None = None) -> bool:
+        """Load the state of ``checkpoint`` (default: the run's latest, ``get_checkpoint()``).
+
+        A no-op returning False on a fresh run. Loads with ``weights_only=True``.
+
+        Returns:
+            True if a checkpoint was restored.
+
+        Raises:
+            ValueError: if the checkpoint holds no TrainState, lacks an object registered here,
+                or its data position does not fit this run (another world size or batch size).
+        """
+        ckpt = checkpoint if checkpoint is not None else get_checkpoint()
+        if ckpt is None:
+            return False
+        rank = get_context().world_rank
+        shared = _load(ckpt, STATE_FILE)
+        if shared is None:
+            raise ValueError(
+                f"{ckpt.uri} holds no {STATE_FILE}: it was not saved from a TrainState "
+                "(report(..., checkpoint=state))"
+            )
+        saved = shared["objects"]
+        missing = [n for n in self._objects if n != "data_loader" and n not in saved]
+        if missing:
+            raise ValueError(
+                f"{ckpt.uri} has no state for {', '.join(missing)} (registered in this "
+                "TrainState, absent when the checkpoint was saved)"
+            )
+        for name, obj in self._objects.items():
+            if name == "data_loader":
+                continue
+            (_unwrap(obj) if name == "model" else obj).load_state_dict(saved[name])
+        extra_saved = [n for n in saved if n not in self._objects]
+        if extra_saved:
+            logger.warning("checkpoint state for %s ignored (not registered)", extra_saved)
+        self.extras.update(shared.get("extras") or {})
+        self._step = int(shared["step"])
+        self.epoch = int(shared["epoch"])
+        per_rank = _load(ckpt, rank_file(rank))
+        if per_rank is None:
+            raise ValueError(
+                f"{ckpt.uri} has no {rank_file(rank)}: it was saved by "
+                f"{shared.get('world_size')} workers, this run has {get_context().world_size}"
+            )
+        loader = self.data_loader
+        if loader is not None and per_rank.get("data_loader") is not None:
+            loader.load_state_dict(per_rank["data_loader"])
+            # A checkpoint taken after the loader ran off the end of an epoch (but before the
+            # epoch loop advanced) resumes at the next epoch, not at a replay of this one.
+            if getattr(loader, "batch", None) == 0 and getattr(loader, "epoch", 0) > self.epoch:
+                self.epoch = int(loader.epoch)
+        restore_rng(per_rank["rng"])
+        self.restored_from = ckpt
+        logger.info("restored step %d, epoch %d from %s", self._step, self.epoch, ckpt.uri)
+        return True
+
+
+def _load(ckpt: Checkpoint, name: str) -> Any:
+    fs = ckpt.filesystem
+    path = ckpt.path.rstrip("/") + "/" + name
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "rb") as f:
+        data = f.read()
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
