@@ -115,7 +115,10 @@ def test_scan_skips_invalid_and_removes_staging(run_location):
     notes = fresh.scan()
     assert [t.round for t in fresh.checkpoints] == [0]
     assert fresh.next_round == 1
-    assert any("checkpoint_000001" in n and "bytes" in n for n in notes)
+    # the invalid checkpoint is set aside (kept for inspection, never loaded) and described
+    assert [n for n in fresh.notes if "checkpoint_000001" in n and "bytes" in n]
+    assert not fs.exists(storage.join(fs, path, "checkpoint_000001"))
+    assert fs.exists(storage.join(fs, path, "checkpoint_000001.corrupt"))
     assert any("checkpoint_000002.tmp" in n for n in notes)
     assert not fs.exists(storage.join(fs, path, "checkpoint_000002.tmp"))
 

@@ -199,14 +199,30 @@ def test_running_again_with_the_same_name_continues_the_run(tmp_path):
     assert names == [f"checkpoint_00000{i}" for i in range(4)]
 
 
-def test_memory_storage_is_rejected_for_worker_processes(tmp_path):
-    trainer = rt.Trainer(
+def test_memory_storage_carries_checkpoints_through_a_restart(tmp_path):
+    """memory:// lives in the driver: workers stage files locally, the driver publishes them."""
+    import fsspec
+
+    url = f"memory://{tmp_path.name}/runs"
+    result = rt.Trainer(
         workloads.flaky_fn,
         rt.ScalingConfig(num_workers=2),
-        rt.RunConfig(name="mem", storage_path="memory://runs"),
-    )
-    with pytest.raises(ValueError, match="memory:// lives inside one process"):
-        trainer.fit()
+        rt.RunConfig(
+            name="mem",
+            storage_path=url,
+            failure_config=rt.FailureConfig(max_failures=1),
+            progress="off",
+        ),
+        train_loop_config={"steps": 5, "fail_at": 3},
+    ).fit()
+    assert result.metrics == {"step": 4, "attempt": 1, "start": 3}
+    assert result.checkpoint.uri.endswith(f"/{tmp_path.name}/runs/mem/checkpoint_000004")
+    assert result.checkpoint.uri.startswith("memory://")
+    fs = fsspec.filesystem("memory")
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"/{tmp_path.name}/runs/mem", detail=False))
+    assert "checkpoint_000004" in names and not [n for n in names if n.endswith(".tmp")]
+    with result.checkpoint.as_directory() as d:
+        assert torch.load(os.path.join(d, "model.pt"), weights_only=True)["step"] == 4
 
 
 @pytest.mark.parametrize("threads", [1, 3])

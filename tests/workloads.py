@@ -8,8 +8,10 @@ import signal
 import tempfile
 import time
 
+import fsspec
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringtrain as rt
@@ -184,7 +186,8 @@ def exact_fn(config):
     """The issue's loop: dropout (torch RNG), NumPy and Python noise, momentum SGD, StepLR,
     checkpoints every ``every`` steps and at each epoch's end. On attempt 0, rank
     ``config["kill_rank"]`` SIGKILLs itself at ``config["kill"]``:
-    ``("step", n)``, ``("epoch_start", e)`` or ``("write", round, bytes)``.
+    ``("step", n)``, ``("epoch_start", e)`` or ``("write", round, bytes)``; or hangs after step
+    ``n`` with ``("hang", n)`` (sleeps) or ``("freeze", n)`` (SIGSTOPs itself).
     Rank 0 saves the final parameters and optimizer state to ``config["out"]``."""
     import random
 
@@ -231,6 +234,10 @@ def exact_fn(config):
             state.step += 1
             if kill and kill == ("step", state.step):
                 _kill_self()
+            if kill and kill == ("hang", state.step):
+                time.sleep(3600)  # alive, heartbeating, but no progress; the peer blocks too
+            if kill and kill == ("freeze", state.step):
+                os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops answering
             if state.step % every == 0:
                 rt.report({"loss": loss.item(), "step": state.step}, checkpoint=state)
         rt.report({"loss": loss.item(), "step": state.step, "epoch_end": epoch}, checkpoint=state)
@@ -240,3 +247,29 @@ def exact_fn(config):
             {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": state.step},
             config["out"],
         )
+
+
+class FlakyFileSystem(LocalFileSystem):
+    """``flaky://`` paths are local paths whose checkpoint ``.pt`` writes fail: the first
+    ``RT_FLAKY_FAILS`` of them in each process (transient), or all (``RT_FLAKY_FAILS=always``)."""
+
+    protocol = ("flaky",)
+    failed = 0
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        if path.startswith("flaky://"):
+            path = path[len("flaky://") :]
+        return super()._strip_protocol(path)
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "w" in mode and str(path).endswith(".pt"):
+            budget = os.environ.get("RT_FLAKY_FAILS", "0")
+            if budget == "always" or FlakyFileSystem.failed < int(budget):
+                FlakyFileSystem.failed += 1
+                raise ConnectionError(f"flaky storage: write of {path} refused")
+        return super()._open(path, mode=mode, **kwargs)
+
+
+fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)

@@ -61,12 +61,14 @@ class CheckpointDone:
 @dataclass(frozen=True)
 class Heartbeat:
     """Sent every few seconds by a worker thread: the rank last made progress (a batch, a step, a
-    report) ``progress_age_s`` seconds ago. Silence means the process itself is frozen."""
+    report) ``progress_age_s`` seconds ago (``None``: still starting up, no progress yet);
+    ``progress_count`` counts those signs. Silence means the process itself is frozen."""
 
     rank: int
     time: float
-    progress_age_s: float
+    progress_age_s: float | None
     step: int | None = None
+    progress_count: int = 0
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,15 @@ ringtrain.report(metrics, checkpoint) and ringtrain.prepare_model(); a script
 that calls ringtrain.Trainer(...).fit() runs its train function in place as
 its rank. Everything after SCRIPT is passed to the script unchanged.
 
-Example:
+A worker that raises, exits, is killed or hangs stops the group; with
+--max-failures K the group restarts up to K times and every rank resumes from
+the latest valid checkpoint (ringtrain.TrainState makes that bit-exact). If the
+driver itself dies, `ringtrain run --resume RUN_DIR` continues the run.
+
+Examples:
   ringtrain run -n 2 examples/mnist.py --epochs 3
+  ringtrain run -n 2 --max-failures 3 --name exact examples/mnist.py
+  ringtrain run --resume runs/exact
 """
 
 
@@ -67,8 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-workers",
         dest="num_workers",
         type=_positive_int,
-        default=1,
+        default=None,
         help="number of worker processes, the world size (default: 1)",
+    )
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR (after its driver died, or to retry a failed run) "
+        "from its latest valid checkpoint, with the script, arguments and settings it was "
+        "started with; options given here override them",
     )
     run.add_argument("--name", help="run name (default: SCRIPT's stem and a timestamp)")
     run.add_argument(
@@ -81,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--max-failures",
         type=int,
-        default=0,
+        default=None,
         help="restart the workers after up to this many failures (-1: forever; default: 0)",
     )
     run.add_argument(
@@ -106,7 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="live display on a terminal, log lines otherwise (default: auto)",
     )
-    run.add_argument("script", metavar="SCRIPT", help="the per-worker Python script")
+    run.add_argument(
+        "--worker-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="fail a worker that makes no progress for this long (default: 600; 0: never)",
+    )
+    run.add_argument(
+        "--sync-checkpoints",
+        action="store_true",
+        help="write TrainState checkpoints before report() returns (default: in the background)",
+    )
+    run.add_argument("script", nargs="?", metavar="SCRIPT", help="the per-worker Python script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="its arguments")
 
     ls = sub.add_parser(
@@ -141,25 +166,54 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import dataclasses
+
     from ringtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
-    if not os.path.isfile(args.script):
+    saved = None
+    if args.resume is not None:
+        if args.script is not None:
+            parser.error("--resume RUN_DIR continues a run with its own SCRIPT; give no SCRIPT")
+        from ringtrain.trainer import load_saved_run
+
+        try:
+            saved = load_saved_run(args.resume)
+        except (FileNotFoundError, ValueError, TypeError) as exc:
+            parser.error(f"--resume: {exc}")
+    elif args.script is None:
+        parser.error("give SCRIPT to run, or --resume RUN_DIR")
+    elif not os.path.isfile(args.script):
         parser.error(f"SCRIPT {args.script!r} is not a file")
     try:
-        scaling = ScalingConfig(
-            num_workers=args.num_workers,
-            use_gpu=args.gpu,
-            resources_per_worker={"CPU": args.threads} if args.threads else None,
-        )
-        run_config = RunConfig(
-            name=args.name,
-            storage_path=args.storage_path,
-            failure_config=FailureConfig(max_failures=args.max_failures),
-            checkpoint_config=CheckpointConfig(
+        if saved is not None:
+            scaling = saved.scaling_config
+            if args.num_workers is not None:
+                scaling = dataclasses.replace(scaling, num_workers=args.num_workers)
+            failure = saved.run_config.failure_config
+            checkpoint = saved.run_config.checkpoint_config
+        else:
+            scaling = ScalingConfig(
+                num_workers=args.num_workers or 1,
+                use_gpu=args.gpu,
+                resources_per_worker={"CPU": args.threads} if args.threads else None,
+            )
+            failure = FailureConfig()
+            checkpoint = CheckpointConfig(
                 num_to_keep=args.num_to_keep,
                 checkpoint_score_attribute=args.checkpoint_score_attribute,
                 checkpoint_score_order=args.checkpoint_score_order,
-            ),
+            )
+        if args.max_failures is not None:
+            failure = dataclasses.replace(failure, max_failures=args.max_failures)
+        if args.worker_timeout is not None:
+            failure = dataclasses.replace(failure, worker_timeout_s=args.worker_timeout or None)
+        if args.sync_checkpoints:
+            checkpoint = dataclasses.replace(checkpoint, async_save=False)
+        run_config = RunConfig(
+            name=saved.name if saved else args.name,
+            storage_path=saved.storage_path if saved else args.storage_path,
+            failure_config=failure,
+            checkpoint_config=checkpoint,
             progress=args.progress,
         )
         from ringtrain.trainer import default_run_name, run_workers, validate_gpus
@@ -167,16 +221,29 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         validate_gpus(scaling)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
-    stem = os.path.splitext(os.path.basename(args.script))[0]
     try:
-        result = run_workers(
-            name=run_config.name or default_run_name(stem),
-            entrypoint=args.script,
-            scaling_config=scaling,
-            run_config=run_config,
-            script=os.path.abspath(args.script),
-            script_args=tuple(args.script_args),
-        )
+        if saved is not None:
+            result = run_workers(
+                name=saved.name,
+                entrypoint=saved.entrypoint,
+                scaling_config=scaling,
+                run_config=run_config,
+                payload=saved.payload if saved.script is None else None,
+                script=saved.script,
+                script_args=saved.script_args,
+                train_loop_config=saved.train_loop_config,
+            )
+        else:
+            script = str(args.script)
+            stem = os.path.splitext(os.path.basename(script))[0]
+            result = run_workers(
+                name=run_config.name or default_run_name(stem),
+                entrypoint=script,
+                scaling_config=scaling,
+                run_config=run_config,
+                script=os.path.abspath(script),
+                script_args=tuple(args.script_args),
+            )
     except KeyboardInterrupt as exc:
         from ringtrain.trainer import DriverTerminated
 

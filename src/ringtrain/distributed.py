@@ -11,6 +11,13 @@ from ringtrain.env import DistributedContext
 DEFAULT_TIMEOUT_S = 1800.0
 
 
+def collective_timeout_s(worker_timeout_s: float | None) -> float:
+    """The process-group timeout for a run with this ``FailureConfig.worker_timeout_s``."""
+    if worker_timeout_s is None:
+        return DEFAULT_TIMEOUT_S
+    return 2 * worker_timeout_s + 10
+
+
 def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) -> None:
     """Initialise the default process group for ``ctx`` if it is not initialised yet.
 
@@ -21,7 +28,9 @@ def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) 
     Args:
         ctx: the worker's context.
         timeout_s: collective timeout, seconds: a collective waiting longer raises instead of
-            blocking forever. Default: the run's ``FailureConfig.worker_timeout_s``, else 1800.
+            blocking forever. Default: twice the run's ``FailureConfig.worker_timeout_s`` plus
+            10 s (so that the driver, which watches progress, names the stuck rank before its
+            peers' collectives give up and blame each other), else 1800.
     """
     import torch
     import torch.distributed as dist
@@ -46,6 +55,6 @@ def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) 
         init_method="env://",
         rank=ctx.world_rank,
         world_size=ctx.world_size,
-        timeout=timedelta(seconds=timeout_s or ctx.worker_timeout_s or DEFAULT_TIMEOUT_S),
+        timeout=timedelta(seconds=timeout_s or collective_timeout_s(ctx.worker_timeout_s)),
         **kwargs,
     )

@@ -252,7 +252,14 @@ class PreparedDataLoader:
         self._resume_batch = self.batch
 
     def __len__(self) -> int:
-        return len(self.loader)
+        """Batches per epoch for this rank (the whole epoch, also while resuming mid-epoch)."""
+        sampler = self._resumable()
+        bs = self.loader.batch_size
+        if sampler is None or not bs:
+            return len(self.loader)
+        if self.loader.drop_last:
+            return sampler.num_samples // bs
+        return -(-sampler.num_samples // bs)
 
     def __iter__(self) -> Iterator[Any]:
         from ringtrain.session import mark_progress

@@ -8,9 +8,8 @@ import time
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
-from ringtrain.checkpoint.storage import join
+from ringtrain.checkpoint.storage import is_local_fs, join
 
 
 def _json(obj: Any) -> str:
@@ -27,7 +26,7 @@ class RunDirectory:
 
     def __init__(self, storage_path: str, name: str) -> None:
         self.fs, base = fsspec.core.url_to_fs(storage_path)
-        if isinstance(self.fs, LocalFileSystem):
+        if is_local_fs(self.fs):
             base = os.path.abspath(base)
         self.path: str = join(self.fs, base, name)
         self.uri: str = self.path if self.is_local else str(self.fs.unstrip_protocol(self.path))
@@ -37,25 +36,36 @@ class RunDirectory:
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
+        return is_local_fs(self.fs)
 
     def create(self) -> None:
         self.fs.makedirs(self.path, exist_ok=True)
 
     def write_json(self, filename: str, obj: Any) -> None:
         """Write ``obj`` to ``filename`` atomically on local disks (temp file + rename)."""
-        text = json.dumps(obj, indent=2, default=repr, allow_nan=True)
+        self.write_bytes(filename, json.dumps(obj, indent=2, default=repr, allow_nan=True).encode())
+
+    def write_bytes(self, filename: str, data: bytes) -> None:
+        """Write ``data`` to ``filename`` atomically on local disks (temp file + rename)."""
         target = join(self.fs, self.path, filename)
         if self.is_local:
             tmp = target + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(text)
+            with open(tmp, "wb") as f:
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, target)
         else:
-            with self.fs.open(target, "w") as f:
-                f.write(text)
+            with self.fs.open(target, "wb") as f:
+                f.write(data)
+
+    def read_bytes(self, filename: str) -> bytes | None:
+        """The content of ``filename``, or None when it does not exist."""
+        target = join(self.fs, self.path, filename)
+        try:
+            return bytes(self.fs.cat_file(target))
+        except FileNotFoundError:
+            return None
 
     def event(self, type_: str, **fields: Any) -> None:
         """Append one line to ``events.jsonl``."""

@@ -47,6 +47,8 @@ class Session:
     async_checkpoint: bool = False
     last_progress: float = field(default_factory=time.monotonic)
     last_step: int | None = None
+    progressed: bool = False
+    progress_count: int = 0
     checkpoint_stalls: list[float] = field(default_factory=list)
     _writer: Any = None
     _run_fs: Any = None
@@ -64,11 +66,17 @@ class Session:
         def beat() -> None:
             while True:
                 time.sleep(interval_s)
-                age = time.monotonic() - self.last_progress
+                # None until the first progress: start-up (imports, data loading, restoring a
+                # checkpoint) is not a hang, however long it takes.
+                age = time.monotonic() - self.last_progress if self.progressed else None
                 try:
                     channel.send(
                         Heartbeat(
-                            rank=rank, time=time.time(), progress_age_s=age, step=self.last_step
+                            rank=rank,
+                            time=time.time(),
+                            progress_age_s=age,
+                            step=self.last_step,
+                            progress_count=self.progress_count,
                         )
                     )
                 except (OSError, ValueError):
@@ -124,6 +132,8 @@ def mark_progress(step: int | None = None) -> None:
     session = _session
     if session is not None:
         session.last_progress = time.monotonic()
+        session.progressed = True
+        session.progress_count += 1
         if step is not None:
             session.last_step = step
 
@@ -213,6 +223,7 @@ def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
     session.next_round += 1
     session.last_metrics = clean
     session.last_progress = time.monotonic()
+    session.progressed = True
     if session.channel is not None:
         session.channel.send(message)
     else:

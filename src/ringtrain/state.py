@@ -13,7 +13,10 @@ A checkpoint of a TrainState is two kinds of file in the round's checkpoint dire
 Both are loaded with ``torch.load(weights_only=True)``: a checkpoint file can never run code. The
 contract: restore, then continue, and the parameters are bit-identical to never having stopped
 (on CPU, or on GPU with deterministic kernels), because every source of nondeterminism between two
-steps is in the state: parameters, optimizer moments, schedule, RNG streams and data order.
+steps is in the state: parameters, optimizer moments, schedule, the main process's RNG streams
+and data order. One exception: randomness drawn inside DataLoader worker processes
+(``num_workers > 0``) comes from per-epoch worker seeds, not from a saved stream; for an exact
+resume, derive such randomness from the sample index and epoch (docs/guide.md shows how).
 """
 
 from __future__ import annotations
@@ -45,26 +48,33 @@ def rank_file(rank: int) -> str:
 
 
 def _find_unsavable(value: Any, where: str, depth: int = 0) -> str | None:
-    """The first place in ``value`` that ``torch.load(weights_only=True)`` could not read back."""
-    if isinstance(value, (torch.Tensor, *_PLAIN)):
+    """The first place in ``value`` that ``torch.load(weights_only=True)`` could not read back.
+
+    Types are checked exactly: a subclass of ``float`` (``np.float64``), of ``int`` (an
+    ``IntEnum``), of ``tuple`` (a namedtuple) or of ``dict`` (``defaultdict``) pickles as its own
+    class, which a weights-only load refuses.
+    """
+    kind = type(value)
+    if isinstance(value, torch.Tensor) or kind in _PLAIN:
         return None
     if depth > 64:
         return f"{where} is nested too deeply"
-    if isinstance(value, dict):
+    if kind in (dict, OrderedDict):
         for k, v in value.items():
-            if not isinstance(k, (str, int, float, bool, type(None))):
+            if type(k) not in (str, int, float, bool, type(None)):
                 return f"{where} has a key of type {type(k).__name__}"
             found = _find_unsavable(v, f"{where}[{k!r}]", depth + 1)
             if found:
                 return found
         return None
-    if isinstance(value, (list, tuple, set)):
+    if kind in (list, tuple, set):
         for i, v in enumerate(value):
             found = _find_unsavable(v, f"{where}[{i}]", depth + 1)
             if found:
                 return found
         return None
-    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+    hint = " (convert it with float()/int())" if isinstance(value, (int, float)) else ""
+    return f"{where} is a {kind.__module__}.{kind.__qualname__}{hint}"
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -88,7 +98,11 @@ def _stage(value: Any) -> Any:
             return t.clone()
         return t.to("cpu", non_blocking=False)
     if isinstance(value, OrderedDict):
-        return OrderedDict((k, _stage(v)) for k, v in value.items())
+        staged = OrderedDict((k, _stage(v)) for k, v in value.items())
+        metadata = getattr(value, "_metadata", None)
+        if metadata is not None:  # module versions, kept by a module's state_dict()
+            staged._metadata = metadata  # type: ignore[attr-defined]
+        return staged
     if isinstance(value, dict):
         return {k: _stage(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
+import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,7 +17,7 @@ from typing import Any
 
 import ringtrain
 from ringtrain.checkpoint.manager import CheckpointManager
-from ringtrain.checkpoint.storage import protocols
+from ringtrain.checkpoint.storage import is_local_fs, protocols
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
@@ -25,6 +30,8 @@ from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
 
 logger = logging.getLogger("ringtrain")
+
+PAYLOAD_FILE = "payload.pkl"
 
 
 def default_run_name(entrypoint: str) -> str:
@@ -138,6 +145,51 @@ class Trainer:
             raise result.error
         return result
 
+    @classmethod
+    def restore(
+        cls, path: str, train_fn: Callable[..., Any] | None = None, **overrides: Any
+    ) -> Trainer:
+        """A Trainer that continues the run in directory ``path`` after its driver died (or
+        after it finished or failed: ``fit()`` then starts from its latest valid checkpoint).
+
+        Args:
+            path: the run directory, ``{storage_path}/{name}`` (a local path or fsspec URL).
+            train_fn: the train function; default: the one the run was started with (stored in
+                the run directory, as cloudpickle).
+            **overrides: ``scaling_config``, ``run_config`` or ``train_loop_config`` to use
+                instead of the stored ones (the run's name and storage path always stay).
+
+        Raises:
+            FileNotFoundError: if ``path`` has no ``config.json``.
+            ValueError: if the run was a ``ringtrain run SCRIPT`` run (resume it with
+                ``ringtrain run --resume PATH``), or ``overrides`` has an unknown key.
+        """
+        saved = load_saved_run(path)
+        unknown = set(overrides) - {"scaling_config", "run_config", "train_loop_config"}
+        if unknown:
+            raise ValueError(f"Trainer.restore: unknown overrides {sorted(unknown)}")
+        if train_fn is None:
+            if saved.payload is None:
+                raise ValueError(
+                    f"{path} was started by `ringtrain run {saved.script or 'SCRIPT'}`: resume it "
+                    f"with `ringtrain run --resume {path}`"
+                )
+            import cloudpickle
+
+            train_fn, stored_config = cloudpickle.loads(saved.payload)
+        else:
+            stored_config = saved.train_loop_config
+        run_config = overrides.get("run_config") or saved.run_config
+        run_config = dataclasses.replace(
+            run_config, name=saved.name, storage_path=saved.storage_path
+        )
+        return cls(
+            train_fn,
+            overrides.get("scaling_config") or saved.scaling_config,
+            run_config,
+            train_loop_config=overrides.get("train_loop_config", stored_config),
+        )
+
     def _fit_in_process(self) -> Result:
         from ringtrain.distributed import init_process_group
         from ringtrain.session import current_session
@@ -168,6 +220,67 @@ class Trainer:
             checkpoint=session.latest_checkpoint,
             path=ctx.run_dir,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRun:
+    """What a run directory's ``config.json`` (and ``payload.pkl``) say about how it started."""
+
+    name: str
+    storage_path: str
+    scaling_config: ScalingConfig
+    run_config: RunConfig
+    entrypoint: str
+    script: str | None
+    script_args: tuple[str, ...]
+    train_loop_config: dict[str, Any] | None
+    payload: bytes | None
+
+
+def _from_dict(cls: Any, data: Any) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dict(data or {}).items() if k in known})
+
+
+def load_saved_run(path: str) -> SavedRun:
+    """Read the configuration a run directory was started with.
+
+    Raises:
+        FileNotFoundError: if ``path`` holds no ``config.json``.
+    """
+    import fsspec
+
+    from ringtrain.config import CheckpointConfig, FailureConfig
+
+    fs, stripped = fsspec.core.url_to_fs(path)
+    local = is_local_fs(fs)
+    run_path = os.path.abspath(stripped) if local else stripped.rstrip("/")
+    parent, _, name = run_path.rstrip("/").rpartition("/")
+    storage_path = parent if local else str(fs.unstrip_protocol(parent))
+    run_dir = RunDirectory(storage_path, name)
+    raw = run_dir.read_bytes("config.json")
+    if raw is None:
+        raise FileNotFoundError(f"{path} is not a run directory (no config.json)")
+    config = json.loads(raw)
+    rc = dict(config.get("run_config") or {})
+    run_config = RunConfig(
+        name=name,
+        storage_path=storage_path,
+        checkpoint_config=_from_dict(CheckpointConfig, rc.get("checkpoint_config")),
+        failure_config=_from_dict(FailureConfig, rc.get("failure_config")),
+        progress=rc.get("progress", "auto"),
+    )
+    return SavedRun(
+        name=name,
+        storage_path=storage_path,
+        scaling_config=_from_dict(ScalingConfig, config.get("scaling_config")),
+        run_config=run_config,
+        entrypoint=config.get("entrypoint") or name,
+        script=config.get("script"),
+        script_args=tuple(config.get("script_args") or ()),
+        train_loop_config=config.get("train_loop_config"),
+        payload=run_dir.read_bytes(PAYLOAD_FILE),
+    )
 
 
 def _refuse_if_running(run_dir: RunDirectory) -> None:
@@ -223,23 +336,22 @@ def run_workers(
     """Set up the run directory and drive the workers to completion (used by ``Trainer.fit`` and
     ``ringtrain run``). Returns the Result; never raises TrainingFailedError itself."""
     run_dir = RunDirectory(run_config.storage_path, name)
+    staging_dir = None
     if "memory" in protocols(run_dir.fs):
-        raise ValueError(
-            f"RunConfig.storage_path={run_config.storage_path!r}: memory:// lives inside one "
-            "process, and the workers are other processes, so their checkpoints would be lost "
-            "(use a local directory or a shared fsspec URL such as s3://)"
-        )
+        # memory:// lives inside this process; workers are other processes. They stage their
+        # files on local disk and the driver carries each completed checkpoint over.
+        staging_dir = tempfile.mkdtemp(prefix=f"ringtrain-{name}-")
     _refuse_if_running(run_dir)
     run_dir.create()
-    checkpoints = CheckpointManager(run_dir.fs, run_dir.path, run_config.checkpoint_config)
+    checkpoints = CheckpointManager(
+        run_dir.fs, run_dir.path, run_config.checkpoint_config, staging_dir=staging_dir
+    )
     notes = checkpoints.scan()
     progress = make_progress(run_config.progress)
     for note in notes:
         progress.message(note)
     if checkpoints.latest is not None:
-        progress.message(
-            f"run {name!r} exists: workers resume from {checkpoints.latest.checkpoint}"
-        )
+        progress.message(f"run {name!r} exists: resuming from its latest valid checkpoint")
     run_dir.write_json(
         "config.json",
         {
@@ -255,6 +367,10 @@ def run_workers(
             "train_loop_config": train_loop_config,
         },
     )
+    if payload is not None:
+        # What `Trainer.restore(path)` and `ringtrain run --resume` start again after the
+        # driver itself died.
+        run_dir.write_bytes(PAYLOAD_FILE, payload)
     threads = scaling_config.threads_per_worker()
     timeout = run_config.failure_config.worker_timeout_s
     worker_env = {
@@ -265,7 +381,7 @@ def run_workers(
     def make_spec(attempt: int, start_round: int, latest: str | None) -> WorkerSpec:
         return WorkerSpec(
             world_size=scaling_config.num_workers,
-            run_dir=run_dir.uri,
+            run_dir=checkpoints.workers_run_dir or run_dir.uri,
             payload=payload,
             script=script,
             script_args=tuple(script_args),
@@ -288,8 +404,12 @@ def run_workers(
         callbacks=run_config.callbacks,
         worker_timeout_s=timeout,
     )
-    with _sigterm_as_interrupt():
-        return controller.run()
+    try:
+        with _sigterm_as_interrupt():
+            return controller.run()
+    finally:
+        if staging_dir is not None:
+            shutil.rmtree(staging_dir, ignore_errors=True)
 
 
 class DriverTerminated(KeyboardInterrupt):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +35,19 @@ class CheckpointManager:
         fs: fsspec filesystem of the run directory.
         run_path: the run directory on ``fs``.
         config: retention settings.
+        staging_dir: a local directory where workers stage their files instead of the run
+            directory, for storage the worker processes cannot reach (``memory://`` lives inside
+            the driver process). The driver then copies each completed round to ``fs`` before
+            publishing it, and hands workers a local copy of the checkpoint to resume from.
     """
 
-    def __init__(self, fs: Any, run_path: str, config: CheckpointConfig) -> None:
+    def __init__(
+        self, fs: Any, run_path: str, config: CheckpointConfig, staging_dir: str | None = None
+    ) -> None:
         self.fs = fs
         self.run_path = run_path
         self.config = config
+        self.staging_dir = staging_dir
         self.checkpoints: list[TrackedCheckpoint] = []  # oldest first
         self.deleted: list[tuple[str, str]] = []  # (path, reason), for the event log
         self.notes: list[str] = []  # checkpoints found invalid by latest_verified()
@@ -52,6 +61,7 @@ class CheckpointManager:
         if not self.fs.exists(self.run_path):
             return notes
         found: list[TrackedCheckpoint] = []
+        invalid: list[tuple[int, str, Exception]] = []
         for entry in self.fs.ls(self.run_path, detail=False):
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if name.endswith(".tmp") and name.startswith("checkpoint_"):
@@ -63,31 +73,58 @@ class CheckpointManager:
                 continue
             try:
                 manifest = storage.read_manifest(self.fs, entry)
-            except ValueError as exc:
-                notes.append(f"skipping invalid checkpoint: {exc}")
+            except ValueError as bad:
+                invalid.append((round_, entry, bad))
                 continue
             ckpt = Checkpoint(entry, self.fs)
             found.append(TrackedCheckpoint(round_, ckpt, dict(manifest.get("metrics") or {})))
         self.checkpoints = sorted(found, key=lambda t: t.round)
+        for round_, entry, why in sorted(invalid, key=lambda item: item[0]):
+            self._set_aside(round_, entry, why, resuming=False)
         return notes
+
+    @property
+    def workers_run_dir(self) -> str | None:
+        """Where workers write their checkpoint files, when not in the run directory itself."""
+        return self.staging_dir
+
+    def staging_path(self, round_: int) -> tuple[Any, str]:
+        """``(filesystem, path)`` of the directory where workers stage round ``round_``."""
+        if self.staging_dir is not None:
+            return _local_fs(), os.path.join(self.staging_dir, storage.staging_dirname(round_))
+        return self.fs, storage.join(self.fs, self.run_path, storage.staging_dirname(round_))
 
     def remove_staging(self) -> None:
         """Delete every staging directory (``checkpoint_NNNNNN.tmp``): only call it while no
         worker is writing."""
-        if not self.fs.exists(self.run_path):
-            return
-        for entry in self.fs.ls(self.run_path, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if name.startswith("checkpoint_") and name.endswith(".tmp"):
-                self.fs.rm(entry, recursive=True)
+        places = [(self.fs, self.run_path)]
+        if self.staging_dir is not None:
+            places.append((_local_fs(), self.staging_dir))
+        for fs, root in places:
+            if not fs.exists(root):
+                continue
+            for entry in fs.ls(root, detail=False):
+                name = entry.rstrip("/").rsplit("/", 1)[-1]
+                if name.startswith("checkpoint_") and name.endswith(".tmp"):
+                    fs.rm(entry, recursive=True)
 
     def discard_staging(self, round_: int) -> None:
         """Delete the staging directory of ``round_`` (its checkpoint will not be published)."""
-        path = storage.join(self.fs, self.run_path, storage.staging_dirname(round_))
+        fs, path = self.staging_path(round_)
         try:
-            self.fs.rm(path, recursive=True)
+            fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+
+    def worker_uri(self, tracked: TrackedCheckpoint) -> str:
+        """The location workers resume ``tracked`` from: the checkpoint itself, or with a
+        ``staging_dir`` a local copy of it."""
+        if self.staging_dir is None:
+            return tracked.checkpoint.uri
+        dest = os.path.join(self.staging_dir, "resume", storage.checkpoint_dirname(tracked.round))
+        if os.path.isdir(dest):
+            shutil.rmtree(dest)
+        return tracked.checkpoint.to_directory(dest)
 
     def latest_verified(self) -> TrackedCheckpoint | None:
         """The newest checkpoint whose every file matches its manifest byte for byte (size and
@@ -100,23 +137,30 @@ class CheckpointManager:
                 return tracked
             except (ValueError, OSError) as exc:
                 self.checkpoints.pop()
-                quarantine = tracked.checkpoint.path.rstrip("/") + ".corrupt"
-                try:
-                    if self.fs.exists(quarantine):
-                        self.fs.rm(quarantine, recursive=True)
-                    self.fs.mv(tracked.checkpoint.path, quarantine, recursive=True)
-                except OSError:
-                    pass
-                fallback = (
-                    f"resuming from {storage.checkpoint_dirname(self.checkpoints[-1].round)}"
-                    if self.checkpoints
-                    else "no valid checkpoint is left: starting from scratch"
-                )
-                self.notes.append(
-                    f"checkpoint {storage.checkpoint_dirname(tracked.round)} is invalid ({exc}); "
-                    f"set aside as {quarantine.rsplit('/', 1)[-1]}; {fallback}"
-                )
+                self._set_aside(tracked.round, tracked.checkpoint.path, exc)
         return None
+
+    def _set_aside(self, round_: int, path: str, exc: Exception, resuming: bool = True) -> None:
+        """Rename an invalid checkpoint ``checkpoint_NNNNNN.corrupt`` (kept for inspection, never
+        loaded) and say so in ``notes``."""
+        quarantine = path.rstrip("/") + ".corrupt"
+        try:
+            if self.fs.exists(quarantine):
+                self.fs.rm(quarantine, recursive=True)
+            self.fs.mv(path, quarantine, recursive=True)
+        except OSError:
+            pass
+        older = [t for t in self.checkpoints if t.round < round_]
+        if not resuming:
+            fallback = "it will not be used"
+        elif older:
+            fallback = f"resuming from {storage.checkpoint_dirname(older[-1].round)}"
+        else:
+            fallback = "no valid checkpoint is left: starting from scratch"
+        self.notes.append(
+            f"checkpoint {storage.checkpoint_dirname(round_)} is invalid ({exc}); "
+            f"set aside as {quarantine.rsplit('/', 1)[-1]}; {fallback}"
+        )
 
     @property
     def next_round(self) -> int:
@@ -131,6 +175,16 @@ class CheckpointManager:
         self, round_: int, files: dict[str, dict[str, Any]], metrics: dict[str, Any]
     ) -> TrackedCheckpoint:
         """Publish the staged files of ``round_`` as a checkpoint and apply retention."""
+        if self.staging_dir is not None:
+            local = self.staging_path(round_)[1]
+            remote = storage.join(self.fs, self.run_path, storage.staging_dirname(round_))
+            for rel in files:
+                with open(os.path.join(local, *rel.split("/")), "rb") as f:
+                    data = f.read()
+                target = storage.join(self.fs, remote, rel)
+                self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                self.fs.pipe_file(target, data)
+            shutil.rmtree(local, ignore_errors=True)
         path = storage.publish(self.fs, self.run_path, round_, files, metrics)
         tracked = TrackedCheckpoint(round_, Checkpoint(path, self.fs), dict(metrics))
         self.checkpoints = [t for t in self.checkpoints if t.round != round_] + [tracked]
@@ -181,3 +235,9 @@ class CheckpointManager:
                 pass
             self.deleted.append((tracked.checkpoint.path, reason))
         self.checkpoints = survivors
+
+
+def _local_fs() -> Any:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return LocalFileSystem()

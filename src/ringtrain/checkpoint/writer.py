@@ -23,6 +23,10 @@ from ringtrain.checkpoint import storage
 
 logger = logging.getLogger("ringtrain")
 
+# Jitter comes from a private generator: the library must never draw from the global `random`
+# stream, which is part of the user's training state (a retry would make a resumed run diverge).
+_jitter = random.Random()
+
 FileWriter = Callable[[Any], None]
 """Writes one file's bytes to the binary file object it is given."""
 
@@ -89,7 +93,7 @@ def retry(
                 attempts - 1,
                 delay,
             )
-            time.sleep(delay * random.uniform(0.75, 1.25))
+            time.sleep(delay * _jitter.uniform(0.75, 1.25))
             delay = min(delay * 2, max_s)
     raise AssertionError("unreachable")
 

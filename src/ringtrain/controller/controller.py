@@ -56,6 +56,11 @@ _PEER_ERROR = re.compile(
 )
 
 
+HELLO_TIMEOUT_S = 60.0
+"""A worker process that has not connected after this long (or ``worker_timeout_s`` if longer)
+is failed as hung."""
+
+
 class RunState(enum.Enum):
     INITIALIZING = "INITIALIZING"
     RUNNING = "RUNNING"
@@ -81,11 +86,13 @@ class _Attempt:
         self.done: set[int] = set()
         self.failures: dict[int, WorkerFailure] = {}
         self.first_failure_at: float | None = None
-        now = time.monotonic()
-        self.started_at = now
-        self.last_progress: dict[int, float] = dict.fromkeys(range(world_size), now)
-        self.last_seen: dict[int, float] = dict.fromkeys(range(world_size), now)
+        self.started_at = time.monotonic()
+        # Monotonic times of the last progress (absent until the rank's first batch, step or
+        # report) and of the last message of any kind (absent until its Hello).
+        self.last_progress: dict[int, float] = {}
+        self.last_seen: dict[int, float] = {}
         self.last_step: dict[int, int] = {}
+        self.progress_count: dict[int, int] = {}
         # Checkpoint writes: round -> rank -> ("files", {...}) | ("error", "why").
         self.outcomes: dict[int, dict[int, tuple[str, Any]]] = {}
         # Rounds whose reports are all in but whose files are still being written.
@@ -216,7 +223,12 @@ class Controller:
         self.next_round = latest.round + 1 if latest is not None else 0
         for stale in [r for r in self._history if r >= self.next_round]:
             del self._history[stale]
-        spec = self.make_spec(number, self.next_round, latest.checkpoint.uri if latest else None)
+        resume_from = self.checkpoints.worker_uri(latest) if latest is not None else None
+        if latest is not None:
+            self.run_dir.event("resume", attempt=number, checkpoint=latest.checkpoint.uri)
+            if number == 0:
+                self.progress.message(f"resuming from {latest.checkpoint.uri}")
+        spec = self.make_spec(number, self.next_round, resume_from)
         self._attempt = attempt = _Attempt(number, spec.world_size)
         self.run_dir.event("run_start", world_size=spec.world_size, attempt=number)
         for rank in range(spec.world_size):
@@ -250,13 +262,16 @@ class Controller:
             now = time.monotonic()
             attempt.last_seen[rank] = now
             if isinstance(event, Heartbeat):
-                attempt.last_progress[rank] = max(
-                    attempt.last_progress[rank], now - event.progress_age_s
-                )
+                if event.progress_age_s is not None:
+                    attempt.last_progress[rank] = max(
+                        attempt.last_progress.get(rank, 0.0), now - event.progress_age_s
+                    )
                 if event.step is not None:
                     attempt.last_step[rank] = event.step
+                attempt.progress_count[rank] = event.progress_count
                 return
-            attempt.last_progress[rank] = now
+            if isinstance(event, Report):
+                attempt.last_progress[rank] = now
         if isinstance(event, Hello):
             self.progress.worker_state(event.rank, "running")
         elif isinstance(event, Report):
@@ -286,27 +301,56 @@ class Controller:
             self._on_exit(attempt, event)
 
     def _check_hang(self, attempt: _Attempt) -> None:
-        """Fail the rank that stopped making progress first, once it has been stuck longer than
-        ``worker_timeout_s`` (its peers usually wait on it inside a collective)."""
+        """Fail a rank that is stuck longer than ``worker_timeout_s``: one that made progress
+        once and then none (its peers usually wait on it inside a collective: the one that
+        stopped first, by progress count and then time, is blamed), one whose process stopped
+        answering, or one that never connected (within the timeout, but at least
+        ``HELLO_TIMEOUT_S``). Start-up, before a rank's first progress, is never a hang:
+        collectives there time out on their own."""
         timeout = self.worker_timeout_s
         if timeout is None:
             return
         now = time.monotonic()
         live = [r for r in range(attempt.world_size) if r not in attempt.exited]
-        stuck = [r for r in live if now - attempt.last_progress[r] > timeout]
-        if not stuck:
-            return
-        rank = min(live, key=lambda r: (attempt.last_progress[r], r))
-        idle = now - attempt.last_progress[rank]
-        silent = now - attempt.last_seen[rank]
-        if silent > timeout:
-            how = f"stopped answering for {silent:.1f} s (the process is frozen or stopped)"
-        else:
-            how = (
-                f"made no progress for {idle:.1f} s (alive, but stuck: a deadlock, an endless "
-                "loop, or waiting on a collective)"
+        silent = [r for r in live if now - attempt.last_seen.get(r, now) > timeout]
+        unborn = [
+            r
+            for r in live
+            if r not in attempt.last_seen
+            and now - attempt.started_at > max(timeout, HELLO_TIMEOUT_S)
+        ]
+        idle = [
+            r
+            for r in live
+            if r in attempt.last_progress and now - attempt.last_progress[r] > timeout
+        ]
+        if unborn:
+            rank = unborn[0]
+            how = f"never connected to the driver in {now - attempt.started_at:.1f} s"
+        elif silent or idle:
+            # Data-parallel ranks progress in lockstep: the one stuck first has counted the
+            # fewest batches and steps (its peers fetched the next batch, then blocked on it).
+            rank = min(
+                silent + idle,
+                key=lambda r: (
+                    attempt.progress_count.get(r, 0),
+                    attempt.last_progress.get(r, attempt.last_seen[r]),
+                    r,
+                ),
             )
-        others = sorted(set(stuck) - {rank})
+            if rank in silent:
+                how = (
+                    f"stopped answering for {now - attempt.last_seen[rank]:.1f} s "
+                    "(the process is frozen or stopped)"
+                )
+            else:
+                how = (
+                    f"made no progress for {now - attempt.last_progress[rank]:.1f} s (alive, "
+                    "but stuck: a deadlock, an endless loop, or waiting on a collective)"
+                )
+        else:
+            return
+        others = sorted(set(silent + idle) - {rank})
         waiting = f"; ranks {others} are stuck too, waiting on it" if others else ""
         self._on_failure(
             attempt,
@@ -544,5 +588,5 @@ def _signal_name(signum: int) -> str:
 def _digest_on_storage(checkpoints: CheckpointManager, round_: int, rel: str) -> dict[str, Any]:
     from ringtrain.checkpoint import storage
 
-    path = storage.join(checkpoints.fs, checkpoints.run_path, storage.staging_dirname(round_), rel)
-    return storage.file_digest(checkpoints.fs, path)
+    fs, staging = checkpoints.staging_path(round_)
+    return storage.file_digest(fs, storage.join(fs, staging, rel))

@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         context=ctx,
         channel=channel,
         next_round=int(ctx.extra.get(ENV_START_ROUND, "0")),
-        latest_checkpoint=Checkpoint(start.latest_checkpoint) if start.latest_checkpoint else None,
         async_checkpoint=ctx.extra.get(ENV_ASYNC_CHECKPOINT) == "1",
     )
     session_mod._install_session(sess)
@@ -104,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             script, script_args = argv[1], argv[2:]
             sys.argv = [script, *script_args]
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            if start.latest_checkpoint:
+                sess.latest_checkpoint = Checkpoint(start.latest_checkpoint)
             try:
                 runpy.run_path(script, run_name="__main__")
             except SystemExit as exc:
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
             assert start.payload is not None, "function mode needs a payload"
             train_fn, config = cloudpickle.loads(start.payload)
+            # After unpickling: the train function's module may register the fsspec protocol
+            # of the run's storage.
+            if start.latest_checkpoint:
+                sess.latest_checkpoint = Checkpoint(start.latest_checkpoint)
             init_process_group(ctx)
             if _takes_config(train_fn):
                 train_fn(config if config is not None else {})
