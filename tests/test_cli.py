@@ -119,6 +119,14 @@ def test_bad_input_is_rejected_before_anything_starts(tmp_path):
     assert proc.returncode == 2 and "is not a file" in proc.stderr
     proc = ringtrain("run", "--name", "a/b", _write(tmp_path, "ok.py", "pass\n"), cwd=tmp_path)
     assert proc.returncode == 2 and "RunConfig.name" in proc.stderr
+    proc = ringtrain("run", "--worker-timeout", "-1", "ok.py", cwd=tmp_path)
+    assert proc.returncode == 2 and "worker_timeout_s" in proc.stderr
+    proc = ringtrain("run", cwd=tmp_path)
+    assert proc.returncode == 2 and "give SCRIPT to run, or --resume RUN_DIR" in proc.stderr
+    proc = ringtrain("run", "--resume", str(tmp_path / "nothing"), cwd=tmp_path)
+    assert proc.returncode == 2 and "not a run directory (no config.json)" in proc.stderr
+    proc = ringtrain("run", "--resume", str(tmp_path), "ok.py", cwd=tmp_path)
+    assert proc.returncode == 2 and "give no SCRIPT" in proc.stderr
     assert not (tmp_path / "runs").exists()
 
 
@@ -128,7 +136,15 @@ def test_help_texts(tmp_path):
     for word in ("run", "ls", "show", "Trainer"):
         assert word in top.stdout
     run = ringtrain("run", "--help", cwd=tmp_path)
-    for word in ("--num-workers", "MASTER_ADDR", "--storage-path", "--max-failures", "Example"):
+    for word in (
+        "--num-workers",
+        "MASTER_ADDR",
+        "--storage-path",
+        "--max-failures",
+        "--resume",
+        "--worker-timeout",
+        "Example",
+    ):
         assert word in run.stdout
 
 

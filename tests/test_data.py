@@ -307,12 +307,6 @@ class _Augmented(torch.utils.data.Dataset):
         return i, torch.rand(1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with num_workers > 0 a resumed epoch restarts the loader workers with the epoch's "
-    "initial seeds (and hands batch k to worker 0), so random augmentations in the dataset differ "
-    "from the uninterrupted run; the workers' RNG streams are not part of the saved state",
-)
 def test_resume_with_workers_reproduces_random_augmentations():
     def make():
         dl = DataLoader(_Augmented(), batch_size=4, shuffle=True, num_workers=2)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from ringtrain.data import ResumableDistributedSampler
+from ringtrain.data import ResumableDistributedSampler, SampleSeeded
 from ringtrain.distributed import init_process_group
 from ringtrain.session import get_context
 
@@ -85,6 +85,10 @@ def prepare_data_loader(
     ``num_workers > 0``. It also gets its own ``torch.Generator``, reseeded from ``(seed, epoch)``
     at every ``iter()``, so that starting an epoch never draws from the global torch RNG (a plain
     DataLoader draws its workers' base seed from it, which would make a resumed run diverge).
+    With ``num_workers > 0`` the dataset is wrapped in :class:`~ringtrain.data.SampleSeeded`: a
+    loader worker seeds ``random``, NumPy and torch from ``(seed, epoch, index)`` before loading
+    each sample, so random augmentations are reproduced exactly after a resume, whichever worker
+    loads the sample.
 
     Args:
         data_loader: a DataLoader over a map-style dataset with ``batch_size`` set.
@@ -112,6 +116,7 @@ def prepare_data_loader(
                 "prepare_data_loader: the loader has a custom batch_sampler; shard it yourself and "
                 "pass add_dist_sampler=False"
             )
+        seeded = data_loader.num_workers > 0
         sampler = ResumableDistributedSampler(
             data_loader.dataset,
             num_replicas=ctx.world_size,
@@ -119,13 +124,17 @@ def prepare_data_loader(
             shuffle=isinstance(data_loader.sampler, RandomSampler),
             seed=seed,
             drop_last=data_loader.drop_last,
+            yield_epoch=seeded,
         )
-        loader = _rebuild(data_loader, sampler, torch.Generator())
+        dataset = SampleSeeded(data_loader.dataset, seed) if seeded else data_loader.dataset
+        loader = _rebuild(data_loader, dataset, sampler, torch.Generator())
     device = ctx.device if move_to_device else None
     return PreparedDataLoader(loader, device, seed=seed, world_size=ctx.world_size)
 
 
-def _rebuild(dl: DataLoader, sampler: DistributedSampler, generator: torch.Generator) -> DataLoader:
+def _rebuild(
+    dl: DataLoader, dataset: Any, sampler: DistributedSampler, generator: torch.Generator
+) -> DataLoader:
     kwargs: dict[str, Any] = dict(
         batch_size=dl.batch_size,
         sampler=sampler,
@@ -141,7 +150,7 @@ def _rebuild(dl: DataLoader, sampler: DistributedSampler, generator: torch.Gener
     )
     if dl.num_workers > 0:
         kwargs["prefetch_factor"] = dl.prefetch_factor
-    return DataLoader(dl.dataset, **kwargs)
+    return DataLoader(dataset, **kwargs)
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -184,7 +193,8 @@ class PreparedDataLoader:
 
     @property
     def dataset(self) -> Any:
-        return self.loader.dataset
+        ds = self.loader.dataset
+        return ds.dataset if isinstance(ds, SampleSeeded) else ds
 
     @property
     def batch_size(self) -> int | None:

@@ -13,10 +13,8 @@ A checkpoint of a TrainState is two kinds of file in the round's checkpoint dire
 Both are loaded with ``torch.load(weights_only=True)``: a checkpoint file can never run code. The
 contract: restore, then continue, and the parameters are bit-identical to never having stopped
 (on CPU, or on GPU with deterministic kernels), because every source of nondeterminism between two
-steps is in the state: parameters, optimizer moments, schedule, the main process's RNG streams
-and data order. One exception: randomness drawn inside DataLoader worker processes
-(``num_workers > 0``) comes from per-epoch worker seeds, not from a saved stream; for an exact
-resume, derive such randomness from the sample index and epoch (docs/guide.md shows how).
+steps is in the state: parameters, optimizer moments, schedule, the RNG streams and data order
+(randomness inside DataLoader worker processes is seeded per sample by ``prepare_data_loader``).
 """
 
 from __future__ import annotations
