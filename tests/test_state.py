@@ -504,3 +504,16 @@ def test_capture_and_restore_rng_round_trip():
     assert got[0] == expected[0]
     assert got[1] == expected[1]
     assert torch.equal(got[2], expected[2])
+
+
+def test_report_outside_a_ringtrain_run_warns_that_the_state_is_not_saved(caplog):
+    state = TrainState(torch.nn.Linear(2, 2))
+    with caplog.at_level("WARNING", logger="ringtrain"):
+        rt.report({"loss": 1.0}, checkpoint=state)
+        rt.report({"loss": 0.5}, checkpoint=state)
+    warnings = [r for r in caplog.records if "the state is not saved" in r.getMessage()]
+    assert len(warnings) == 1  # once per process, not per report
+    assert [r.metrics for r in session_mod.current_session().reports] == [
+        {"loss": 1.0},
+        {"loss": 0.5},
+    ]

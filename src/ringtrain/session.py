@@ -10,6 +10,7 @@ kept in memory, and the process group is initialised on first need.
 
 from __future__ import annotations
 
+import logging
 import numbers
 import threading
 import time
@@ -20,6 +21,8 @@ from ringtrain.channel import CheckpointDone, Heartbeat, Report, WorkerChannel
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.env import ENV_START_ROUND, DistributedContext, context_from_env
+
+logger = logging.getLogger("ringtrain")
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Session:
     last_step: int | None = None
     progressed: bool = False
     progress_count: int = 0
+    warned_no_storage: bool = False
     checkpoint_stalls: list[float] = field(default_factory=list)
     _writer: Any = None
     _run_fs: Any = None
@@ -273,6 +277,13 @@ def _write_checkpoint(
 
 def _save_state(session: Session, round_: int, state: Any) -> tuple[Any, str | None, bool]:
     if session.run_storage() is None:
+        if not session.warned_no_storage:
+            session.warned_no_storage = True
+            logger.warning(
+                "report(checkpoint=TrainState): this process was not started by ringtrain, so "
+                "there is no run directory and the state is not saved (run it with "
+                "rt.Trainer(...).fit() or `ringtrain run`)"
+            )
         return {}, None, False
     if not session.async_checkpoint or session.channel is None:
         files, error = _write_checkpoint(session, round_, writers=state._checkpoint_writers(False))
