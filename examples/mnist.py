@@ -3,9 +3,18 @@
 Each worker loads the data itself, trains on its own disjoint shard of the training images
 (``rt.prepare_data_loader``), averages gradients with the others (``rt.prepare_model`` wraps the
 model in DistributedDataParallel), and after every epoch measures the accuracy on held-out digits
-that no worker ever trains on. Rank 0 attaches a checkpoint (``model.pt``: the state_dict of the
-unwrapped model, plus ``train_state.pt``: optimizer, LR schedule and epoch) to every report; the run
-keeps the 2 best by ``val_acc`` and the latest.
+that no worker ever trains on.
+
+Checkpoints: the model, optimizer, one-cycle LR schedule, data loader, the ``--epochs`` the run
+was started with and the epoch's metrics are registered in an ``rt.TrainState``, which every rank
+passes to ``rt.report`` once per epoch. Each checkpoint holds ``train_state.pt``, written once by
+rank 0 (the unwrapped model's state_dict, optimizer, schedule, step and epoch counters, extras),
+and one ``rank_NNNNN.pt`` per rank (its RNG states and data loader position); the files are
+written in the background while the next epoch trains. The run keeps the 2 best by ``val_acc``
+and the latest. A run resumes from its latest checkpoint bit-exactly (on CPU): a worker killed
+mid-run is restarted from it with ``--max-failures N``, and after a killed driver, starting the
+script again with the same ``--name`` (and the same ``--workers`` and ``--batch-size``) continues
+where it stopped, taking exactly the steps an uninterrupted run would have taken.
 
 Data:
 
@@ -21,6 +30,7 @@ Run it::
 
     python examples/mnist.py                     # 2 workers, started by the Trainer
     python examples/mnist.py --workers 1 --epochs 3
+    python examples/mnist.py --max-failures 2    # survive up to 2 worker failures
     ringtrain run -n 2 examples/mnist.py         # the same script, as ranks started by ringtrain
     torchrun --nproc-per-node 2 examples/mnist.py
 
@@ -35,7 +45,7 @@ import argparse
 import gzip
 import importlib.util
 import os
-import tempfile
+import random
 import time
 from pathlib import Path
 
@@ -270,50 +280,61 @@ def evaluate(model: nn.Module, dataset: TensorDataset, device: torch.device) -> 
 # ----------------------------------------------------------------------------------- train function
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def train_fn(config: dict) -> None:
     ctx = rt.get_context()
     device = ctx.device
+    epochs = config["epochs"]
     train_set, test_set = load_data(config["data_dir"])
 
-    torch.manual_seed(config["seed"])  # identical initial weights on every rank
+    seed_everything(config["seed"])  # identical initial weights on every rank
     net = Net()
     model = rt.prepare_model(net)  # net is model.module when wrapped in DDP
+    # From here on each rank draws its own dropout masks and shifts. This is the only reseed: the
+    # RNG states are in every checkpoint, so a resumed run continues these streams exactly.
+    torch.manual_seed(config["seed"] + 1 + ctx.world_rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.01)
     loader = rt.prepare_data_loader(
         DataLoader(train_set, batch_size=config["batch_size"], shuffle=True),
         seed=config["seed"],
     )
-    epochs = config["epochs"]
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=config["lr"], total_steps=epochs * len(loader)
     )
-
-    start_epoch, last = 0, {}
-    checkpoint = rt.get_checkpoint()
-    if checkpoint is not None:  # a restarted attempt, or this run's name used again
-        with checkpoint.as_directory() as path:
-            net.load_state_dict(torch.load(Path(path, "model.pt"), map_location=device))
-            state = torch.load(Path(path, "train_state.pt"), map_location=device)
+    state = rt.TrainState(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        data_loader=loader,
+        epochs=epochs,  # the schedule's length: a resumed run must keep it
+        metrics={},  # the last epoch's metrics (rank 0's in the checkpoint)
+    )
+    # A restarted attempt, or this run's name used again: continue from the latest checkpoint,
+    # with the model, optimizer, schedule, RNG streams and shuffle position it was saved with.
+    if state.restore():
         if state["epochs"] != epochs:
             raise ValueError(
                 f"the run being resumed was started with --epochs {state['epochs']}, not {epochs} "
                 "(use the same value, or a new --name to start afresh)"
             )
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_epoch, last = state["epoch"] + 1, state["metrics"]
         if ctx.world_rank == 0:
-            print(f"resuming after epoch {state['epoch']} from {checkpoint.path}", flush=True)
-        if start_epoch >= epochs:  # already trained: report the restored model's accuracy again
-            rt.report({**last, "val_acc": evaluate(model, test_set, device)})
+            print(
+                f"resuming after {state.epoch}/{epochs} epochs (step {state.step}) "
+                f"from {state.restored_from.path}",
+                flush=True,
+            )
+        if state.epoch >= epochs:  # already trained: report the restored model's accuracy again
+            rt.report({**state["metrics"], "val_acc": evaluate(model, test_set, device)})
             return
 
-    for epoch in range(start_epoch, epochs):
+    for epoch in state.epochs(epochs):  # sets the loader's epoch: a fresh shuffle each epoch
         start = time.perf_counter()
-        # The shuffle, augmentation and dropout of an epoch depend only on (seed, epoch, rank), so
-        # a resumed run takes exactly the steps an uninterrupted one would have taken.
-        loader.set_epoch(epoch)
-        torch.manual_seed(config["seed"] + 1 + 1000 * epoch + ctx.world_rank)
         model.train()
         loss_sum = torch.zeros((), device=device)
         seen = 0
@@ -324,6 +345,7 @@ def train_fn(config: dict) -> None:
             loss.backward()
             optimizer.step()
             scheduler.step()
+            state.step += 1
             loss_sum += loss.detach() * len(labels)
             seen += len(labels)
         metrics = {
@@ -332,27 +354,16 @@ def train_fn(config: dict) -> None:
             "val_acc": evaluate(model, test_set, device),
             "epoch_s": time.perf_counter() - start,
         }
-        ckpt = None
-        with tempfile.TemporaryDirectory(prefix="mnist_ckpt_") as tmp:
-            if ctx.world_rank == 0:
-                torch.save(net.state_dict(), Path(tmp, "model.pt"))
-                torch.save(
-                    {
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "epoch": epoch,
-                        "epochs": epochs,
-                        "metrics": metrics,
-                    },
-                    Path(tmp, "train_state.pt"),
-                )
-                ckpt = rt.Checkpoint.from_directory(tmp)
-                print(
-                    f"epoch {epoch + 1}/{epochs}  loss {metrics['loss']:.4f}  "
-                    f"held-out acc {metrics['val_acc']:.4f}  ({metrics['epoch_s']:.1f}s)",
-                    flush=True,
-                )
-            rt.report(metrics, checkpoint=ckpt)  # the files are copied before report returns
+        state["metrics"] = metrics
+        if ctx.world_rank == 0:
+            print(
+                f"epoch {epoch + 1}/{epochs}  loss {metrics['loss']:.4f}  "
+                f"held-out acc {metrics['val_acc']:.4f}  ({metrics['epoch_s']:.1f}s)",
+                flush=True,
+            )
+        # Every rank passes the state: rank 0 writes train_state.pt, each rank its rank_NNNNN.pt.
+        # The state is copied to host memory here and written in the background.
+        rt.report(metrics, checkpoint=state)
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -384,6 +395,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--storage-path", default="./runs", help="where run directories go")
     parser.add_argument("--gpu", action="store_true", help="one CUDA device per worker")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation/shuffle seed")
+    parser.add_argument(
+        "--max-failures",
+        type=int,
+        default=0,
+        help="worker-group failures to survive by restarting from the latest checkpoint "
+        "(-1: retry forever)",
+    )
     args = parser.parse_args(argv)
     if args.epochs is None:
         args.epochs = 3 if args.data_dir else 10
@@ -416,6 +434,7 @@ def main(argv: list[str] | None = None) -> None:
                 checkpoint_score_attribute="val_acc",
                 checkpoint_score_order="max",
             ),
+            failure_config=rt.FailureConfig(max_failures=args.max_failures),
         ),
     )
     result = trainer.fit()
