@@ -620,3 +620,36 @@ def test_latest_verified_with_every_checkpoint_corrupt_starts_from_scratch(tmp_p
         "checkpoint_000000.corrupt",
         "checkpoint_000001.corrupt",
     ]
+
+
+def test_a_live_ranks_inflight_write_lands_before_the_group_is_stopped(tmp_path):
+    """Rank 1 dies while rank 0 is still writing round 0 in the background: the controller lets
+    rank 0 finish (it would otherwise stop the group at once, all ranks having failed), publishes
+    round 0, and the restart resumes from it instead of from scratch."""
+
+    def pending(rank):
+        return Report(rank, 0, 0.0, {"step": 3}, checkpoint_pending=True)
+
+    launcher = FakeLauncher(
+        [
+            lambda: [
+                [pending(0), pending(1)],
+                [CheckpointDone(1, 0, _stage(tmp_path, 0, 1))],
+                [Exited(1, 1.0, -9)],
+                [WorkerError(0, 1.1, "RuntimeError", "Connection closed by peer", "tb")],
+                [],
+                [CheckpointDone(0, 0, _stage(tmp_path, 0, 0))],
+                [Exited(0, 1.2, 1)],
+            ],
+            [
+                [_report(0, 1, step=4), _report(1, 1, step=4)],
+                [Exited(0, 2.0, 0), Exited(1, 2.0, 0)],
+            ],
+        ]
+    )
+    ctl = _controller(tmp_path, launcher, max_failures=1)
+    result = ctl.run()
+    assert ctl.state is RunState.FINISHED
+    assert launcher.specs[1].latest_checkpoint.endswith("checkpoint_000000")
+    assert launcher.specs[1].start_round == 1
+    assert result.failures[0].rank == 1  # the peer error of rank 0 is not the root cause

@@ -517,3 +517,20 @@ def test_report_outside_a_ringtrain_run_warns_that_the_state_is_not_saved(caplog
         {"loss": 1.0},
         {"loss": 0.5},
     ]
+
+
+def test_async_staging_reuses_the_previous_copys_buffers():
+    """The second save copies into the first save's host buffers (its write is finished by then)
+    instead of allocating: same storage, new values."""
+    model = torch.nn.Linear(4, 3)
+    state = TrainState(model)
+    state._checkpoint_writers(True)
+    staged_1 = state._staged[STATE_FILE]["objects"]["model"]["weight"]
+    ptr = staged_1.data_ptr()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    state._checkpoint_writers(True)
+    staged_2 = state._staged[STATE_FILE]["objects"]["model"]["weight"]
+    assert staged_2.data_ptr() == ptr
+    assert torch.equal(staged_2, model.weight.detach())
+    assert staged_2.data_ptr() != model.weight.data_ptr()  # still a copy, not the live tensor

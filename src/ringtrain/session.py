@@ -88,10 +88,11 @@ class Session:
 
         threading.Thread(target=beat, name="ringtrain-heartbeat", daemon=True).start()
 
-    def wait_for_checkpoint(self) -> None:
-        """Block until the checkpoint being written in the background (if any) is on storage."""
+    def wait_for_checkpoint(self, timeout_s: float | None = None) -> None:
+        """Block until the checkpoint being written in the background (if any) is on storage,
+        or ``timeout_s`` seconds have passed."""
         if self._writer is not None:
-            self._writer.wait()
+            self._writer.wait(timeout_s)
 
     def run_storage(self) -> tuple[Any, str] | None:
         if self.context.run_dir is None:

@@ -141,13 +141,15 @@ class AsyncCheckpointWriter:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def wait(self) -> float:
-        """Block until the in-flight write is done. Returns the seconds spent waiting."""
+    def wait(self, timeout_s: float | None = None) -> float:
+        """Block until the in-flight write is done (or ``timeout_s`` seconds have passed).
+        Returns the seconds spent waiting."""
         if self._thread is None:
             return 0.0
         start = time.perf_counter()
-        self._thread.join()
-        self._thread = None
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._thread = None
         return time.perf_counter() - start
 
     def submit(self, job: Callable[[], None]) -> float:

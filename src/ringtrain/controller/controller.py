@@ -124,6 +124,9 @@ class Controller:
         stop_grace_s: SIGTERM-to-SIGKILL grace when stopping a group (seconds).
         worker_timeout_s: a rank without progress for this long is failed as hung (seconds;
             ``None``: never).
+        checkpoint_grace_s: after a failure, how long to let live ranks finish background
+            checkpoint writes of rounds every rank reported, so that the restart loses only the
+            steps after that checkpoint (seconds).
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class Controller:
         stop_grace_s: float = 5.0,
         poll_interval_s: float = 0.1,
         worker_timeout_s: float | None = None,
+        checkpoint_grace_s: float = 120.0,
     ) -> None:
         self.launcher = launcher
         self.make_spec = make_spec
@@ -154,6 +158,7 @@ class Controller:
         self.stop_grace_s = stop_grace_s
         self.poll_interval_s = poll_interval_s
         self.worker_timeout_s = worker_timeout_s
+        self.checkpoint_grace_s = checkpoint_grace_s
 
         self.state = RunState.INITIALIZING
         self.group: WorkerGroup | None = None
@@ -241,6 +246,10 @@ class Controller:
                     self._handle(event)
                 if attempt.first_failure_at is None:
                     self._check_hang(attempt)
+                elif self._writes_in_flight(attempt) and (
+                    time.monotonic() - attempt.first_failure_at < self.checkpoint_grace_s
+                ):
+                    continue  # a live rank is finishing a checkpoint write: let it land
                 elif attempt.all_failed_or_exited or (
                     time.monotonic() - attempt.first_failure_at > self.failure_grace_s
                 ):
@@ -299,6 +308,16 @@ class Controller:
             )
         elif isinstance(event, Exited):
             self._on_exit(attempt, event)
+
+    def _writes_in_flight(self, attempt: _Attempt) -> bool:
+        """Whether a rank that is still running owes a background checkpoint write of a round
+        that can still be published (every report of it is in)."""
+        for round_, (_reports, expected) in attempt.writing.items():
+            done = attempt.outcomes.get(round_, {})
+            missing = [r for r in expected if r not in done]
+            if missing and all(r not in attempt.exited for r in missing):
+                return True  # publishable once the live ranks finish
+        return False
 
     def _check_hang(self, attempt: _Attempt) -> None:
         """Fail a rank that is stuck longer than ``worker_timeout_s``: one that made progress

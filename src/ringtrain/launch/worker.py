@@ -39,6 +39,7 @@ from ringtrain.env import (
 )
 
 PR_SET_PDEATHSIG = 1
+FINISH_WRITE_TIMEOUT_S = 120.0
 
 
 def die_with_parent() -> None:
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         channel.send(Done(rank=ctx.world_rank, time=time.time(), rounds=sess.next_round))
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+        # A checkpoint this rank was writing in the background is finished first (bounded): a
+        # peer's failure must not also cost the checkpoint this rank had nearly saved.
+        sess.wait_for_checkpoint(timeout_s=FINISH_WRITE_TIMEOUT_S)
         try:
             channel.send(
                 WorkerError(
