@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def heartbeat_interval(worker_timeout_s: float | None) -> float:
-    """Seconds between heartbeats: five per timeout, at most one per second, at least one per 2 s
-    (so the driver sees a frozen process well within the timeout)."""
+    """Seconds between heartbeats: five per timeout (so the driver sees a frozen process well
+    within it), but no more often than every 50 ms and at least every 2 s."""
     if worker_timeout_s is None:
         return 2.0
     return max(0.05, min(2.0, worker_timeout_s / 5))
