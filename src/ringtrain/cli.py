@@ -221,29 +221,24 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         validate_gpus(scaling)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
+    if saved is not None:
+        name, entrypoint = saved.name, saved.entrypoint
+        script, script_args = saved.script, saved.script_args
+    else:
+        script = os.path.abspath(str(args.script))
+        entrypoint, script_args = str(args.script), tuple(args.script_args)
+        name = run_config.name or default_run_name(os.path.splitext(os.path.basename(script))[0])
     try:
-        if saved is not None:
-            result = run_workers(
-                name=saved.name,
-                entrypoint=saved.entrypoint,
-                scaling_config=scaling,
-                run_config=run_config,
-                payload=saved.payload if saved.script is None else None,
-                script=saved.script,
-                script_args=saved.script_args,
-                train_loop_config=saved.train_loop_config,
-            )
-        else:
-            script = str(args.script)
-            stem = os.path.splitext(os.path.basename(script))[0]
-            result = run_workers(
-                name=run_config.name or default_run_name(stem),
-                entrypoint=script,
-                scaling_config=scaling,
-                run_config=run_config,
-                script=os.path.abspath(script),
-                script_args=tuple(args.script_args),
-            )
+        result = run_workers(
+            name=name,
+            entrypoint=entrypoint,
+            scaling_config=scaling,
+            run_config=run_config,
+            payload=saved.payload if saved is not None and script is None else None,
+            script=script,
+            script_args=script_args,
+            train_loop_config=saved.train_loop_config if saved is not None else None,
+        )
     except KeyboardInterrupt as exc:
         from ringtrain.trainer import DriverTerminated
 
