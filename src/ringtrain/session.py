@@ -53,7 +53,6 @@ class Session:
     progressed: bool = False
     progress_count: int = 0
     warned_no_storage: bool = False
-    checkpoint_stalls: list[float] = field(default_factory=list)
     _writer: Any = None
     _run_fs: Any = None
     _run_path: str | None = None
@@ -294,7 +293,6 @@ def _save_state(session: Session, round_: int, state: Any) -> tuple[Any, str | N
     if session._writer is None:
         session._writer = AsyncCheckpointWriter()
     writer = session._writer
-    start = time.perf_counter()
     writer.wait()  # at most one staged copy in memory
     writers = state._checkpoint_writers(True)
     channel = session.channel
@@ -308,5 +306,4 @@ def _save_state(session: Session, round_: int, state: Any) -> tuple[Any, str | N
             pass
 
     writer.submit(job)
-    session.checkpoint_stalls.append(time.perf_counter() - start)
     return None, None, True

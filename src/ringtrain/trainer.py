@@ -286,9 +286,6 @@ def load_saved_run(path: str) -> SavedRun:
 def _refuse_if_running(run_dir: RunDirectory) -> None:
     """Two drivers writing one run directory would interleave rounds and overwrite each other's
     checkpoints; a run whose driver is still alive on this host cannot be started again."""
-    import json
-    import os
-
     if not run_dir.is_local:
         return  # no way to see another host's processes; object stores are on the user
     path = os.path.join(run_dir.path, "result.json")
