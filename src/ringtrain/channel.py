@@ -72,6 +72,17 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class Timing:
+    """A window of step timings from one rank (see :meth:`ringtrain.monitor.timing.StepTimer.
+    take_window` for the fields), sent every ``MonitorConfig.timing_interval_s`` seconds and once
+    more when the worker ends."""
+
+    rank: int
+    time: float
+    window: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class WorkerError:
     rank: int
     time: float
@@ -111,7 +122,7 @@ class Exited:
     returncode: int
 
 
-Event = Hello | Report | CheckpointDone | Heartbeat | WorkerError | Done | Exited
+Event = Hello | Report | CheckpointDone | Heartbeat | Timing | WorkerError | Done | Exited
 
 
 def new_authkey() -> bytes:

@@ -17,6 +17,17 @@ from typing import Any, Literal
 BACKENDS = ("local",)
 """Launcher backends known to this version."""
 
+CALLBACK_HOOKS = (
+    "on_report",
+    "on_round",
+    "on_checkpoint",
+    "on_failure",
+    "on_timing",
+    "on_straggler",
+    "on_end",
+)
+"""The driver-side callback hooks a ``RunConfig.callbacks`` object may define."""
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
@@ -191,6 +202,61 @@ class FailureConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    """What a run measures and where it logs (see docs/monitoring.md).
+
+    Attributes:
+        timing: time every training step in every worker (data wait, forward + backward
+            compute, communication and its part not overlapped with backward, optimizer) and
+            send per-window aggregates to the driver. On by default; its cost is measured in
+            docs/benchmarks.md.
+        timing_interval_s: how often each worker sends its timing window (seconds).
+        straggler_threshold: a rank is a straggler when its busy time per step (step time
+            minus time spent waiting in communication) exceeds the median of the other ranks' by
+            more than this fraction (0.2: 20 % slower).
+        straggler_patience: consecutive timing windows a rank must be over (or back under) the
+            threshold before it is flagged (or cleared).
+        tensorboard: write TensorBoard event files to ``{run_dir}/tensorboard/``.
+        csv: write ``{run_dir}/metrics.csv`` and ``{run_dir}/timing.csv``.
+    """
+
+    timing: bool = True
+    timing_interval_s: float = 2.0
+    straggler_threshold: float = 0.2
+    straggler_patience: int = 2
+    tensorboard: bool = True
+    csv: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("timing", "tensorboard", "csv"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"MonitorConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        for name, value in (
+            ("timing_interval_s", self.timing_interval_s),
+            ("straggler_threshold", self.straggler_threshold),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not value > 0
+                or value == float("inf")
+            ):
+                raise ValueError(f"MonitorConfig.{name} must be a positive number, got {value!r}")
+        _check_int(
+            "MonitorConfig",
+            "straggler_patience",
+            self.straggler_patience,
+            1,
+            "the number of consecutive timing windows, e.g. 2",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Where a run writes, and how it behaves.
 
@@ -200,11 +266,14 @@ class RunConfig:
         storage_path: a local directory or an fsspec URL (``file://``, ``memory://``, ``s3://``...).
         checkpoint_config: checkpoint retention.
         failure_config: restart behaviour.
-        callbacks: objects with any of ``on_report(rank, round, metrics)``,
-            ``on_checkpoint(checkpoint, metrics)``, ``on_failure(failure)``, ``on_end(result)``,
-            called on the driver.
+        callbacks: objects with any of the hooks in :data:`CALLBACK_HOOKS`
+            (``on_report(rank, round, metrics)``, ``on_round(round, metrics)``,
+            ``on_checkpoint(checkpoint, metrics)``, ``on_failure(failure)``,
+            ``on_timing(rank, window)``, ``on_straggler(event)``, ``on_end(result)``), called on
+            the driver; see docs/monitoring.md.
         progress: ``"auto"`` (live display on a terminal, log lines otherwise), ``"rich"``,
             ``"plain"`` or ``"off"``.
+        monitor_config: step timing, straggler detection, TensorBoard and CSV logs.
     """
 
     name: str | None = None
@@ -213,6 +282,7 @@ class RunConfig:
     failure_config: FailureConfig = field(default_factory=FailureConfig)
     callbacks: Sequence[Any] = ()
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
+    monitor_config: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
         if self.name is not None and (
@@ -238,17 +308,21 @@ class RunConfig:
                 "RunConfig.failure_config must be a ringtrain.FailureConfig, got "
                 f"{type(self.failure_config).__name__}"
             )
+        if not isinstance(self.monitor_config, MonitorConfig):
+            raise TypeError(
+                "RunConfig.monitor_config must be a ringtrain.MonitorConfig, got "
+                f"{type(self.monitor_config).__name__}"
+            )
         if self.progress not in ("auto", "rich", "plain", "off"):
             raise ValueError(
                 "RunConfig.progress must be 'auto', 'rich', 'plain' or 'off', "
                 f"got {self.progress!r}"
             )
         callbacks = tuple(self.callbacks)
-        hooks = ("on_report", "on_checkpoint", "on_failure", "on_end")
         for cb in callbacks:
-            if not any(callable(getattr(cb, h, None)) for h in hooks):
+            if not any(callable(getattr(cb, h, None)) for h in CALLBACK_HOOKS):
                 raise TypeError(
-                    f"RunConfig.callbacks: {cb!r} has none of the hooks {', '.join(hooks)}"
+                    f"RunConfig.callbacks: {cb!r} has none of the hooks {', '.join(CALLBACK_HOOKS)}"
                 )
         object.__setattr__(self, "callbacks", callbacks)
 
@@ -260,4 +334,5 @@ class RunConfig:
             "failure_config": self.failure_config.to_dict(),
             "callbacks": [type(cb).__name__ for cb in self.callbacks],
             "progress": self.progress,
+            "monitor_config": self.monitor_config.to_dict(),
         }

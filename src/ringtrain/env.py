@@ -24,6 +24,8 @@ ENV_START_ROUND = "RINGTRAIN_START_ROUND"  # first report round of this attempt
 ENV_THREADS = "RINGTRAIN_NUM_THREADS"
 ENV_WORKER_TIMEOUT = "RINGTRAIN_WORKER_TIMEOUT_S"  # FailureConfig.worker_timeout_s ("" = none)
 ENV_ASYNC_CHECKPOINT = "RINGTRAIN_ASYNC_CHECKPOINT"  # "1": TrainState saves in the background
+ENV_TIMING = "RINGTRAIN_TIMING_INTERVAL_S"  # step timing window in seconds ("" or unset = off)
+ENV_MAX_STEPS = "RINGTRAIN_MAX_STEPS"  # stop cleanly after this many steps (`ringtrain bench`)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,8 @@ def context_from_env(environ: Mapping[str, str] | None = None) -> DistributedCon
                 ENV_START_ROUND,
                 ENV_WORKER_TIMEOUT,
                 ENV_ASYNC_CHECKPOINT,
+                ENV_TIMING,
+                ENV_MAX_STEPS,
             )
             if k in env
         },

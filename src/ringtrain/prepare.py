@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from ringtrain.data import ResumableDistributedSampler, SampleSeeded
 from ringtrain.distributed import init_process_group
-from ringtrain.session import get_context
+from ringtrain.monitor.timing import batch_size_of, instrument_model, timed_allreduce_hook
+from ringtrain.session import current_timer, get_context
 
 
 def get_device() -> torch.device:
@@ -55,14 +56,21 @@ def prepare_model(
         )
     ctx = get_context()
     device = ctx.device
+    timer = current_timer()
     if move_to_device:
         model = model.to(device)
+    module = model
     if parallel_strategy == "ddp" and ctx.world_size > 1:
         init_process_group(ctx)
         device_ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=device_ids, **dict(ddp_kwargs or {})
         )
+        if timer is not None:
+            # DDP's own averaging allreduce, timed per bucket (launch to completion).
+            model.register_comm_hook(None, timed_allreduce_hook(timer))
+    if timer is not None:
+        instrument_model(timer, model, module)
     return model
 
 
@@ -274,6 +282,7 @@ class PreparedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         from ringtrain.session import mark_progress
 
+        timer = current_timer()
         start = self._resume_batch or 0
         self._resume_batch = None
         epoch = self.epoch
@@ -290,13 +299,28 @@ class PreparedDataLoader:
             self.loader.generator.manual_seed(_epoch_seed(self.seed, epoch))
         self.batch = start
         non_blocking = bool(self.loader.pin_memory)
-        for batch in self.loader:
-            if skip:
-                skip -= 1
-                continue
-            self.batch += 1
-            mark_progress()
-            yield batch if self.device is None else _to_device(batch, self.device, non_blocking)
+        batches = iter(self.loader)
+        try:
+            while True:
+                if timer is not None and not skip:
+                    timer.loader_fetch_start()  # ends the previous step, starts this one
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+                if skip:
+                    skip -= 1
+                    continue
+                self.batch += 1
+                mark_progress()
+                if self.device is not None:
+                    batch = _to_device(batch, self.device, non_blocking)
+                if timer is not None:
+                    timer.loader_fetch_end(batch_size_of(batch))
+                yield batch
+        finally:
+            if timer is not None:
+                timer.loader_exhausted()  # end of epoch, or the loop broke out early
         self.set_epoch(epoch + 1)
 
 

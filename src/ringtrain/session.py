@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringtrain.channel import CheckpointDone, Heartbeat, Report, WorkerChannel
+from ringtrain.channel import CheckpointDone, Heartbeat, Report, Timing, WorkerChannel
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.env import ENV_START_ROUND, DistributedContext, context_from_env
@@ -39,6 +39,8 @@ class Session:
             them to host memory (``CheckpointConfig.async_save``).
         last_progress: ``time.monotonic()`` of the last sign of progress (a batch from a
             prepared loader, a step, a report); what the heartbeat tells the driver.
+        timer: the step timer (``MonitorConfig.timing``), ``None`` when timing is off.
+        timing_interval_s: how often the heartbeat thread sends a timing window (seconds).
     """
 
     context: DistributedContext
@@ -53,6 +55,8 @@ class Session:
     progressed: bool = False
     progress_count: int = 0
     warned_no_storage: bool = False
+    timer: Any = None
+    timing_interval_s: float = 2.0
     _writer: Any = None
     _run_fs: Any = None
     _run_path: str | None = None
@@ -66,9 +70,21 @@ class Session:
             return
         rank = self.context.world_rank
 
+        if self.timer is not None:
+            interval_s = min(interval_s, self.timing_interval_s)
+
         def beat() -> None:
+            last_window = time.monotonic()
             while True:
                 time.sleep(interval_s)
+                if self.timer is not None and (
+                    time.monotonic() - last_window >= self.timing_interval_s
+                ):
+                    last_window = time.monotonic()
+                    try:
+                        self.send_timing()
+                    except (OSError, ValueError):
+                        return
                 # None until the first progress: start-up (imports, data loading, restoring a
                 # checkpoint) is not a hang, however long it takes.
                 age = time.monotonic() - self.last_progress if self.progressed else None
@@ -86,6 +102,14 @@ class Session:
                     return
 
         threading.Thread(target=beat, name="ringtrain-heartbeat", daemon=True).start()
+
+    def send_timing(self) -> None:
+        """Send the steps timed since the last window to the driver (nothing when none)."""
+        if self.timer is None or self.channel is None:
+            return
+        window = self.timer.take_window()
+        if window is not None:
+            self.channel.send(Timing(rank=self.context.world_rank, time=time.time(), window=window))
 
     def wait_for_checkpoint(self, timeout_s: float | None = None) -> None:
         """Block until the checkpoint being written in the background (if any) is on storage,
@@ -140,6 +164,13 @@ def mark_progress(step: int | None = None) -> None:
         session.progress_count += 1
         if step is not None:
             session.last_step = step
+
+
+def current_timer() -> Any:
+    """This worker's :class:`~ringtrain.monitor.timing.StepTimer`, or ``None`` (timing off, or
+    not a ringtrain worker)."""
+    session = _session
+    return session.timer if session is not None else None
 
 
 def get_context() -> DistributedContext:

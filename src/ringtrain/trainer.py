@@ -21,11 +21,18 @@ from ringtrain.checkpoint.storage import is_local_fs, protocols
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
-from ringtrain.env import ENV_ASYNC_CHECKPOINT, ENV_WORKER_TIMEOUT, detect_source
+from ringtrain.env import (
+    ENV_ASYNC_CHECKPOINT,
+    ENV_MAX_STEPS,
+    ENV_TIMING,
+    ENV_WORKER_TIMEOUT,
+    detect_source,
+)
 from ringtrain.launch.base import Launcher, WorkerSpec
 from ringtrain.launch.local import LocalLauncher
 from ringtrain.monitor.progress import make_progress
 from ringtrain.monitor.runs import pid_alive
+from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
 
@@ -250,7 +257,7 @@ def load_saved_run(path: str) -> SavedRun:
     """
     import fsspec
 
-    from ringtrain.config import CheckpointConfig, FailureConfig
+    from ringtrain.config import CheckpointConfig, FailureConfig, MonitorConfig
 
     fs, stripped = fsspec.core.url_to_fs(path)
     local = is_local_fs(fs)
@@ -269,6 +276,7 @@ def load_saved_run(path: str) -> SavedRun:
         checkpoint_config=_from_dict(CheckpointConfig, rc.get("checkpoint_config")),
         failure_config=_from_dict(FailureConfig, rc.get("failure_config")),
         progress=rc.get("progress", "auto"),
+        monitor_config=_from_dict(MonitorConfig, rc.get("monitor_config")),
     )
     return SavedRun(
         name=name,
@@ -329,9 +337,14 @@ def run_workers(
     script_args: tuple[str, ...] = (),
     train_loop_config: dict[str, Any] | None = None,
     launcher: Launcher | None = None,
+    max_steps: int | None = None,
 ) -> Result:
-    """Set up the run directory and drive the workers to completion (used by ``Trainer.fit`` and
-    ``ringtrain run``). Returns the Result; never raises TrainingFailedError itself."""
+    """Set up the run directory and drive the workers to completion (used by ``Trainer.fit``,
+    ``ringtrain run`` and ``ringtrain bench``). Returns the Result; never raises
+    TrainingFailedError itself.
+
+    ``max_steps``: every worker stops cleanly when its prepared data loader is asked for a batch
+    after this many steps (the run then ends FINISHED); ``None`` runs the job to its end."""
     run_dir = RunDirectory(run_config.storage_path, name)
     staging_dir = None
     if "memory" in protocols(run_dir.fs):
@@ -370,10 +383,14 @@ def run_workers(
         run_dir.write_bytes(PAYLOAD_FILE, payload)
     threads = scaling_config.threads_per_worker()
     timeout = run_config.failure_config.worker_timeout_s
+    monitor = run_config.monitor_config
     worker_env = {
         ENV_WORKER_TIMEOUT: "" if timeout is None else repr(float(timeout)),
         ENV_ASYNC_CHECKPOINT: "1" if run_config.checkpoint_config.async_save else "0",
+        ENV_TIMING: repr(float(monitor.timing_interval_s)) if monitor.timing else "",
     }
+    if max_steps is not None:
+        worker_env[ENV_MAX_STEPS] = str(int(max_steps))
 
     def make_spec(attempt: int, start_round: int, latest: str | None) -> WorkerSpec:
         return WorkerSpec(
@@ -400,6 +417,9 @@ def run_workers(
         progress=progress,
         callbacks=run_config.callbacks,
         worker_timeout_s=timeout,
+        stragglers=StragglerDetector(monitor.straggler_threshold, monitor.straggler_patience)
+        if monitor.timing
+        else None,
     )
     try:
         with _sigterm_as_interrupt():

@@ -36,12 +36,14 @@ from ringtrain.channel import (
     Heartbeat,
     Hello,
     Report,
+    Timing,
     WorkerError,
 )
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.controller.policy import Decision, FailurePolicy
 from ringtrain.launch.base import Launcher, WorkerGroup, WorkerSpec
 from ringtrain.monitor.progress import ProgressReporter
+from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure
 from ringtrain.rundir import RunDirectory
 
@@ -118,7 +120,7 @@ class Controller:
         checkpoints: publication and retention of checkpoints.
         failure_policy: restart-or-raise decisions.
         progress: the live display.
-        callbacks: user callbacks (``on_report``, ``on_checkpoint``, ``on_failure``, ``on_end``).
+        callbacks: driver-side callbacks (the hooks of :data:`ringtrain.config.CALLBACK_HOOKS`).
         failure_grace_s: how long to keep collecting events after the first failure (seconds);
             cut short once every rank has failed or exited.
         stop_grace_s: SIGTERM-to-SIGKILL grace when stopping a group (seconds).
@@ -127,6 +129,7 @@ class Controller:
         checkpoint_grace_s: after a failure, how long to let live ranks finish background
             checkpoint writes of rounds every rank reported, so that the restart loses only the
             steps after that checkpoint (seconds).
+        stragglers: flags slow ranks from the workers' timing windows (``None``: no detection).
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class Controller:
         poll_interval_s: float = 0.1,
         worker_timeout_s: float | None = None,
         checkpoint_grace_s: float = 120.0,
+        stragglers: StragglerDetector | None = None,
     ) -> None:
         self.launcher = launcher
         self.make_spec = make_spec
@@ -159,6 +163,7 @@ class Controller:
         self.poll_interval_s = poll_interval_s
         self.worker_timeout_s = worker_timeout_s
         self.checkpoint_grace_s = checkpoint_grace_s
+        self.stragglers = stragglers
 
         self.state = RunState.INITIALIZING
         self.group: WorkerGroup | None = None
@@ -235,6 +240,10 @@ class Controller:
                 self.progress.message(f"resuming from {latest.checkpoint.uri}")
         spec = self.make_spec(number, self.next_round, resume_from)
         self._attempt = attempt = _Attempt(number, spec.world_size)
+        if self.stragglers is not None:
+            for rank in sorted(self.stragglers.flagged):
+                self.progress.straggler(rank, False)
+            self.stragglers.reset()  # a new group: its ranks start with a clean slate
         self.run_dir.event("run_start", world_size=spec.world_size, attempt=number)
         for rank in range(spec.world_size):
             self.progress.worker_state(rank, "starting")
@@ -285,6 +294,8 @@ class Controller:
             self.progress.worker_state(event.rank, "running")
         elif isinstance(event, Report):
             self._on_report(attempt, event)
+        elif isinstance(event, Timing):
+            self._on_timing(attempt, event)
         elif isinstance(event, CheckpointDone):
             outcome = ("files", event.files) if event.error is None else ("error", event.error)
             attempt.outcomes.setdefault(event.round, {})[event.rank] = outcome
@@ -416,11 +427,42 @@ class Controller:
             del attempt.pending[report.round]
             self._complete_round(attempt, report.round, reports)
 
+    def _on_timing(self, attempt: _Attempt, timing: Timing) -> None:
+        window = timing.window
+        self.run_dir.event(
+            "timing", time=timing.time, rank=timing.rank, attempt=attempt.number, **window
+        )
+        self.progress.timing(timing.rank, window)
+        self._callback("on_timing", timing.rank, window)
+        if self.stragglers is None:
+            return
+        for ev in self.stragglers.update(timing.rank, window):
+            logger.info(ev.message)
+            self.progress.message(ev.message)
+            self.progress.straggler(ev.rank, ev.flagged)
+            if ev.flagged:
+                self.run_dir.event(
+                    "straggler",
+                    rank=ev.rank,
+                    attempt=attempt.number,
+                    busy_s=ev.busy_s,
+                    median_s=ev.median_s,
+                    ratio=ev.ratio,
+                    reason=ev.reason,
+                    message=ev.message,
+                )
+            else:
+                self.run_dir.event(
+                    "straggler_cleared", rank=ev.rank, attempt=attempt.number, message=ev.message
+                )
+            self._callback("on_straggler", ev)
+
     def _complete_round(self, attempt: _Attempt, round_: int, reports: dict[int, Report]) -> None:
         metrics = reports[0].metrics if 0 in reports else next(iter(reports.values())).metrics
         self._history[round_] = metrics
         self.next_round = round_ + 1
         self.progress.round_complete(round_, metrics)
+        self._callback("on_round", round_, metrics)
         expected = {
             rank
             for rank, r in reports.items()

@@ -33,10 +33,13 @@ from ringtrain.env import (
     ENV_ASYNC_CHECKPOINT,
     ENV_AUTHKEY,
     ENV_DRIVER_ADDR,
+    ENV_MAX_STEPS,
     ENV_START_ROUND,
     ENV_THREADS,
+    ENV_TIMING,
     context_from_env,
 )
+from ringtrain.monitor.timing import StepLimitReached, StepTimer
 
 PR_SET_PDEATHSIG = 1
 FINISH_WRITE_TIMEOUT_S = 120.0
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         next_round=int(ctx.extra.get(ENV_START_ROUND, "0")),
         async_checkpoint=ctx.extra.get(ENV_ASYNC_CHECKPOINT) == "1",
     )
+    _setup_timing(sess)
     session_mod._install_session(sess)
     sess.start_heartbeat(heartbeat_interval(ctx.worker_timeout_s))
 
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             except SystemExit as exc:
                 if exc.code not in (None, 0):
                     raise
+            except StepLimitReached:
+                pass
         else:
             import cloudpickle
 
@@ -121,17 +127,22 @@ def main(argv: list[str] | None = None) -> int:
             if start.latest_checkpoint:
                 sess.latest_checkpoint = Checkpoint(start.latest_checkpoint)
             init_process_group(ctx)
-            if _takes_config(train_fn):
-                train_fn(config if config is not None else {})
-            else:
-                train_fn()
+            try:
+                if _takes_config(train_fn):
+                    train_fn(config if config is not None else {})
+                else:
+                    train_fn()
+            except StepLimitReached:
+                pass
         sess.wait_for_checkpoint()  # the last checkpoint must be on storage before Done
+        _send_last_timing(sess)
         channel.send(Done(rank=ctx.world_rank, time=time.time(), rounds=sess.next_round))
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
         # A checkpoint this rank was writing in the background is finished first (bounded): a
         # peer's failure must not also cost the checkpoint this rank had nearly saved.
         sess.wait_for_checkpoint(timeout_s=FINISH_WRITE_TIMEOUT_S)
+        _send_last_timing(sess)
         try:
             channel.send(
                 WorkerError(
@@ -149,6 +160,28 @@ def main(argv: list[str] | None = None) -> int:
         _destroy_process_group()
         channel.close()
     return code
+
+
+def _setup_timing(sess: Any) -> None:
+    """Give the session a step timer when the driver asked for timing (``MonitorConfig``)."""
+    interval = sess.context.extra.get(ENV_TIMING, "")
+    max_steps = sess.context.extra.get(ENV_MAX_STEPS, "")
+    if not interval and not max_steps:
+        return
+    sess.timer = StepTimer(max_steps=int(max_steps) if max_steps else None)
+    if interval:
+        sess.timing_interval_s = float(interval)
+    else:  # a step limit without timing windows: count steps, send nothing
+        sess.timing_interval_s = float("inf")
+
+
+def _send_last_timing(sess: Any) -> None:
+    if sess.timing_interval_s == float("inf"):
+        return
+    try:
+        sess.send_timing()
+    except (OSError, ValueError):
+        pass
 
 
 def heartbeat_interval(worker_timeout_s: float | None) -> float:

@@ -104,6 +104,25 @@ class ProgressReporter(Protocol):
         """
         ...
 
+    def timing(self, rank: int, window: dict[str, Any]) -> None:
+        """A rank's step-timing window arrived.
+
+        Args:
+            rank: The worker's rank.
+            window: Its window (``step_s``, ``samples_per_s``, the parts...; see
+                :meth:`ringtrain.monitor.timing.StepTimer.take_window`).
+        """
+        ...
+
+    def straggler(self, rank: int, flagged: bool) -> None:
+        """A rank was flagged as a straggler (``flagged``) or cleared.
+
+        Args:
+            rank: The worker's rank.
+            flagged: True when flagged, False when cleared.
+        """
+        ...
+
     def message(self, text: str) -> None:
         """A notable event: a checkpoint saved, a failure, a restart.
 
@@ -160,6 +179,12 @@ class NullProgress(_ReporterBase):
     def round_complete(self, round: int, metrics: dict[str, Any]) -> None:
         """Does nothing."""
 
+    def timing(self, rank: int, window: dict[str, Any]) -> None:
+        """Does nothing."""
+
+    def straggler(self, rank: int, flagged: bool) -> None:
+        """Does nothing."""
+
     def message(self, text: str) -> None:
         """Does nothing."""
 
@@ -200,6 +225,7 @@ class PlainProgress(_ReporterBase):
         self._pending: str | None = None
         self._last_round: int | None = None
         self._closed = False
+        self._timing: dict[int, dict[str, Any]] = {}
 
     def _write(self, line: str) -> None:
         try:
@@ -243,6 +269,9 @@ class PlainProgress(_ReporterBase):
         text = format_metrics(metrics, first=_FIRST_KEYS)
         if text:
             parts.append(text)
+        speed = _speed_text(self._timing)
+        if speed:
+            parts.append(f"[{speed}]")
         parts.append(f"({format_duration(now - self._t0)})")
         line = " ".join(parts)
         last = self._last_round_line_at
@@ -252,6 +281,13 @@ class PlainProgress(_ReporterBase):
             self._last_round_line_at = now
         else:
             self._pending = line  # superseded by a later round, or written before the next line
+
+    def timing(self, rank: int, window: dict[str, Any]) -> None:
+        """Keeps the window: round lines show the step time and throughput."""
+        self._timing[rank] = window
+
+    def straggler(self, rank: int, flagged: bool) -> None:
+        """Writes nothing: the driver announces stragglers through :meth:`message`."""
 
     def message(self, text: str) -> None:
         """Writes the message (after any held-back round line). See
@@ -280,6 +316,8 @@ class _Worker:
     state: str = "starting"
     round: int | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    timing: dict[str, Any] | None = None
+    straggler: bool = False
 
 
 class RichProgress(_ReporterBase):
@@ -373,6 +411,16 @@ class RichProgress(_ReporterBase):
             self._round = round
             self._metrics = dict(metrics)
 
+    def timing(self, rank: int, window: dict[str, Any]) -> None:
+        """Records a rank's timing window (step time and samples/s columns)."""
+        with self._lock:
+            self._workers.setdefault(rank, _Worker()).timing = dict(window)
+
+    def straggler(self, rank: int, flagged: bool) -> None:
+        """Marks or unmarks a rank as a straggler (its row turns red)."""
+        with self._lock:
+            self._workers.setdefault(rank, _Worker()).straggler = flagged
+
     def message(self, text: str) -> None:
         """Prints a line above the panel. See :meth:`ProgressReporter.message`."""
         with self._lock:
@@ -435,6 +483,10 @@ class RichProgress(_ReporterBase):
             format_metrics({k: v for k, v in self._metrics.items() if k != "epoch"}, max_items=12)
             or "-"
         )
+        speed = _speed_text({r: w.timing for r, w in self._workers.items() if w.timing})
+        if speed:
+            metrics_line.append("   speed ", style="dim")
+            metrics_line.append(speed)
 
         parts: list[RenderableType] = [header, metrics_line]
         if self._workers:
@@ -460,22 +512,54 @@ class RichProgress(_ReporterBase):
         table.add_column("Rank", justify="right", no_wrap=True)
         table.add_column("State", no_wrap=True)
         table.add_column("Round", justify="right", no_wrap=True)
+        timed = any(self._workers[r].timing for r in ranks)
+        if timed:
+            table.add_column("s/step", justify="right", no_wrap=True)
+            table.add_column("samples/s", justify="right", no_wrap=True)
         for key in shown_keys:
             table.add_column(key, justify="right", no_wrap=True, overflow="ellipsis")
         limit = self._max_worker_rows
         shown = ranks[: limit - 1] if len(ranks) > limit else ranks
         for rank in shown:
             w = self._workers[rank]
+            speed: list[str] = []
+            if timed:
+                t = w.timing or {}
+                speed = [
+                    f"{t['step_s']:.3g}" if "step_s" in t else "",
+                    f"{t['samples_per_s']:.4g}" if "samples_per_s" in t else "",
+                ]
+            state = Text(w.state, style=_STATE_STYLES.get(w.state, ""))
+            if w.straggler:
+                state.append(" straggler", style="bold red")
             table.add_row(
                 str(rank),
-                Text(w.state, style=_STATE_STYLES.get(w.state, "")),
+                state,
                 "-" if w.round is None else str(w.round),
+                *speed,
                 *(format_value(w.metrics[k], 12) if k in w.metrics else "" for k in shown_keys),
+                style="red" if w.straggler else None,
             )
         hidden = len(ranks) - len(shown)
         if hidden:
-            table.add_row("…", Text(f"{hidden} more", style="dim"), "", *("" for _ in shown_keys))
+            table.add_row(
+                "…",
+                Text(f"{hidden} more", style="dim"),
+                "",
+                *(["", ""] if timed else []),
+                *("" for _ in shown_keys),
+            )
         return table
+
+
+def _speed_text(windows: dict[int, dict[str, Any]]) -> str:
+    """``"0.052 s/step, 2460 samples/s"``: the slowest rank's median step time and the total
+    throughput of the latest windows ("" without any)."""
+    steps = [w["step_s"] for w in windows.values() if isinstance(w.get("step_s"), (int, float))]
+    if not steps:
+        return ""
+    total = sum(float(w.get("samples_per_s") or 0.0) for w in windows.values())
+    return f"{max(steps):.3g} s/step, {total:.4g} samples/s"
 
 
 def make_progress(mode: str = "auto", stream: TextIO | None = None) -> ProgressReporter:

@@ -1,0 +1,367 @@
+"""Per-step timing inside a worker: where each training step's time goes.
+
+A :class:`StepTimer` lives in each worker's session when ``MonitorConfig.timing`` is on. It is fed
+by hooks that ringtrain installs on the objects it already prepares, so the user's loop does not
+change:
+
+- the prepared data loader marks the step boundary and the data wait (``loader_fetch_start`` /
+  ``loader_fetch_end``): a step runs from one ``next(loader)`` call to the next;
+- forward pre/post hooks on the prepared model and a post-accumulate-grad hook on each parameter
+  bound the compute (forward + backward: from the first forward of the step to the last gradient
+  accumulated);
+- the DDP communication hook (:func:`timed_allreduce_hook`, or a user's hook wrapped by
+  :func:`timed_comm_hook`) records each bucket's allreduce from launch to completion, and its size;
+- global optimizer step hooks time ``optimizer.step()``.
+
+Each closed step is split into disjoint parts that add up to its wall time::
+
+    step = data + compute + comm_exposed + optimizer + other
+
+``comm_exposed`` is the communication still running after the last gradient was ready: the part
+not hidden behind backward, which includes waiting for slower peers. ``comm`` (total, overlapped
+or not) is reported beside it. ``other`` is everything else (the loss's ``.item()``, logging,
+``report()``...). The heartbeat thread takes one aggregated *window* every
+``MonitorConfig.timing_interval_s`` seconds (:meth:`StepTimer.take_window`) and sends it to the
+driver: one message per window, never one per step.
+
+On GPU the parts are host-side times: kernels run asynchronously, so a part ends when its work
+was queued, not when it finished; the step total is exact whenever the loop synchronises (a
+``.item()``, the optimizer reading gradients). Totals are right, the split is approximate.
+
+The cost is a few ``time.perf_counter()`` calls per step plus one per parameter per backward
+(see the instrumentation overhead benchmark in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+_now = time.perf_counter
+
+PARTS = ("data_s", "compute_s", "comm_exposed_s", "optimizer_s", "other_s")
+"""The disjoint parts of a step, in seconds; they add up to the step time."""
+
+
+class StepLimitReached(BaseException):
+    """Raised from the prepared data loader when the run's ``max_steps`` (``ringtrain bench``)
+    are done; the worker treats it as a clean finish. A BaseException, so that a train function's
+    ``except Exception`` does not swallow it."""
+
+
+class _Step:
+    __slots__ = (
+        "comm_bytes",
+        "comm_last_done",
+        "comm_s",
+        "data_end",
+        "fwd_first",
+        "fwd_last_end",
+        "grad_last",
+        "opt_intervals",
+        "opt_open",
+        "samples",
+        "start",
+    )
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.data_end: float | None = None
+        self.fwd_first: float | None = None
+        self.fwd_last_end: float | None = None
+        self.grad_last: float | None = None
+        self.comm_s = 0.0
+        self.comm_bytes = 0
+        self.comm_last_done: float | None = None
+        self.opt_open: float | None = None
+        self.opt_intervals: list[tuple[float, float]] = []
+        self.samples = 0
+
+
+class StepTimer:
+    """Times the steps of one worker and aggregates them into windows.
+
+    The ``*_start``/``*_end`` methods are called from the training thread by ringtrain's hooks;
+    :meth:`comm_done` may come from a communication thread; :meth:`take_window` from the
+    heartbeat thread.
+
+    Args:
+        max_steps: raise :class:`StepLimitReached` when the loader is asked for a batch after
+            this many steps (``None``: no limit).
+    """
+
+    def __init__(self, max_steps: int | None = None) -> None:
+        self.max_steps = max_steps
+        self.steps_total = 0
+        self._step: _Step | None = None
+        self._loader_driven = False
+        self._lock = threading.Lock()
+        # Closed steps since the last window: (step_s, data, compute, exposed, opt, other,
+        # comm_s, comm_bytes, samples).
+        self._closed: list[tuple[float, ...]] = []
+
+    # ------------------------------------------------------------------ step boundaries
+    def loader_fetch_start(self) -> None:
+        """The loop asks the prepared loader for its next batch: the previous step ends and a
+        new one starts (its data wait begins now).
+
+        Raises:
+            StepLimitReached: when ``max_steps`` steps are done.
+        """
+        t = _now()
+        self._loader_driven = True
+        if self._step is not None:
+            self._close(t)
+            self._step = None
+        if self.max_steps is not None and self.steps_total >= self.max_steps:
+            raise StepLimitReached(f"max_steps={self.max_steps} reached")
+        self._step = _Step(t)
+
+    def loader_fetch_end(self, samples: int) -> None:
+        """The batch (``samples`` samples) is in hand: the data wait ends."""
+        step = self._step
+        if step is not None:
+            step.data_end = _now()
+            step.samples = samples
+
+    def loader_exhausted(self) -> None:
+        """The loader stopped: at the end of an epoch the step opened by the fetch that found no
+        batch is dropped (the epoch's last step already ended when the loop asked for more);
+        when the loop broke out early, the step in progress ends now."""
+        step = self._step
+        if step is not None:
+            if step.data_end is not None:
+                self._close(_now())
+            self._step = None
+
+    # ------------------------------------------------------------------ inside a step
+    def forward_start(self) -> None:
+        step = self._step
+        if step is not None and step.fwd_first is None:
+            step.fwd_first = _now()
+
+    def forward_end(self) -> None:
+        step = self._step
+        if step is not None:
+            step.fwd_last_end = _now()
+
+    def grad_ready(self) -> None:
+        step = self._step
+        if step is not None:
+            step.grad_last = _now()
+
+    def comm_done(self, started: float, nbytes: int) -> None:
+        """One collective launched at ``started`` (a ``perf_counter`` time) on ``nbytes`` bytes
+        has completed."""
+        t = _now()
+        step = self._step
+        if step is None:
+            return
+        with self._lock:
+            step.comm_s += t - started
+            step.comm_bytes += nbytes
+            if step.comm_last_done is None or t > step.comm_last_done:
+                step.comm_last_done = t
+
+    def optimizer_start(self) -> None:
+        step = self._step
+        if step is None and not self._loader_driven:
+            # No prepared loader: steps run from one optimizer.step() to the next.
+            self._step = step = _Step(_now())
+        if step is not None:
+            step.opt_open = _now()
+
+    def optimizer_end(self) -> None:
+        step = self._step
+        if step is None or step.opt_open is None:
+            return
+        t = _now()
+        step.opt_intervals.append((step.opt_open, t))
+        step.opt_open = None
+        if not self._loader_driven:
+            self._close(t)
+            self._step = _Step(t)
+
+    # ------------------------------------------------------------------ aggregation
+    def _close(self, end: float) -> None:
+        step = self._step
+        assert step is not None
+        total = max(0.0, end - step.start)
+        data = (step.data_end - step.start) if step.data_end is not None else 0.0
+        compute_end = step.grad_last if step.grad_last is not None else step.fwd_last_end
+        compute = 0.0
+        if step.fwd_first is not None and compute_end is not None:
+            compute = max(0.0, compute_end - step.fwd_first)
+        with self._lock:
+            comm_s, comm_bytes, last_done = step.comm_s, step.comm_bytes, step.comm_last_done
+        exposed_from = compute_end if compute_end is not None else step.start
+        exposed_to = min(last_done, end) if last_done is not None else exposed_from
+        exposed = max(0.0, exposed_to - exposed_from)
+        opt = 0.0
+        for a, b in step.opt_intervals:
+            # DistributedOptimizer.step() waits for communication: that wait is exposed
+            # communication, counted once.
+            overlap = max(0.0, min(b, exposed_to) - max(a, exposed_from))
+            opt += (b - a) - overlap
+        other = max(0.0, total - data - compute - exposed - opt)
+        record: tuple[float, ...] = (total, data, compute, exposed, opt, other, comm_s)
+        record += (float(comm_bytes), float(step.samples))
+        with self._lock:
+            self._closed.append(record)
+            self.steps_total += 1
+
+    def take_window(self) -> dict[str, Any] | None:
+        """Aggregate the steps closed since the last call (``None`` when there are none).
+
+        Returns:
+            The window: ``steps``, ``step`` (cumulative), ``step_s`` (median, seconds),
+            ``step_s_mean``, the mean of each part in :data:`PARTS` (seconds per step; they sum to
+            ``step_s_mean``), ``comm_s``, ``comm_bytes`` (mean bytes allreduced per step),
+            ``busy_s`` (``step_s_mean - comm_exposed_s``), ``samples``, ``samples_per_s``,
+            ``window_s`` and the memory readings of :func:`memory_stats`.
+        """
+        with self._lock:
+            records, self._closed = self._closed, []
+            steps_total = self.steps_total
+        if not records:
+            return None
+        n = len(records)
+        cols = list(zip(*records, strict=True))
+        window_s = sum(cols[0])
+        mean = [sum(c) / n for c in cols]
+        samples = int(sum(cols[8]))
+        out: dict[str, Any] = {
+            "steps": n,
+            "step": steps_total,
+            "step_s": statistics.median(cols[0]),
+            "step_s_mean": mean[0],
+        }
+        for i, name in enumerate(PARTS, start=1):
+            out[name] = mean[i]
+        out["comm_s"] = mean[6]
+        out["comm_bytes"] = mean[7]
+        out["busy_s"] = max(0.0, mean[0] - mean[3])
+        out["samples"] = samples
+        out["samples_per_s"] = samples / window_s if window_s > 0 else 0.0
+        out["window_s"] = window_s
+        out.update(memory_stats())
+        return out
+
+
+# ---------------------------------------------------------------------------------- memory
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)  # peak, not current
+
+
+def memory_stats() -> dict[str, Any]:
+    """``rss_bytes`` (resident memory of this process), and on a worker that uses CUDA
+    ``gpu_allocated_bytes``, ``gpu_peak_bytes`` (``torch.cuda`` caching allocator, this device)
+    and ``gpu_util`` (percent, when NVML is available); the GPU fields are ``None`` otherwise."""
+    stats: dict[str, Any] = {
+        "rss_bytes": _rss_bytes(),
+        "gpu_allocated_bytes": None,
+        "gpu_peak_bytes": None,
+        "gpu_util": None,
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats["gpu_allocated_bytes"] = int(torch.cuda.memory_allocated())
+        stats["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        try:
+            stats["gpu_util"] = float(torch.cuda.utilization())
+        except Exception:  # no NVML (pynvml) on this machine
+            pass
+    return stats
+
+
+# ---------------------------------------------------------------------------------- hooks
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in ``batch``: the first dimension of its first tensor (nested in tuples, lists,
+    dicts), 0 when it has none."""
+    for _ in range(8):
+        if hasattr(batch, "shape"):
+            return int(batch.shape[0]) if len(batch.shape) else 1
+        if isinstance(batch, dict):
+            batch = next(iter(batch.values()), None)
+        elif isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        else:
+            return 0
+    return 0
+
+
+def instrument_model(timer: StepTimer, model: Any, params_of: Any) -> None:
+    """Hook ``model`` (the module the loop calls, possibly DDP-wrapped) for forward timing and
+    each parameter of ``params_of`` that requires a gradient for backward timing."""
+    model.register_forward_pre_hook(lambda _m, _a: timer.forward_start())
+    model.register_forward_hook(lambda _m, _a, _o: timer.forward_end())
+    grad_ready = timer.grad_ready
+    for p in params_of.parameters():
+        if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+            p.register_post_accumulate_grad_hook(lambda _p: grad_ready())
+    install_optimizer_hooks(timer)
+
+
+_optimizer_hooks: dict[int, Any] = {}
+
+
+def install_optimizer_hooks(timer: StepTimer) -> None:
+    """Time every ``optimizer.step()`` of this process (torch's global optimizer step hooks);
+    once per timer."""
+    if id(timer) in _optimizer_hooks:
+        return
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    pre = register_optimizer_step_pre_hook(lambda _o, _a, _k: timer.optimizer_start())
+    post = register_optimizer_step_post_hook(lambda _o, _a, _k: timer.optimizer_end())
+    _optimizer_hooks[id(timer)] = (pre, post)
+
+
+def timed_comm_hook(timer: StepTimer, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """Wrap a DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` so that each
+    bucket's communication, from launch to completion, and its size in bytes reach ``timer``."""
+
+    # No annotations: DDP checks them against dist.GradBucket and Future, and with
+    # ``from __future__ import annotations`` they would be strings.
+    def timed(state, bucket):
+        buf = bucket.buffer()
+        nbytes = buf.numel() * buf.element_size()
+        started = _now()
+        fut = hook(state, bucket)
+
+        def done(f: Any) -> Any:
+            timer.comm_done(started, nbytes)
+            return f.value()
+
+        return fut.then(done)
+
+    return timed
+
+
+def timed_allreduce_hook(timer: StepTimer) -> Callable[[Any, Any], Any]:
+    """DDP's default averaging allreduce (``torch.distributed.algorithms.ddp_comm_hooks.
+    default_hooks.allreduce_hook``: divide by the world size, then sum), timed."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return timed_comm_hook(timer, allreduce_hook)
