@@ -273,3 +273,51 @@ class FlakyFileSystem(LocalFileSystem):
 
 
 fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """``make_dataset()`` whose every item takes ``delay_s`` seconds to load."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.data = make_dataset()
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        time.sleep(self.delay_s)
+        return self.data[i]
+
+
+class SlowForward(torch.nn.Module):
+    """``make_model()`` whose forward takes ``delay_s`` seconds longer."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.delay_s = delay_s
+
+    def forward(self, x):
+        time.sleep(self.delay_s)
+        return self.net(x)
+
+
+def timed_fn(config):
+    """``epochs`` epochs of SGD with known delays: ``data_delay_s`` per sample loaded,
+    ``forward_delay_s`` per forward, and ``slow_rank`` sleeping ``slow_s`` after each step (in the
+    train function's own code). Reports once per epoch."""
+    model = rt.prepare_model(SlowForward(config.get("forward_delay_s", 0.0)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dataset = SlowDataset(config.get("data_delay_s", 0.0))
+    loader = rt.prepare_data_loader(DataLoader(dataset, batch_size=config.get("batch_size", 4)))
+    rank = rt.get_context().world_rank
+    for epoch in range(config.get("epochs", 1)):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if rank == config.get("slow_rank"):
+                time.sleep(config["slow_s"])
+        rt.report({"epoch": epoch, "loss": loss.item()})

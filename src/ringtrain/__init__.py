@@ -3,9 +3,10 @@
 The public API; nothing outside this list is public::
 
     Trainer, Result, TrainingFailedError, WorkerFailure
-    ScalingConfig, RunConfig, CheckpointConfig, FailureConfig
+    ScalingConfig, RunConfig, CheckpointConfig, FailureConfig, MonitorConfig
     get_context, report, get_checkpoint, Checkpoint
     prepare_model, prepare_data_loader, get_device, TrainState
+    TensorBoardCallback, CSVCallback, MLflowCallback, WandbCallback   (logging callbacks)
 """
 
 from __future__ import annotations
@@ -17,12 +18,20 @@ __version__ = "0.1.0"
 # Worker-side and config names are light; the driver and torch-dependent parts load on first use
 # so that `import ringtrain` in a worker or in the CLI stays fast.
 from ringtrain.checkpoint.checkpoint import Checkpoint
-from ringtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ringtrain.config import (
+    CheckpointConfig,
+    FailureConfig,
+    MonitorConfig,
+    RunConfig,
+    ScalingConfig,
+)
 from ringtrain.env import DistributedContext
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure
 from ringtrain.session import get_checkpoint, get_context, report
 
 if TYPE_CHECKING:
+    from ringtrain.monitor.integrations import MLflowCallback, WandbCallback
+    from ringtrain.monitor.sinks import CSVCallback, TensorBoardCallback
     from ringtrain.prepare import get_device, prepare_data_loader, prepare_model
     from ringtrain.state import TrainState
     from ringtrain.trainer import Trainer
@@ -33,19 +42,28 @@ _LAZY = {
     "prepare_data_loader": "ringtrain.prepare",
     "get_device": "ringtrain.prepare",
     "TrainState": "ringtrain.state",
+    "TensorBoardCallback": "ringtrain.monitor.sinks",
+    "CSVCallback": "ringtrain.monitor.sinks",
+    "MLflowCallback": "ringtrain.monitor.integrations",
+    "WandbCallback": "ringtrain.monitor.integrations",
 }
 
 __all__ = [
+    "CSVCallback",
     "Checkpoint",
     "CheckpointConfig",
     "DistributedContext",
     "FailureConfig",
+    "MLflowCallback",
+    "MonitorConfig",
     "Result",
     "RunConfig",
     "ScalingConfig",
+    "TensorBoardCallback",
     "TrainState",
     "Trainer",
     "TrainingFailedError",
+    "WandbCallback",
     "WorkerFailure",
     "__version__",
     "get_checkpoint",

@@ -17,8 +17,9 @@ Each closed step is split into disjoint parts that add up to its wall time::
 
     step = data + compute + comm_exposed + optimizer + other
 
-``comm_exposed`` is the communication still running after the last gradient was ready: the part
-not hidden behind backward, which includes waiting for slower peers. ``comm`` (total, overlapped
+``comm_exposed`` runs from the last gradient being ready to the end of the last collective: the
+communication not hidden behind backward (with DDP's copy of the last bucket before its launch),
+which includes waiting for slower peers. ``comm`` (total, overlapped
 or not) is reported beside it. ``other`` is everything else (the loss's ``.item()``, logging,
 ``report()``...). The heartbeat thread takes one aggregated *window* every
 ``MonitorConfig.timing_interval_s`` seconds (:meth:`StepTimer.take_window`) and sends it to the
