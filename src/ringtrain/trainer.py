@@ -32,6 +32,7 @@ from ringtrain.launch.base import Launcher, WorkerSpec
 from ringtrain.launch.local import LocalLauncher
 from ringtrain.monitor.progress import make_progress
 from ringtrain.monitor.runs import pid_alive
+from ringtrain.monitor.sinks import default_sinks
 from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
@@ -407,6 +408,8 @@ def run_workers(
             env=dict(worker_env),
         )
 
+    # TensorBoard and CSV logs: driver-side callbacks, ahead of the user's.
+    sinks = default_sinks(run_dir, monitor)
     controller = Controller(
         launcher=launcher or LocalLauncher(),
         make_spec=make_spec,
@@ -415,7 +418,7 @@ def run_workers(
         checkpoints=checkpoints,
         failure_policy=FailurePolicy(run_config.failure_config),
         progress=progress,
-        callbacks=run_config.callbacks,
+        callbacks=[*sinks, *run_config.callbacks],
         worker_timeout_s=timeout,
         stragglers=StragglerDetector(monitor.straggler_threshold, monitor.straggler_patience)
         if monitor.timing
@@ -425,6 +428,8 @@ def run_workers(
         with _sigterm_as_interrupt():
             return controller.run()
     finally:
+        for sink in sinks:  # also after Ctrl-C, when on_end is not called: files complete
+            sink.close()  # type: ignore[attr-defined]
         if staging_dir is not None:
             shutil.rmtree(staging_dir, ignore_errors=True)
 
