@@ -450,38 +450,43 @@ class _EventDigest:
     end_duration_s: float | None = None
     skipped: int = 0
 
-
-def _digest_events(events: list[dict[str, Any]], skipped: int) -> _EventDigest:
-    digest = _EventDigest(skipped=skipped)
-    for ev in events:
+    def add(self, ev: Mapping[str, Any]) -> None:
+        """Folds one event into the digest (events are added in file order; the dashboard adds
+        them as ``events.jsonl`` grows)."""
         t = _as_float(ev.get("time"))
         if t is not None:
-            if digest.first_time is None:
-                digest.first_time = t
-            digest.last_time = t if digest.last_time is None else max(digest.last_time, t)
+            if self.first_time is None:
+                self.first_time = t
+            self.last_time = t if self.last_time is None else max(self.last_time, t)
         kind = ev.get("type")
         if kind == "report":
             rank = _as_int(ev.get("rank"))
             rnd = _as_int(ev.get("round"))
             if rank is None or rnd is None:
-                continue
+                return
             entry = RoundMetrics(round=rnd, time=t, metrics=_as_dict(ev.get("metrics")))
-            digest.rank_metrics[rank] = entry
+            self.rank_metrics[rank] = entry
             if rank == 0:
-                digest.rounds[rnd] = entry
+                self.rounds[rnd] = entry
         elif kind == "run_start":
             ws = _as_int(ev.get("world_size"))
             if ws is not None:
-                digest.world_size = ws
+                self.world_size = ws
             # A new attempt: an earlier run_end does not describe the run any more.
-            digest.end_status = None
-            digest.end_duration_s = None
+            self.end_status = None
+            self.end_duration_s = None
         elif kind == "failure":
-            digest.failures.append(_failure_from(ev, t))
+            self.failures.append(_failure_from(ev, t))
         elif kind == "run_end":
             status = ev.get("status")
-            digest.end_status = status.upper() if isinstance(status, str) else None
-            digest.end_duration_s = _as_float(ev.get("duration_s"))
+            self.end_status = status.upper() if isinstance(status, str) else None
+            self.end_duration_s = _as_float(ev.get("duration_s"))
+
+
+def _digest_events(events: list[dict[str, Any]], skipped: int) -> _EventDigest:
+    digest = _EventDigest(skipped=skipped)
+    for ev in events:
+        digest.add(ev)
     return digest
 
 
