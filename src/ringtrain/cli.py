@@ -1,4 +1,4 @@
-"""The ``ringtrain`` command: ``run``, ``ls``, ``show``."""
+"""The ``ringtrain`` command: ``run``, ``ls``, ``show``, ``bench``, ``dashboard``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 DESCRIPTION = """\
 ringtrain runs a PyTorch training job as N data-parallel worker processes,
@@ -16,6 +17,9 @@ reports which rank failed and why.
   ringtrain ls                             list the runs under ./runs
   ringtrain show runs/train_2026-11-21_12-00-00
                                            metrics, checkpoints and failures of one run
+  ringtrain bench train.py --workers 1,2 --steps 50
+                                           scaling report: speedup, efficiency, limits
+  ringtrain dashboard                      live web dashboard of the runs under ./runs
 
 Python API: ringtrain.Trainer(train_fn, ScalingConfig(...), RunConfig(...)).fit()
 """
@@ -131,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write TrainState checkpoints before report() returns (default: in the background)",
     )
+    run.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="serve the live web dashboard (read-only, on 127.0.0.1) while the run goes",
+    )
+    run.add_argument(
+        "--dashboard-port",
+        type=_port,
+        metavar="PORT",
+        help=f"the dashboard's port (default: {_DASHBOARD_PORT}, or a free one if taken; 0: any)",
+    )
     run.add_argument("script", nargs="?", metavar="SCRIPT", help="the per-worker Python script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="its arguments")
 
@@ -149,19 +164,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("run_dir", metavar="RUN_DIR")
     show.add_argument("--rounds", type=_positive_int, default=30, help="last N rounds (default 30)")
+    _add_bench_parser(sub)
+    _add_dashboard_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv, bench_script_args = _split_bench_args(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     if args.command == "run":
         return _cmd_run(args, parser)
+    if args.command == "bench":
+        return _cmd_bench(args, bench_script_args)
     if args.command == "ls":
         return _cmd_ls(args)
+    if args.command == "dashboard":
+        return _cmd_dashboard(args)
     return _cmd_show(args)
 
 
@@ -228,6 +250,19 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         script = os.path.abspath(str(args.script))
         entrypoint, script_args = str(args.script), tuple(args.script_args)
         name = run_config.name or default_run_name(os.path.splitext(os.path.basename(script))[0])
+    dashboard = None
+    if args.dashboard:
+        dashboard = _start_dashboard(
+            "ringtrain run", run_config.storage_path, port=args.dashboard_port
+        )
+        if dashboard is None:
+            return 2
+        print(
+            f"ringtrain: dashboard at {dashboard.url}#run={name} (until the run ends; then "
+            f"`ringtrain dashboard {run_config.storage_path}`)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         result = run_workers(
             name=name,
@@ -248,6 +283,9 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (RuntimeError, ValueError) as exc:
         print(f"ringtrain run: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if dashboard is not None:
+            _stop_run_dashboard(dashboard)
     if result.error is not None:
         print(f"ringtrain: run failed: {result.error}", file=sys.stderr)
         return 1
@@ -279,6 +317,277 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"ringtrain show: {exc}", file=sys.stderr)
         return 1
     render_run(details, Console(), max_rounds=args.rounds)
+    return 0
+
+
+# ------------------------------------------------------------------------------ ringtrain bench
+
+BENCH_HELP = """\
+Run SCRIPT (a per-worker script, as for `ringtrain run`) at each worker count
+of --workers, --steps timed training steps each (a step = one batch from a
+loader made by ringtrain.prepare_data_loader), then a short allreduce
+measurement at the largest count, and write the scaling report to --out:
+scaling.html (with PNG charts), scaling.json and the charts as PNG files.
+
+Weak scaling: each worker keeps its batch and its torch threads (--threads,
+default cores / the largest W). throughput(W) = samples/s summed
+over ranks (warm-up steps left out), speedup S(W) = throughput(W) /
+throughput(1), efficiency E(W) = S(W) / W. The report splits each step into
+data wait, compute, exposed communication, optimizer and other, fits Amdahl's
+law and an alpha-beta model of the ring allreduce, predicts E(W) at larger W
+for --bandwidth-gbps, and says in words what limits scaling. See
+docs/scaling.md. Needs matplotlib: pip install 'ringtrain[bench]'.
+
+Examples:
+  ringtrain bench examples/mnist.py --workers 1,2 --steps 60
+  ringtrain bench train.py --workers 1,2,4 --steps 100 --bandwidth-gbps 100 -- --lr 0.1
+"""
+
+
+def _split_bench_args(argv: list[str]) -> tuple[list[str], tuple[str, ...]]:
+    """``ringtrain bench ... -- ARGS``: everything after the first ``--`` goes to the script
+    (argparse cannot put options after SCRIPT and a ``--`` list in one positional)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command != "bench" or "--" not in argv:
+        return argv, ()
+    cut = argv.index("--")
+    return argv[:cut], tuple(argv[cut + 1 :])
+
+
+def _worker_counts(text: str) -> tuple[int, ...]:
+    from ringtrain.bench.runner import parse_workers
+
+    try:
+        return parse_workers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--workers: ")) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="scaling report: run SCRIPT at several worker counts",
+        description=BENCH_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="ringtrain bench SCRIPT --workers 1,2[,4...] [--steps K] [options] [-- ARGS...]",
+    )
+    bench.add_argument("script", metavar="SCRIPT", help="the per-worker Python script")
+    bench.add_argument(
+        "--workers",
+        type=_worker_counts,
+        required=True,
+        metavar="1,2[,4...]",
+        help="worker counts to run, comma-separated; must include 1 and a count >= 2",
+    )
+    bench.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=50,
+        metavar="K",
+        help="timed training steps per run; the first 20%% (at least 2) are warm-up (default: 50)",
+    )
+    bench.add_argument(
+        "--out", default="./scaling", metavar="DIR", help="report directory (default: ./scaling)"
+    )
+    bench.add_argument(
+        "--storage-path",
+        default=None,
+        help="where the runs' directories go (default: DIR/runs)",
+    )
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads per worker, the same at every W (default: cores / the largest W)",
+    )
+    bench.add_argument(
+        "--bandwidth-gbps",
+        type=_positive_float,
+        default=None,
+        metavar="GBPS",
+        help="network bandwidth (Gbit/s) to predict efficiency at larger W with "
+        "(default: the bandwidth fitted to the allreduce measurement on this machine)",
+    )
+
+
+def _cmd_bench(args: argparse.Namespace, script_args: tuple[str, ...]) -> int:
+    from ringtrain.bench.report import MATPLOTLIB_HINT
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"ringtrain bench: {MATPLOTLIB_HINT}", file=sys.stderr)
+        return 2
+    from ringtrain.bench.analysis import BenchError
+    from ringtrain.bench.runner import BenchConfig, run_bench
+
+    try:
+        config = BenchConfig(
+            script=args.script,
+            workers=args.workers,
+            steps=args.steps,
+            out_dir=args.out,
+            storage_path=args.storage_path,
+            bandwidth_gbps=args.bandwidth_gbps,
+            script_args=script_args,
+            threads=args.threads,
+        )
+    except ValueError as exc:
+        print(f"ringtrain bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_bench(config)
+    except KeyboardInterrupt:
+        print("ringtrain bench: interrupted; workers stopped", file=sys.stderr)
+        return 130
+    except (BenchError, RuntimeError, ValueError, OSError) as exc:
+        print(f"ringtrain bench: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -------------------------------------------------------------------------- ringtrain dashboard
+
+_DASHBOARD_PORT = (
+    8470  # ringtrain.monitor.dashboard.DEFAULT_PORT (not imported: keeps startup light)
+)
+
+DASHBOARD_HELP = """\
+Serve a read-only web page of the runs under STORAGE_OR_RUN_DIR (default
+./runs; a sweep's directory shows its trials table; a run directory shows that
+run): status, metric curves, each worker's step-time breakdown with stragglers
+in red, throughput, memory, checkpoints, failures and restarts on a timeline.
+It updates every second while runs are going.
+
+It listens on 127.0.0.1 only unless --host says otherwise; any other address
+(0.0.0.0 included) needs a token, which every request must then carry: open
+the printed URL (it ends in ?token=...). Prefer RINGTRAIN_DASHBOARD_TOKEN to
+--token: command lines are visible to other users of the machine.
+
+Examples:
+  ringtrain dashboard
+  ringtrain dashboard runs/my_sweep --port 8480
+  RINGTRAIN_DASHBOARD_TOKEN=$(openssl rand -hex 16) ringtrain dashboard --host 0.0.0.0
+  ringtrain run -n 2 --dashboard train.py       the same page, while the run goes
+"""
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any free port), got {value}")
+    return value
+
+
+def _add_dashboard_parser(sub: argparse._SubParsersAction) -> None:
+    dash = sub.add_parser(
+        "dashboard",
+        help="serve a live web dashboard of the runs (read-only)",
+        description=DASHBOARD_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dash.add_argument(
+        "path",
+        nargs="?",
+        default="./runs",
+        metavar="STORAGE_OR_RUN_DIR",
+        help="a directory of runs, a sweep's directory or one run directory; a local path or "
+        "fsspec URL (default: ./runs)",
+    )
+    dash.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
+    dash.add_argument(
+        "--port",
+        type=_port,
+        default=None,
+        help=f"port to listen on (default: {_DASHBOARD_PORT}, or a free one if taken; 0: any)",
+    )
+    dash.add_argument(
+        "--token",
+        default=None,
+        help="require this token on every request (needed off loopback; default: "
+        "$RINGTRAIN_DASHBOARD_TOKEN)",
+    )
+
+
+def _start_dashboard(
+    prog: str, path: str, *, host: str = "127.0.0.1", port: int | None, token: str | None = None
+) -> Any:
+    """Starts a DashboardServer; on the default port, falls back to a free one if it is taken.
+    Prints why and returns None when it cannot start."""
+    import errno
+
+    from ringtrain.monitor.dashboard import DashboardServer
+
+    try:
+        server = DashboardServer(
+            path, host=host, port=_DASHBOARD_PORT if port is None else port, token=token
+        )
+        try:
+            server.start()
+        except OSError as exc:
+            if port is not None or exc.errno != errno.EADDRINUSE:
+                raise
+            print(f"{prog}: port {_DASHBOARD_PORT} is taken; using a free port", file=sys.stderr)
+            server.port = 0
+            server.start()
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+    except (OSError, RuntimeError) as exc:
+        print(f"{prog}: cannot serve the dashboard on {host}:{port}: {exc}", file=sys.stderr)
+        return None
+    return server
+
+
+def _stop_run_dashboard(server: Any) -> None:
+    """Lets an open page fetch the run's final state (up to 3 s), then stops the server."""
+    import time
+
+    ended = time.time()
+    if server.last_request > ended - 10.0:
+        server.wait_for_request(after=ended, timeout_s=3.0)
+    server.stop()
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, fs_path = url_to_fs(args.path)
+        missing = not fs.exists(fs_path)
+    except (ImportError, ValueError, OSError) as exc:
+        print(f"ringtrain dashboard: cannot open {args.path!r}: {exc}", file=sys.stderr)
+        return 2
+    server = _start_dashboard(
+        "ringtrain dashboard", args.path, host=args.host, port=args.port, token=args.token
+    )
+    if server is None:
+        return 2
+    if missing:
+        print(f"note: {args.path} does not exist yet; runs appear as they start", file=sys.stderr)
+    print(f"ringtrain dashboard: {args.path} (read-only) at {server.url}", flush=True)
+    print("Ctrl-C to stop", file=sys.stderr, flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
     return 0
 
 
