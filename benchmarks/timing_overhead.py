@@ -8,14 +8,22 @@ hook and the optimizer hooks. Each run is one ``rt.Trainer(...).fit()`` with
 ``MonitorConfig(timing=True)`` or ``MonitorConfig(timing=False)``; rank 0 times every step itself
 (``time.perf_counter`` from one batch to the next, so the timing hooks' own cost is inside).
 
-Runs alternate (off, on, off, on, ...) after one untimed warm-up run of each; per run the median
-of steps 10.. is taken, and the summary is the median over the runs of each variant. Target: ratio
-on/off <= 1.01.
+Two measurements, in this order:
+
+1. **End to end** (``--repeats`` pairs of fresh runs): runs alternate (off, on, on, off, ...) after
+   one untimed warm-up run of each; per run the median of steps 10.. is taken; the summary is the
+   median over the runs of each variant and the median of the per-pair ratios.
+2. **In process** (``_timing_ab.py`` under torchrun, ``--pairs`` pairs): both ranks hold a plain
+   and an instrumented copy of the DDP model and alternate short blocks of steps between them, so
+   the machine's drift cancels within a pair; on the workload model and on a tiny model of the
+   same layer structure, whose short step shows the instrumentation's absolute cost per step.
+
+Target: ratio on/off <= 1.01.
 
 Usage::
 
-    python benchmarks/timing_overhead.py                  # 300 steps, 7 runs of each
-    python benchmarks/timing_overhead.py --steps 60 --repeats 1   # smoke run
+    python benchmarks/timing_overhead.py                  # 300 steps x 7 pairs; 60 + 60 A/B pairs
+    python benchmarks/timing_overhead.py --steps 60 --repeats 1 --pairs 4   # smoke run
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,10 +97,43 @@ def run_once(timing: bool, steps: int, tmp: str) -> float:
     return statistics.median(durations[WARMUP_STEPS:])
 
 
+def in_process_ab(model: str, pairs: int, block: int) -> dict[str, Any]:
+    """Run ``_timing_ab.py`` on 2 ranks; summarise its per-pair block medians."""
+    cmd = [
+        *ov.torchrun_cmd(),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "_timing_ab.py"),
+        model,
+        str(pairs),
+        str(block),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=True)
+    data = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("{")))
+    off, on = data["off"], data["on"]
+    ratios = [a / b for a, b in zip(on, off, strict=True)]
+    diffs = [a - b for a, b in zip(on, off, strict=True)]
+    rq, dq = statistics.quantiles(ratios, n=4), statistics.quantiles(diffs, n=4)
+    return {
+        "model": model,
+        "pairs": pairs,
+        "block_steps": block,
+        "median_step_s_off": statistics.median(off),
+        "median_step_s_on": statistics.median(on),
+        "paired_ratio_median": statistics.median(ratios),
+        "paired_ratio_quartiles": [rq[0], rq[2]],
+        "paired_diff_s_median": statistics.median(diffs),
+        "paired_diff_s_quartiles": [dq[0], dq[2]],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--pairs", type=int, default=60, help="in-process A/B pairs per model")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     results: dict[str, list[float]] = {"off": [], "on": []}
@@ -99,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         for timing in (False, True):  # warm-up: page cache, imports
             run_once(timing, max(WARMUP_STEPS + 5, args.steps // 4), tmp)
         for i in range(args.repeats):
-            for timing in (False, True) if i % 2 == 0 else (True, False):
+            for timing in (False, True) if i % 2 == 0 else (True, False):  # drift cancels
                 ov.wait_for_quiet(0.15, 30.0)
                 median = run_once(timing, args.steps, tmp)
                 results["on" if timing else "off"].append(median)
@@ -126,6 +168,20 @@ def main(argv: list[str] | None = None) -> int:
         f"ratio on/off: {on / off:.4f} (paired median {statistics.median(ratios):.4f}, range "
         f"{min(ratios):.4f}-{max(ratios):.4f}; target <= {TARGET_RATIO})"
     )
+    ab = []
+    for model, block in (("workload", 25), ("tiny", 300)):
+        ov.wait_for_quiet(0.15, 30.0)
+        r = in_process_ab(model, args.pairs, block)
+        ab.append(r)
+        rq, dq = r["paired_ratio_quartiles"], r["paired_diff_s_quartiles"]
+        print(
+            f"in process, {model} model ({args.pairs} pairs of {block}-step blocks): "
+            f"off {r['median_step_s_off'] * 1e3:.3f} ms, on {r['median_step_s_on'] * 1e3:.3f} ms; "
+            f"paired ratio {r['paired_ratio_median']:.4f} (quartiles {rq[0]:.4f}-{rq[1]:.4f}), "
+            f"paired difference {r['paired_diff_s_median'] * 1e6:.0f} us "
+            f"(quartiles {dq[0] * 1e6:.0f} to {dq[1] * 1e6:.0f} us)"
+        )
+    summary["in_process"] = ab
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0

@@ -361,8 +361,24 @@ def timed_comm_hook(timer: StepTimer, hook: Callable[[Any, Any], Any]) -> Callab
 
 
 def timed_allreduce_hook(timer: StepTimer) -> Callable[[Any, Any], Any]:
-    """DDP's default averaging allreduce (``torch.distributed.algorithms.ddp_comm_hooks.
-    default_hooks.allreduce_hook``: divide by the world size, then sum), timed."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    """DDP's default averaging allreduce (as ``torch.distributed.algorithms.ddp_comm_hooks.
+    default_hooks.allreduce_hook``: divide by the world size, then sum), timed, with a single
+    completion callback per bucket (wrapping torch's hook with :func:`timed_comm_hook` would run
+    two)."""
+    import torch.distributed as dist
 
-    return timed_comm_hook(timer, allreduce_hook)
+    def timed(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buf = bucket.buffer()
+        nbytes = buf.numel() * buf.element_size()
+        started = _now()
+        buf.div_(dist.get_world_size(group))
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+        def done(f):
+            timer.comm_done(started, nbytes)
+            return f.value()[0]
+
+        return fut.then(done)
+
+    return timed
