@@ -2,10 +2,13 @@
 
 Both ranks build two identical DDP models: one plain, one instrumented exactly as
 ``rt.prepare_model`` instruments it when timing is on (``instrument_model``: forward hooks, a
-gradient hook per parameter, the global optimizer hooks; ``timed_allreduce_hook`` as DDP's
-communication hook), plus the prepared loader's two timer calls per step. Short blocks of steps
+gradient hook per parameter, the global optimizer hooks; with ``comm=hook`` also
+``timed_allreduce_hook`` as DDP's communication hook, with ``comm=wait``, the CPU default, none),
+plus the prepared loader's two timer calls per step. Short blocks of steps
 alternate between them (off, on, on, off, ...), so slow drift of the machine cancels out in each
-pair. Rank 0 prints one JSON line: per-pair block medians and their ratio and difference.
+pair. Rank 0 prints one JSON line: per block, the median wall time of a step and the process's
+CPU time per step (all its threads: the training thread, autograd, gloo), which other processes'
+load disturbs much less than wall time.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def tiny_model() -> torch.nn.Module:
 
 def main() -> None:
     model_name, pairs, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    comm = sys.argv[4] if len(sys.argv) > 4 else "wait"  # MonitorConfig.comm_timing on CPU
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
@@ -48,7 +52,10 @@ def main() -> None:
     timer = tm.StepTimer()
     plain = torch.nn.parallel.DistributedDataParallel(build())
     timed = torch.nn.parallel.DistributedDataParallel(build())
-    timed.register_comm_hook(None, tm.timed_allreduce_hook(timer))
+    if comm == "hook":
+        timed.register_comm_hook(None, tm.timed_allreduce_hook(timer))
+    else:  # what prepare_model does on CPU by default
+        timer.wait_comm_bytes = sum(p.numel() * 4 for p in timed.parameters())
     tm.instrument_model(timer, timed, timed.module)  # also installs the optimizer hooks
     hooks = tm._optimizer_hooks.pop(id(timer))
     for h in hooks:
@@ -63,6 +70,8 @@ def main() -> None:
     x, y = wl.make_batch(rank)
     loss_fn = torch.nn.CrossEntropyLoss()
 
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+
     def run_block(mode: str, steps: int) -> float:
         on = mode == "on"
         handles = []
@@ -73,6 +82,7 @@ def main() -> None:
             ]
         model, opt = models[mode], optimizers[mode]
         durations = []
+        cpu0 = time.process_time()
         for _ in range(steps):
             t = time.perf_counter()
             if on:
@@ -85,12 +95,15 @@ def main() -> None:
         if on:
             timer.loader_exhausted()
             timer.take_window()
+        cpu[mode].append((time.process_time() - cpu0) / steps)
         for h in handles:
             h.remove()
         return statistics.median(durations)
 
     run_block("off", block)
     run_block("on", block)
+    for samples in cpu.values():
+        samples.clear()  # warm-up blocks
     off, on = [], []
     for i in range(pairs):
         order = ("off", "on") if i % 2 == 0 else ("on", "off")
@@ -101,7 +114,9 @@ def main() -> None:
         off.append(result["off"])
         on.append(result["on"])
     if rank == 0:
-        print(json.dumps({"model": model_name, "block": block, "off": off, "on": on}), flush=True)
+        record = {"model": model_name, "comm": comm, "block": block, "off": off, "on": on}
+        record.update(cpu_off=cpu["off"], cpu_on=cpu["on"])  # CPU s per step, all threads
+        print(json.dumps(record), flush=True)
     dist.destroy_process_group()
 
 

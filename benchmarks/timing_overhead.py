@@ -15,8 +15,8 @@ Two measurements, in this order:
    median over the runs of each variant and the median of the per-pair ratios.
 2. **In process** (``_timing_ab.py`` under torchrun, ``--pairs`` pairs): both ranks hold a plain
    and an instrumented copy of the DDP model and alternate short blocks of steps between them, so
-   the machine's drift cancels within a pair; on the workload model and on a tiny model of the
-   same layer structure, whose short step shows the instrumentation's absolute cost per step.
+   the machine's drift cancels within a pair; wall time and CPU time per step, with
+   ``comm_timing="wait"`` (the CPU default) and ``"hook"``.
 
 Target: ratio on/off <= 1.01.
 
@@ -97,8 +97,23 @@ def run_once(timing: bool, steps: int, tmp: str) -> float:
     return statistics.median(durations[WARMUP_STEPS:])
 
 
-def in_process_ab(model: str, pairs: int, block: int) -> dict[str, Any]:
-    """Run ``_timing_ab.py`` on 2 ranks; summarise its per-pair block medians."""
+def _pairs(off: list[float], on: list[float]) -> dict[str, Any]:
+    ratios = [a / b for a, b in zip(on, off, strict=True)]
+    diffs = [a - b for a, b in zip(on, off, strict=True)]
+    rq, dq = statistics.quantiles(ratios, n=4), statistics.quantiles(diffs, n=4)
+    return {
+        "off_s": statistics.median(off),
+        "on_s": statistics.median(on),
+        "ratio_median": statistics.median(ratios),
+        "ratio_quartiles": [rq[0], rq[2]],
+        "diff_s_median": statistics.median(diffs),
+        "diff_s_quartiles": [dq[0], dq[2]],
+    }
+
+
+def in_process_ab(model: str, pairs: int, block: int, comm: str) -> dict[str, Any]:
+    """Run ``_timing_ab.py`` on 2 ranks; summarise its per-pair block medians (wall time and CPU
+    time per step)."""
     cmd = [
         *ov.torchrun_cmd(),
         "--standalone",
@@ -108,24 +123,18 @@ def in_process_ab(model: str, pairs: int, block: int) -> dict[str, Any]:
         model,
         str(pairs),
         str(block),
+        comm,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=True)
     data = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("{")))
-    off, on = data["off"], data["on"]
-    ratios = [a / b for a, b in zip(on, off, strict=True)]
-    diffs = [a - b for a, b in zip(on, off, strict=True)]
-    rq, dq = statistics.quantiles(ratios, n=4), statistics.quantiles(diffs, n=4)
     return {
         "model": model,
+        "comm_timing": comm,
         "pairs": pairs,
         "block_steps": block,
-        "median_step_s_off": statistics.median(off),
-        "median_step_s_on": statistics.median(on),
-        "paired_ratio_median": statistics.median(ratios),
-        "paired_ratio_quartiles": [rq[0], rq[2]],
-        "paired_diff_s_median": statistics.median(diffs),
-        "paired_diff_s_quartiles": [dq[0], dq[2]],
+        "wall": _pairs(data["off"], data["on"]),
+        "cpu": _pairs(data["cpu_off"], data["cpu_on"]),
     }
 
 
@@ -169,18 +178,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{min(ratios):.4f}-{max(ratios):.4f}; target <= {TARGET_RATIO})"
     )
     ab = []
-    for model, block in (("workload", 25), ("tiny", 300)):
+    for model, block, comm in (("workload", 25, "wait"), ("workload", 25, "hook")):
         ov.wait_for_quiet(0.15, 30.0)
-        r = in_process_ab(model, args.pairs, block)
+        r = in_process_ab(model, args.pairs, block, comm)
         ab.append(r)
-        rq, dq = r["paired_ratio_quartiles"], r["paired_diff_s_quartiles"]
-        print(
-            f"in process, {model} model ({args.pairs} pairs of {block}-step blocks): "
-            f"off {r['median_step_s_off'] * 1e3:.3f} ms, on {r['median_step_s_on'] * 1e3:.3f} ms; "
-            f"paired ratio {r['paired_ratio_median']:.4f} (quartiles {rq[0]:.4f}-{rq[1]:.4f}), "
-            f"paired difference {r['paired_diff_s_median'] * 1e6:.0f} us "
-            f"(quartiles {dq[0] * 1e6:.0f} to {dq[1] * 1e6:.0f} us)"
-        )
+        for kind in ("wall", "cpu"):
+            p = r[kind]
+            rq, dq = p["ratio_quartiles"], p["diff_s_quartiles"]
+            print(
+                f"in process, {model} model, comm_timing={comm} ({args.pairs} pairs of "
+                f"{block}-step blocks), {kind} time per step: off {p['off_s'] * 1e3:.3f} ms, "
+                f"on {p['on_s'] * 1e3:.3f} ms; paired ratio {p['ratio_median']:.4f} "
+                f"(quartiles {rq[0]:.4f}-{rq[1]:.4f}), difference {p['diff_s_median'] * 1e6:.0f} "
+                f"us (quartiles {dq[0] * 1e6:.0f} to {dq[1] * 1e6:.0f})"
+            )
     summary["in_process"] = ab
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

@@ -47,13 +47,15 @@ def _fit(tmp_path, config, monitor=None, callbacks=(), name="run", n=2):
     ).fit()
 
 
-def test_timing_windows_measure_each_part_of_every_rank(tmp_path):
+@pytest.mark.parametrize("comm_timing", ["wait", "hook"])
+def test_timing_windows_measure_each_part_of_every_rank(tmp_path, comm_timing):
     # 48 samples, 2 ranks, batches of 4: 6 steps per epoch per rank, 2 epochs.
     data_delay, forward_delay = 0.004, 0.02
     recorder = Recorder()
     result = _fit(
         tmp_path,
         {"epochs": 2, "data_delay_s": data_delay, "forward_delay_s": forward_delay},
+        monitor=rt.MonitorConfig(timing_interval_s=0.3, comm_timing=comm_timing),
         callbacks=[recorder],
     )
     windows = _events(result, "timing")
@@ -74,6 +76,8 @@ def test_timing_windows_measure_each_part_of_every_rank(tmp_path):
             # Exposed: from the last gradient to the end of communication, which also holds
             # DDP's copy of the last bucket before its launch: not bounded by comm_s.
             assert w["comm_s"] > 0 and w["comm_exposed_s"] > 0
+            if comm_timing == "wait":  # no hook: only the wait is seen
+                assert w["comm_s"] == pytest.approx(w["comm_exposed_s"])
             assert w["busy_s"] == pytest.approx(w["step_s_mean"] - w["comm_exposed_s"])
             assert w["samples_per_s"] > 0 and w["rss_bytes"] > 10 * 2**20
     # The same windows reached the callbacks, and every round the on_round hook.

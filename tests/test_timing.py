@@ -99,6 +99,30 @@ def test_an_optimizer_that_waits_for_communication_is_not_counted_twice(clock):
     assert sum(w[p] for p in PARTS) == pytest.approx(w["step_s_mean"])
 
 
+def test_without_a_comm_hook_the_wait_after_the_last_gradient_is_exposed_communication(clock):
+    # MonitorConfig.comm_timing="wait": DDP's own allreduce, untimed; backward returns when it is
+    # done and the optimizer follows.
+    timer = StepTimer()
+    timer.wait_comm_bytes = 1000
+    timer.loader_fetch_start()
+    timer.loader_fetch_end(4)
+    timer.forward_start()
+    clock.tick(0.01)
+    timer.forward_end()
+    clock.tick(0.02)
+    timer.grad_ready()
+    clock.tick(0.006)  # DDP's finalize waits for the allreduce
+    timer.optimizer_start()
+    clock.tick(0.002)
+    timer.optimizer_end()
+    timer.loader_fetch_start()
+    w = timer.take_window()
+    assert w["compute_s"] == pytest.approx(0.03)
+    assert w["comm_exposed_s"] == pytest.approx(0.006) == pytest.approx(w["comm_s"])
+    assert w["comm_bytes"] == 1000 and w["optimizer_s"] == pytest.approx(0.002)
+    assert sum(w[p] for p in PARTS) == pytest.approx(w["step_s_mean"])
+
+
 def test_breaking_out_of_the_loop_ends_the_step_and_a_late_fetch_starts_a_new_one(clock):
     timer = StepTimer()
     timer.loader_fetch_start()

@@ -25,6 +25,7 @@ ENV_THREADS = "RINGTRAIN_NUM_THREADS"
 ENV_WORKER_TIMEOUT = "RINGTRAIN_WORKER_TIMEOUT_S"  # FailureConfig.worker_timeout_s ("" = none)
 ENV_ASYNC_CHECKPOINT = "RINGTRAIN_ASYNC_CHECKPOINT"  # "1": TrainState saves in the background
 ENV_TIMING = "RINGTRAIN_TIMING_INTERVAL_S"  # step timing window in seconds ("" or unset = off)
+ENV_COMM_TIMING = "RINGTRAIN_COMM_TIMING"  # MonitorConfig.comm_timing
 ENV_MAX_STEPS = "RINGTRAIN_MAX_STEPS"  # stop cleanly after this many steps (`ringtrain bench`)
 
 
@@ -169,6 +170,7 @@ def context_from_env(environ: Mapping[str, str] | None = None) -> DistributedCon
                 ENV_WORKER_TIMEOUT,
                 ENV_ASYNC_CHECKPOINT,
                 ENV_TIMING,
+                ENV_COMM_TIMING,
                 ENV_MAX_STEPS,
             )
             if k in env

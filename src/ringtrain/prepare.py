@@ -67,8 +67,16 @@ def prepare_model(
             model, device_ids=device_ids, **dict(ddp_kwargs or {})
         )
         if timer is not None:
-            # DDP's own averaging allreduce, timed per bucket (launch to completion).
-            model.register_comm_hook(None, timed_allreduce_hook(timer))
+            mode = timer.comm_timing
+            if mode == "hook" or (mode == "auto" and device.type == "cuda"):
+                # DDP's averaging allreduce, timed per bucket (launch to completion).
+                model.register_comm_hook(None, timed_allreduce_hook(timer))
+            else:
+                # DDP's built-in allreduce (it averages while bucketing: no extra pass); the
+                # step's wait for it after the last gradient is the exposed communication.
+                timer.wait_comm_bytes = sum(
+                    p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+                )
     if timer is not None:
         instrument_model(timer, model, module)
     return model

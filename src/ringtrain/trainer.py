@@ -23,6 +23,7 @@ from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
 from ringtrain.env import (
     ENV_ASYNC_CHECKPOINT,
+    ENV_COMM_TIMING,
     ENV_MAX_STEPS,
     ENV_TIMING,
     ENV_WORKER_TIMEOUT,
@@ -389,6 +390,7 @@ def run_workers(
         ENV_WORKER_TIMEOUT: "" if timeout is None else repr(float(timeout)),
         ENV_ASYNC_CHECKPOINT: "1" if run_config.checkpoint_config.async_save else "0",
         ENV_TIMING: repr(float(monitor.timing_interval_s)) if monitor.timing else "",
+        ENV_COMM_TIMING: monitor.comm_timing,
     }
     if max_steps is not None:
         worker_env[ENV_MAX_STEPS] = str(int(max_steps))

@@ -32,6 +32,7 @@ from ringtrain.distributed import init_process_group
 from ringtrain.env import (
     ENV_ASYNC_CHECKPOINT,
     ENV_AUTHKEY,
+    ENV_COMM_TIMING,
     ENV_DRIVER_ADDR,
     ENV_MAX_STEPS,
     ENV_START_ROUND,
@@ -169,6 +170,7 @@ def _setup_timing(sess: Any) -> None:
     if not interval and not max_steps:
         return
     sess.timer = StepTimer(max_steps=int(max_steps) if max_steps else None)
+    sess.timer.comm_timing = sess.context.extra.get(ENV_COMM_TIMING, "auto")
     if interval:
         sess.timing_interval_s = float(interval)
     else:  # a step limit without timing windows: count steps, send nothing

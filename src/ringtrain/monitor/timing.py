@@ -10,7 +10,10 @@ change:
   bound the compute (forward + backward: from the first forward of the step to the last gradient
   accumulated);
 - the DDP communication hook (:func:`timed_allreduce_hook`, or a user's hook wrapped by
-  :func:`timed_comm_hook`) records each bucket's allreduce from launch to completion, and its size;
+  :func:`timed_comm_hook`) records each bucket's allreduce from launch to completion, and its size
+  (``MonitorConfig.comm_timing="hook"``, the default on GPU); without a hook (``"wait"``, the
+  default on CPU, where a hook would cost one more pass over the gradients) the communication
+  the step waits for is the gap between the last gradient and ``optimizer.step()``;
 - global optimizer step hooks time ``optimizer.step()``.
 
 Each closed step is split into disjoint parts that add up to its wall time::
@@ -98,6 +101,10 @@ class StepTimer:
 
     def __init__(self, max_steps: int | None = None) -> None:
         self.max_steps = max_steps
+        self.comm_timing = "auto"
+        # Set when DDP's allreduce runs without a timing hook (MonitorConfig.comm_timing="wait"):
+        # the bytes it allreduces per step.
+        self.wait_comm_bytes: int | None = None
         self.steps_total = 0
         self._step: _Step | None = None
         self._loader_driven = False
@@ -202,6 +209,17 @@ class StepTimer:
             comm_s, comm_bytes, last_done = step.comm_s, step.comm_bytes, step.comm_last_done
         exposed_from = compute_end if compute_end is not None else step.start
         exposed_to = min(last_done, end) if last_done is not None else exposed_from
+        if (
+            last_done is None
+            and self.wait_comm_bytes is not None
+            and step.grad_last is not None
+            and step.opt_intervals
+        ):
+            # Untimed DDP allreduce: backward returned once it was done, and the optimizer
+            # followed; the gap after the last gradient is the wait for communication.
+            exposed_to = min(step.opt_intervals[0][0], end)
+            comm_s = max(0.0, exposed_to - exposed_from)
+            comm_bytes = self.wait_comm_bytes
         exposed = max(0.0, exposed_to - exposed_from)
         opt = 0.0
         for a, b in step.opt_intervals:
