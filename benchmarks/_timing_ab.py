@@ -57,7 +57,7 @@ def main() -> None:
     else:  # what prepare_model does on CPU by default
         timer.wait_comm_bytes = sum(p.numel() * 4 for p in timed.parameters())
     tm.instrument_model(timer, timed, timed.module)  # also installs the optimizer hooks
-    hooks = tm._optimizer_hooks.pop(id(timer))
+    hooks, timer.optimizer_hooks = timer.optimizer_hooks or (), None
     for h in hooks:
         h.remove()  # re-added per "on" block below, so "off" blocks run without them
     from torch.optim.optimizer import (

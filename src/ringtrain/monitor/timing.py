@@ -105,6 +105,7 @@ class StepTimer:
         # Set when DDP's allreduce runs without a timing hook (MonitorConfig.comm_timing="wait"):
         # the bytes it allreduces per step.
         self.wait_comm_bytes: int | None = None
+        self.optimizer_hooks: tuple[Any, Any] | None = None  # torch's hook handles
         self.steps_total = 0
         self._step: _Step | None = None
         self._loader_driven = False
@@ -339,13 +340,10 @@ def instrument_model(timer: StepTimer, model: Any, params_of: Any) -> None:
     install_optimizer_hooks(timer)
 
 
-_optimizer_hooks: dict[int, Any] = {}
-
-
 def install_optimizer_hooks(timer: StepTimer) -> None:
     """Time every ``optimizer.step()`` of this process (torch's global optimizer step hooks);
-    once per timer."""
-    if id(timer) in _optimizer_hooks:
+    once per timer (the handles are kept in ``timer.optimizer_hooks``)."""
+    if timer.optimizer_hooks is not None:
         return
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -354,7 +352,7 @@ def install_optimizer_hooks(timer: StepTimer) -> None:
 
     pre = register_optimizer_step_pre_hook(lambda _o, _a, _k: timer.optimizer_start())
     post = register_optimizer_step_post_hook(lambda _o, _a, _k: timer.optimizer_end())
-    _optimizer_hooks[id(timer)] = (pre, post)
+    timer.optimizer_hooks = (pre, post)
 
 
 def timed_comm_hook(timer: StepTimer, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
