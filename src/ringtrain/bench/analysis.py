@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from ringtrain.monitor.timing import PARTS  # a step's parts; they sum to the mean step time
+
 __all__ = [
     "PARTS",
     "PART_LABELS",
@@ -44,8 +46,6 @@ __all__ = [
     "scaling_points",
 ]
 
-#: The parts of a step, in seconds per step; they sum to the mean step time.
-PARTS = ("data_s", "compute_s", "comm_exposed_s", "optimizer_s", "other_s")
 PART_LABELS = {
     "data_s": "data wait",
     "compute_s": "compute (forward + backward)",
