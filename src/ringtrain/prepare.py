@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from ringtrain.data import ResumableDistributedSampler, SampleSeeded
 from ringtrain.distributed import init_process_group
-from ringtrain.monitor.timing import batch_size_of, instrument_model, timed_allreduce_hook
+from ringtrain.monitor.timing import batch_size_of, instrument_model
 from ringtrain.session import current_timer, get_context
 
 
@@ -55,28 +55,15 @@ def prepare_model(
             "(use 'ddp', or None to leave the model unwrapped)"
         )
     ctx = get_context()
-    device = ctx.device
     timer = current_timer()
     if move_to_device:
-        model = model.to(device)
+        model = model.to(ctx.device)
     module = model
     if parallel_strategy == "ddp" and ctx.world_size > 1:
+        from ringtrain.comm.ddp import wrap_ddp
+
         init_process_group(ctx)
-        device_ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=device_ids, **dict(ddp_kwargs or {})
-        )
-        if timer is not None:
-            mode = timer.comm_timing
-            if mode == "hook" or (mode == "auto" and device.type == "cuda"):
-                # DDP's averaging allreduce, timed per bucket (launch to completion).
-                model.register_comm_hook(None, timed_allreduce_hook(timer))
-            else:
-                # DDP's built-in allreduce (it averages while bucketing: no extra pass); the
-                # step's wait for it after the last gradient is the exposed communication.
-                timer.wait_comm_bytes = sum(
-                    p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
-                )
+        model = wrap_ddp(model, ctx, timer, ddp_kwargs=ddp_kwargs)
     if timer is not None:
         instrument_model(timer, model, module)
     return model
