@@ -1,0 +1,258 @@
+"""PyTorch Lightning on ringtrain: real worker processes (gloo) through ``rt.Trainer(...).fit()``.
+
+The reference is Lightning's own DDP: the same LightningModule and seed, started by Lightning
+(``strategy="ddp"``, ``devices=2``, ``accelerator="cpu"``) in a subprocess. The ringtrain run must
+end with the same parameters; a run whose rank 1 is SIGKILLed must resume from the Lightning
+checkpoint and end with exactly the parameters of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ringtrain as rt
+from ringtrain import session as session_mod
+from ringtrain.env import DistributedContext
+
+pl = pytest.importorskip(
+    "lightning.pytorch", reason="needs the extra: pip install 'ringtrain[lightning]'"
+)
+
+import lightning_workloads  # noqa: E402
+from ringtrain.integrations.lightning import (  # noqa: E402
+    RingtrainCallback,
+    RingtrainEnvironment,
+    get_ckpt_path,
+    prepare_trainer,
+)
+
+EPOCHS = 2  # 5 batches of 4 per rank and epoch: 10 optimizer steps
+_runs: dict[str, dict] = {}
+
+
+def _fit(tmp_path, name, max_failures=0, backend="local", **config):
+    out = tmp_path / f"{name}.pt"
+    starts = tmp_path / f"{name}.starts"
+    result = rt.Trainer(
+        lightning_workloads.train_fn,
+        rt.ScalingConfig(num_workers=2, backend=backend),
+        rt.RunConfig(
+            name=name,
+            storage_path=str(tmp_path / "runs"),
+            failure_config=rt.FailureConfig(max_failures=max_failures),
+            progress="off",
+        ),
+        train_loop_config={"epochs": EPOCHS, "out": str(out), "starts": str(starts), **config},
+    ).fit()
+    assert result.error is None, result.error
+    final = torch.load(out, weights_only=True)
+    entries = [json.loads(line) for line in starts.read_text().splitlines()]
+    return result, final, entries
+
+
+def _clean(tmp_path_factory, prepared: bool = False):
+    """The uninterrupted ringtrain run (cached per loader kind)."""
+    key = "prepared" if prepared else "plain"
+    if key not in _runs:
+        tmp = tmp_path_factory.mktemp(f"clean_{key}")
+        every = 2 if prepared else None
+        result, final, entries = _fit(tmp, "clean", prepared=prepared, every=every)
+        _runs[key] = {"result": result, "final": final, "entries": entries}
+    return _runs[key]
+
+
+def assert_same_parameters(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"parameter {k} differs"
+
+
+# ------------------------------------------------------------------------------------ optional
+
+
+def test_import_ringtrain_does_not_import_lightning():
+    code = (
+        "import sys, ringtrain, ringtrain.integrations\n"
+        "ringtrain.Trainer, ringtrain.TrainState, ringtrain.prepare_model\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('lightning', 'pytorch_lightning', 'lightning_fabric')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+# ------------------------------------------------------------- prepare_trainer (no processes)
+
+
+def _context(world_size=2, local_world_size=2, rank=0, node_rank=0) -> None:
+    ctx = DistributedContext(
+        world_rank=rank,
+        world_size=world_size,
+        local_rank=rank % local_world_size,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        master_addr="10.0.0.1",
+        master_port=29555,
+        source="ringtrain",
+    )
+    session_mod._install_session(session_mod.Session(context=ctx))
+
+
+def _trainer(**kwargs):
+    args = dict(
+        accelerator="cpu",
+        devices="auto",
+        strategy="ddp",
+        plugins=[RingtrainEnvironment()],
+        callbacks=[RingtrainCallback()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    args.update(kwargs)
+    return pl.Trainer(**args)
+
+
+def test_environment_reads_the_ringtrain_context():
+    _context(world_size=4, local_world_size=2, rank=0, node_rank=0)
+    env = RingtrainEnvironment()
+    assert env.creates_processes_externally
+    assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (4, 0, 0, 0)
+    assert (env.main_address, env.main_port) == ("10.0.0.1", 29555)
+    env.set_world_size(1)  # Lightning's num_nodes * devices does not override ringtrain's
+    assert env.world_size() == 4
+    with pytest.raises(ValueError, match=r"prepare_trainer\(trainer\)"):
+        env.validate_settings(num_devices=1, num_nodes=1)
+
+
+@pytest.mark.parametrize(
+    "world_size, local_world_size, nodes, per_node",
+    [(2, 2, 1, 2), (4, 2, 2, 2), (3, 2, 1, 3)],  # one node, two nodes, uneven placement
+)
+def test_prepare_trainer_makes_lightning_world_size_match(
+    world_size, local_world_size, nodes, per_node
+):
+    _context(world_size=world_size, local_world_size=local_world_size)
+    trainer = _trainer()
+    assert trainer.strategy.num_processes * trainer.strategy.num_nodes == 1  # "auto" on CPU
+    assert prepare_trainer(trainer) is trainer
+    strategy = trainer.strategy
+    assert (strategy.num_nodes, strategy.num_processes) == (nodes, per_node)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": world_size, "rank": 0}
+    assert strategy.root_device == torch.device("cpu")
+    assert trainer.world_size == world_size
+    strategy.cluster_environment.validate_settings(strategy.num_processes, strategy.num_nodes)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(strategy="ddp_spawn"), r"starts its own processes.*strategy='ddp'"),
+        (dict(strategy="auto", devices=1), r"SingleDeviceStrategy.*strategy='ddp'"),
+        (dict(plugins=[]), r"cluster environment is .*plugins=\[RingtrainEnvironment\(\)\]"),
+        (dict(devices=3), r"devices=3.*2 worker\(s\) on this node.*devices='auto'"),
+        (dict(num_nodes=2), r"num_nodes=2.*leave num_nodes at its default"),
+    ],
+)
+def test_prepare_trainer_explains_mismatches(kwargs, message):
+    _context(world_size=2, local_world_size=2)
+    with pytest.raises(ValueError, match=message):
+        prepare_trainer(_trainer(**kwargs))
+
+
+def test_prepare_trainer_rejects_other_objects_and_bad_callback_args():
+    with pytest.raises(TypeError, match=r"lightning\.pytorch\.Trainer"):
+        prepare_trainer(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="every_n_steps must be a positive int"):
+        RingtrainCallback(every_n_steps=0)
+
+
+# ------------------------------------------------------------------- real runs, 2 workers
+
+
+def test_metrics_reach_the_driver_and_match_lightnings_own_ddp(tmp_path, tmp_path_factory):
+    clean = _clean(tmp_path_factory)
+    result = clean["result"]
+    # One report per epoch; rank 0's metrics are the run's, every rank's reach the driver.
+    assert [m["epoch"] for m in result.metrics_history] == list(range(EPOCHS))
+    assert [m["step"] for m in result.metrics_history] == [5, 10]
+    assert set(result.metrics) >= {"train_loss", "val_acc", "epoch", "step"}
+    assert all(isinstance(v, (int, float)) for v in result.metrics.values())
+    assert set(result.metrics_per_rank) == {0, 1}
+    # Rank 1 trained on the other half of the data: its own loss.
+    assert result.metrics_per_rank[1]["train_loss"] != result.metrics_per_rank[0]["train_loss"]
+    assert result.checkpoint is not None
+    assert os.path.exists(get_ckpt_path(result.checkpoint))
+
+    # Lightning's own DDP launcher, same module and seed, in a subprocess.
+    native_out = tmp_path / "native.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PL_")}
+    proc = subprocess.run(
+        [sys.executable, lightning_workloads.__file__, str(native_out), str(EPOCHS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    native = torch.load(native_out, weights_only=True)
+    assert native["step"] == clean["final"]["step"] == EPOCHS * lightning_workloads.BATCHES
+    for k, v in native["model"].items():
+        torch.testing.assert_close(clean["final"]["model"][k], v, rtol=1e-5, atol=1e-6)
+    native_metrics = json.loads((tmp_path / "native.pt.json").read_text())
+    for key in ("train_loss", "val_acc"):
+        assert result.metrics[key] == pytest.approx(native_metrics[key], rel=1e-5)
+
+
+def test_killed_worker_resumes_from_the_epoch_checkpoint_exactly(tmp_path, tmp_path_factory):
+    clean = _clean(tmp_path_factory)
+    result, final, entries = _fit(tmp_path, "killed", max_failures=1, kill=[1, 7])
+    assert [(f.rank, f.kind) for f in result.failures] == [(1, "signal")]
+    # Attempt 1 was pointed at the epoch-end checkpoint (step 5) and started from it.
+    assert [(e["attempt"], e["step"]) for e in entries] == [(0, 0), (1, 5)]
+    assert entries[1]["ckpt_path"].endswith("checkpoint_000000/lightning.ckpt")
+    assert_same_parameters(final, clean["final"])  # dropout too: the RNG states were restored
+    assert result.metrics["step"] == 10
+
+
+def test_stateful_loader_resumes_mid_epoch_exactly(tmp_path, tmp_path_factory):
+    """rt.prepare_data_loader's loader is stateful: Lightning saves its position, and a run
+    killed after step 7 resumes at step 6 (a checkpoint every 2 steps), mid-epoch."""
+    clean = _clean(tmp_path_factory, prepared=True)
+    steps = [m["step"] for m in clean["result"].metrics_history]
+    assert steps == [2, 4, 5, 6, 8, 10]  # every 2 steps and at each epoch's end
+    result, final, entries = _fit(
+        tmp_path, "killed", max_failures=1, kill=[1, 7], prepared=True, every=2
+    )
+    assert [(f.rank, f.kind) for f in result.failures] == [(1, "signal")]
+    assert [(e["attempt"], e["step"]) for e in entries] == [(0, 0), (1, 6)]
+    assert_same_parameters(final, clean["final"])
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A single-node Ray instance with 2 CPUs (started before the leak check's snapshot)."""
+    ray = pytest.importorskip(
+        "ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'"
+    )
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_backend_gives_the_same_parameters(tmp_path, tmp_path_factory, ray_local):
+    clean = _clean(tmp_path_factory)
+    result, final, _ = _fit(tmp_path, "ray", backend="ray")
+    assert [m["step"] for m in result.metrics_history] == [5, 10]
+    assert result.checkpoint is not None and get_ckpt_path(result.checkpoint) is not None
+    assert_same_parameters(final, clean["final"])
