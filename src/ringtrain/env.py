@@ -27,6 +27,7 @@ ENV_ASYNC_CHECKPOINT = "RINGTRAIN_ASYNC_CHECKPOINT"  # "1": TrainState saves in 
 ENV_TIMING = "RINGTRAIN_TIMING_INTERVAL_S"  # step timing window in seconds ("" or unset = off)
 ENV_COMM_TIMING = "RINGTRAIN_COMM_TIMING"  # MonitorConfig.comm_timing
 ENV_MAX_STEPS = "RINGTRAIN_MAX_STEPS"  # stop cleanly after this many steps (`ringtrain bench`)
+ENV_ELASTIC = "RINGTRAIN_ELASTIC"  # "min,max,snapshot_interval_steps" (elastic runs only)
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ def context_from_env(environ: Mapping[str, str] | None = None) -> DistributedCon
                 ENV_TIMING,
                 ENV_COMM_TIMING,
                 ENV_MAX_STEPS,
+                ENV_ELASTIC,
             )
             if k in env
         },
@@ -219,7 +221,16 @@ def worker_environment(
     authkey_hex: str,
     start_round: int,
 ) -> dict[str, str]:
-    """The variables the launcher sets in each worker: torchrun's, plus ringtrain's channel."""
+    """The variables the launcher sets in each worker: torchrun's, Horovod's, plus ringtrain's
+    channel.
+
+    Horovod's (``HOROVOD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``, ``_CROSS_RANK``,
+    ``_CROSS_SIZE``), as ``horovodrun`` sets them, for Horovod scripts and tooling: the cross
+    rank of a worker is the index of its node among the nodes that have a worker with the same
+    local rank, i.e. ``node_rank`` with the same number of workers on every node, and the cross
+    size is the number of nodes (``world_size / local_world_size``).
+    """
+    num_nodes = max(1, -(-world_size // max(1, local_world_size)))
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -229,6 +240,12 @@ def worker_environment(
         "NODE_RANK": str(node_rank),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
+        "HOROVOD_RANK": str(rank),
+        "HOROVOD_SIZE": str(world_size),
+        "HOROVOD_LOCAL_RANK": str(local_rank),
+        "HOROVOD_LOCAL_SIZE": str(local_world_size),
+        "HOROVOD_CROSS_RANK": str(node_rank),
+        "HOROVOD_CROSS_SIZE": str(num_nodes),
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         ENV_THREADS: str(threads),

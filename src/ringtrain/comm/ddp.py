@@ -1,14 +1,356 @@
-"""Wrapping a module in ``DistributedDataParallel``, with ringtrain's step timing."""
+"""Wrapping a module in ``DistributedDataParallel``: communication hooks, buckets, step timing.
+
+``prepare_model(comm_hook=...)`` lands here. The hooks are torch's own
+(``torch.distributed.algorithms.ddp_comm_hooks``):
+
+- ``"bf16"`` / ``"fp16"``: ``bf16_compress_hook`` / ``fp16_compress_hook`` cast each bucket to
+  16 bits, allreduce it (half the bytes on the wire), divide by the world size and cast back.
+- ``"powersgd"``: ``powerSGD_hook`` (Vogels et al., "PowerSGD: Practical Low-Rank Gradient
+  Compression for Distributed Optimization", NeurIPS 2019): after ``start_powerSGD_iter`` plain
+  allreduce steps, each gradient matrix (n x m) is replaced by two rank-r factors P (n x r) and
+  Q (m x r) that are allreduced instead, with error feedback (the compression residual is added
+  to the next step's gradient) and warm start (Q is reused across steps).
+
+PowerSGD keeps state between steps (the per-rank error-feedback residuals, the P and Q memories,
+the iteration count and the seed stream for Q): :class:`PowerSGDStateDict` exposes it as a
+Stateful object, attached to the prepared model, which :class:`ringtrain.TrainState` saves in
+each rank's file, so that an exact resume continues PowerSGD where it was.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from ringtrain.env import DistributedContext
 from ringtrain.monitor.timing import StepTimer, timed_allreduce_hook
+
+logger = logging.getLogger("ringtrain")
+
+COMM_HOOKS = ("bf16", "fp16", "powersgd")
+"""The values of ``prepare_model(comm_hook=...)`` besides ``None`` (DDP's own allreduce)."""
+
+POWERSGD_DEFAULTS: dict[str, Any] = {
+    "matrix_approximation_rank": 1,
+    "start_powerSGD_iter": 1000,
+    "min_compression_rate": 2.0,
+    "use_error_feedback": True,
+    "warm_start": True,
+    "orthogonalization_epsilon": 0.0,
+    "random_seed": 0,
+}
+"""``comm_hook_options`` accepted with ``comm_hook="powersgd"`` and their defaults (torch's
+``PowerSGDState`` defaults)."""
+
+_DDP_OPTIONS = ("bucket_cap_mb", "static_graph", "find_unused_parameters")
+
+
+def validate_comm_options(
+    comm_hook: str | None,
+    comm_hook_options: Mapping[str, Any] | None,
+    ddp_options: Mapping[str, Any],
+    ddp_kwargs: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """Check ``prepare_model``'s communication arguments and merge them into DDP's kwargs.
+
+    Args:
+        comm_hook: ``None`` or one of :data:`COMM_HOOKS`.
+        comm_hook_options: options of the hook (only ``"powersgd"`` has any, see
+            :data:`POWERSGD_DEFAULTS`).
+        ddp_options: ``bucket_cap_mb`` (MB, > 0), ``static_graph``, ``find_unused_parameters``
+            (bools); ``None`` values are left to DDP's defaults.
+        ddp_kwargs: the caller's extra ``DistributedDataParallel`` arguments.
+
+    Returns:
+        The keyword arguments for ``DistributedDataParallel``.
+
+    Raises:
+        ValueError: for an unknown hook or option, an option of the wrong type or range, or an
+            option given both directly and in ``ddp_kwargs`` with different values.
+    """
+    if comm_hook is not None and comm_hook not in COMM_HOOKS:
+        raise ValueError(
+            f"prepare_model(comm_hook={comm_hook!r}) is not supported (use None for DDP's "
+            f"allreduce, or one of {', '.join(repr(h) for h in COMM_HOOKS)})"
+        )
+    if comm_hook_options:
+        if comm_hook != "powersgd":
+            raise ValueError(
+                f"prepare_model(comm_hook_options=...) only applies to comm_hook='powersgd', "
+                f"got comm_hook={comm_hook!r} (drop comm_hook_options)"
+            )
+        unknown = sorted(set(comm_hook_options) - set(POWERSGD_DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"prepare_model(comm_hook_options=...): unknown PowerSGD option(s) {unknown} "
+                f"(accepted: {', '.join(POWERSGD_DEFAULTS)})"
+            )
+        _check_powersgd({**POWERSGD_DEFAULTS, **comm_hook_options})
+    merged = dict(ddp_kwargs or {})
+    for name in _DDP_OPTIONS:
+        value = ddp_options.get(name)
+        if value is None:
+            continue
+        if name == "bucket_cap_mb":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(
+                    f"prepare_model(bucket_cap_mb={value!r}) must be a number of megabytes > 0 "
+                    "(DDP's default is 25)"
+                )
+        elif not isinstance(value, bool):
+            raise ValueError(f"prepare_model({name}={value!r}) must be True or False")
+        if name in merged and merged[name] != value:
+            raise ValueError(
+                f"prepare_model({name}={value!r}) contradicts ddp_kwargs[{name!r}]="
+                f"{merged[name]!r} (give it once)"
+            )
+        merged[name] = value
+    if "device_ids" in merged:
+        raise ValueError(
+            "prepare_model(ddp_kwargs={'device_ids': ...}): ringtrain sets device_ids from the "
+            "worker's local rank; drop it"
+        )
+    return merged
+
+
+def _check_powersgd(options: Mapping[str, Any]) -> None:
+    rank = options["matrix_approximation_rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(
+            f"PowerSGD matrix_approximation_rank must be an integer >= 1, got {rank!r} "
+            "(1 to 4 is usual)"
+        )
+    start = options["start_powerSGD_iter"]
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"PowerSGD start_powerSGD_iter must be an integer >= 0, got {start!r}")
+    if (options["use_error_feedback"] or options["warm_start"]) and start <= 1:
+        raise ValueError(
+            f"PowerSGD start_powerSGD_iter={start} must be >= 2 with use_error_feedback or "
+            "warm_start (DDP rebuilds its buckets after the first step)"
+        )
+
+
+def make_hook(
+    comm_hook: str, options: Mapping[str, Any] | None
+) -> tuple[Callable[[Any, Any], Any], Any]:
+    """The torch hook and its state for ``comm_hook`` (default process group)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if comm_hook == "bf16":
+        return default_hooks.bf16_compress_hook, None
+    if comm_hook == "fp16":
+        return default_hooks.fp16_compress_hook, None
+    opts = {**POWERSGD_DEFAULTS, **(options or {})}
+    state = powerSGD_hook.PowerSGDState(process_group=None, **opts)
+    return powerSGD_hook.powerSGD_hook, state
+
+
+# ---------------------------------------------------------------------------------- wire bytes
+
+
+def _powersgd_elements(shapes: Iterable[torch.Size], rank: int, min_rate: float) -> int:
+    """Elements allreduced per step by ``powerSGD_hook`` for gradients of these shapes: the
+    tensors not worth compressing whole, plus P (n x r) and Q (m x r) for the others (torch's
+    ``_should_compress`` rule)."""
+    total = 0
+    for shape in shapes:
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        if len(shape) == 0:
+            total += 1
+            continue
+        n = int(shape[0])
+        m = numel // n if n else 0
+        r = min(n, m, rank)
+        if (n + m) * r * min_rate < n * m:
+            total += (n + m) * r
+        else:
+            total += numel
+    return total
+
+
+def wire_bytes(
+    comm_hook: str | None,
+    shapes: Iterable[torch.Size],
+    dtype: torch.dtype = torch.float32,
+    *,
+    powersgd_rank: int = 1,
+    min_compression_rate: float = 2.0,
+    warm_up: bool = False,
+) -> int:
+    """Bytes one rank contributes to allreduce per step for gradients of ``shapes``.
+
+    ``None``: the gradients in ``dtype``; ``"bf16"``/``"fp16"``: 2 bytes per element;
+    ``"powersgd"``: with ``warm_up`` (the first ``start_powerSGD_iter`` steps) the full
+    gradients, after it the rank-``powersgd_rank`` P and Q factors plus the tensors not worth
+    compressing (torch's ``min_compression_rate`` rule). A ring allreduce moves about
+    ``2 (W-1)/W`` times this per rank.
+    """
+    shapes = list(shapes)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = sum(int(torch.Size(s).numel()) for s in shapes)
+    if comm_hook is None:
+        return numel * itemsize
+    if comm_hook in ("bf16", "fp16"):
+        return numel * 2
+    if warm_up:
+        return numel * itemsize
+    return _powersgd_elements(shapes, powersgd_rank, min_compression_rate) * itemsize
+
+
+def _hook_wire_bytes(
+    comm_hook: str, shapes: Iterable[torch.Size], dtype: torch.dtype, state: Any
+) -> int:
+    if comm_hook != "powersgd" or state is None:
+        return wire_bytes(comm_hook, shapes, dtype)
+    return wire_bytes(
+        comm_hook,
+        shapes,
+        dtype,
+        powersgd_rank=state.matrix_approximation_rank,
+        min_compression_rate=state.min_compression_rate,
+        warm_up=state.iter < state.start_powerSGD_iter,
+    )
+
+
+def _timed_hook(
+    timer: StepTimer, hook: Callable[[Any, Any], Any], comm_hook: str
+) -> Callable[[Any, Any], Any]:
+    """``hook``, timed per bucket from launch to completion like
+    :func:`ringtrain.monitor.timing.timed_comm_hook`, but reporting the bytes the hook puts on
+    the wire (compressed), not the bucket's fp32 size."""
+
+    # No annotations: DDP checks them against dist.GradBucket and Future.
+    def timed(state, bucket):
+        shapes = [g.shape for g in bucket.gradients()]
+        nbytes = _hook_wire_bytes(comm_hook, shapes, bucket.buffer().dtype, state)
+        started = time.perf_counter()
+        fut = hook(state, bucket)
+
+        def done(f):
+            timer.comm_done(started, nbytes)
+            return f.value()
+
+        return fut.then(done)
+
+    return timed
+
+
+# ---------------------------------------------------------------------------------- PowerSGD state
+
+
+def overflow_guarded(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``powerSGD_hook`` for fp16 loss scaling: when a bucket's gradients overflowed (the
+    GradScaler will skip this step), forget the bucket's error-feedback residual and its P/Q
+    memories, which would otherwise hold inf/NaN and poison every later step. The bucket's next
+    compression starts afresh (zero residual, new random Q), as on its first step. Costs one
+    ``isfinite`` pass and one device-to-host sync per bucket per step."""
+
+    def guarded(state, bucket):
+        index = bucket.index()
+
+        def check(f):
+            result = f.value()
+            tensor = result[0] if isinstance(result, list) else result
+            if not bool(torch.isfinite(tensor).all()):
+                for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+                    memory.pop(index, None)
+            return tensor
+
+        return hook(state, bucket).then(check)
+
+    return guarded
+
+
+class PowerSGDStateDict:
+    """The resumable part of a ``PowerSGDState`` as a Stateful object (this rank's).
+
+    ``state_dict()`` holds ``iter`` (steps seen), the seed stream (NumPy ``RandomState``, as
+    tensors), and the per-bucket ``error`` residuals and ``p``/``q`` memories. The residuals
+    differ across ranks, so TrainState saves it in each rank's file. After a restore, PowerSGD
+    continues where it stopped (no second warm-up); it is bit-exact when DDP's bucket layout of
+    the first step after the restart (before DDP rebuilds its buckets) equals the rebuilt one,
+    as for models whose gradients fit one bucket.
+    """
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.state
+        name, key, pos, has_gauss, gauss = s.rng.get_state()
+        return {
+            "iter": int(s.iter),
+            "rng": {
+                "name": str(name),
+                "key": torch.from_numpy(key.astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "gauss": float(gauss),
+            },
+            "error": {int(k): v for k, v in s.error_dict.items()},
+            "p": {int(k): v for k, v in s.p_memory_dict.items()},
+            "q": {int(k): v for k, v in s.q_memory_dict.items()},
+            "numel_before": int(s.total_numel_before_compression),
+            "numel_after": int(s.total_numel_after_compression),
+            "next_stats_report": int(s.next_stats_report),
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        import numpy as np
+
+        s = self.state
+        s.iter = int(sd["iter"])
+        rng = sd["rng"]
+        s.rng.set_state(
+            (
+                rng["name"],
+                rng["key"].numpy().astype(np.uint32),
+                int(rng["pos"]),
+                int(rng["has_gauss"]),
+                float(rng["gauss"]),
+            )
+        )
+        for attr, key in (("error_dict", "error"), ("p_memory_dict", "p"), ("q_memory_dict", "q")):
+            getattr(s, attr).clear()
+            getattr(s, attr).update({int(k): v.clone() for k, v in sd[key].items()})
+        s.total_numel_before_compression = int(sd["numel_before"])
+        s.total_numel_after_compression = int(sd["numel_after"])
+        s.next_stats_report = int(sd["next_stats_report"])
+
+
+# ---------------------------------------------------------------------------------- wrapping
+
+
+def _single_bucket_mb(model: torch.nn.Module, requested: float | None) -> float:
+    """``bucket_cap_mb`` that puts every gradient of ``model`` in one DDP bucket (an explicit cap
+    also caps DDP's first bucket, so there is one bucket from the first step on).
+
+    Why, for PowerSGD on gloo: ``powerSGD_hook`` issues a bucket's second allreduce (of Q) from
+    the completion callback of its first (of P), on gloo's thread, while the autograd thread
+    issues the next bucket's allreduce. With two or more buckets the two ranks can issue these
+    collectives in different orders, and gloo aborts ("Received data size doesn't match expected
+    size") or hangs: measured with torch 2.13 on a 10M-parameter MLP at W=2 (two 25 MB buckets),
+    in plain torch as well. One bucket leaves a single collective chain per step. It also makes
+    PowerSGD's per-bucket state line up after an exact resume (DDP's first step after a restart
+    would otherwise use its initial bucket layout, not the rebuilt one).
+    """
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    needed = grad_bytes / 2**20 + 1.0
+    if requested is not None and requested < needed:
+        logger.warning(
+            "prepare_model(comm_hook='powersgd'): bucket_cap_mb=%s raised to %.0f so that all "
+            "gradients form one DDP bucket (torch's PowerSGD hook can issue collectives in a "
+            "different order on each rank with several buckets on gloo)",
+            requested,
+            needed,
+        )
+    return max(needed, requested or 0.0)
 
 
 def wrap_ddp(
@@ -17,20 +359,61 @@ def wrap_ddp(
     timer: StepTimer | None,
     *,
     ddp_kwargs: Mapping[str, Any] | None = None,
+    comm_hook: str | None = None,
+    comm_hook_options: Mapping[str, Any] | None = None,
+    loss_scaling: bool = False,
 ) -> torch.nn.Module:
     """Wrap ``model`` (already on ``ctx.device``) in DDP; the process group must be initialised.
 
-    With step timing on, either registers a timed allreduce hook (``comm_timing="hook"``, or
-    ``"auto"`` on CUDA) or records the gradient bytes so that the timer measures the step's wait
-    for DDP's built-in allreduce (``"wait"``, ``"auto"`` on CPU).
+    Args:
+        model: the module to wrap.
+        ctx: this worker's context (``cuda:{local_rank}`` becomes DDP's ``device_ids`` on GPU).
+        timer: the step timer, or None when timing is off.
+        ddp_kwargs: ``DistributedDataParallel`` arguments, already validated by
+            :func:`validate_comm_options`.
+        comm_hook: ``None`` (DDP's built-in allreduce) or one of :data:`COMM_HOOKS`.
+        comm_hook_options: PowerSGD options (see :data:`POWERSGD_DEFAULTS`).
+        loss_scaling: the loop uses fp16 loss scaling (``precision="16-mixed"``): PowerSGD is
+            then :func:`overflow_guarded`.
+
+    Step timing: without a hook, ``comm_timing="hook"`` (``"auto"`` on CUDA) registers a timed
+    allreduce hook, and ``"wait"`` (``"auto"`` on CPU) measures the step's wait for DDP's built-in
+    allreduce. With a compression hook a Python hook runs anyway, so ``"auto"`` times it per
+    bucket on every device (one completion callback per bucket, nothing else) and reports the
+    compressed bytes; ``"wait"`` leaves the hook untimed and counts the gap between the last
+    gradient and ``optimizer.step()`` as communication, with the steady-state compressed bytes.
     """
+    from ringtrain.state import attach_rank_state
+
     device = ctx.device
     device_ids = [device.index] if device.type == "cuda" else None
     module = model
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=device_ids, **dict(ddp_kwargs or {})
-    )
-    if timer is not None:
+    kwargs = dict(ddp_kwargs or {})
+    if comm_hook == "powersgd" and device.type != "cuda":
+        kwargs["bucket_cap_mb"] = _single_bucket_mb(model, kwargs.get("bucket_cap_mb"))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    grads = [p for p in module.parameters() if p.requires_grad]
+    if comm_hook is not None:
+        hook, state = make_hook(comm_hook, comm_hook_options)
+        if comm_hook == "powersgd" and loss_scaling:
+            hook = overflow_guarded(hook)
+        mode = timer.comm_timing if timer is not None else None
+        if timer is not None and mode in ("hook", "auto"):
+            ddp.register_comm_hook(state, _timed_hook(timer, hook, comm_hook))
+        else:
+            ddp.register_comm_hook(state, hook)
+            if timer is not None:
+                # After PowerSGD's warm-up (steady state).
+                timer.wait_comm_bytes = wire_bytes(
+                    comm_hook,
+                    [p.shape for p in grads],
+                    grads[0].dtype,
+                    powersgd_rank=getattr(state, "matrix_approximation_rank", 1),
+                    min_compression_rate=getattr(state, "min_compression_rate", 2.0),
+                )
+        if state is not None:
+            attach_rank_state(ddp, "powersgd", PowerSGDStateDict(state))
+    elif timer is not None:
         mode = timer.comm_timing
         if mode == "hook" or (mode == "auto" and device.type == "cuda"):
             # DDP's averaging allreduce, timed per bucket (launch to completion).
@@ -38,7 +421,5 @@ def wrap_ddp(
         else:
             # DDP's built-in allreduce (it averages while bucketing: no extra pass); the
             # step's wait for it after the last gradient is the exposed communication.
-            timer.wait_comm_bytes = sum(
-                p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
-            )
+            timer.wait_comm_bytes = sum(p.numel() * p.element_size() for p in grads)
     return ddp
