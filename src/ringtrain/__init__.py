@@ -6,6 +6,8 @@ The public API; nothing outside this list is public::
     ScalingConfig, RunConfig, CheckpointConfig, FailureConfig, MonitorConfig
     get_context, report, get_checkpoint, Checkpoint
     prepare_model, prepare_data_loader, get_device, TrainState
+    prepare_optimizer, backward, accumulate          (mixed precision, gradient accumulation)
+    FSDPConfig, export_model                         (sharded data parallelism, export)
     TensorBoardCallback, CSVCallback, MLflowCallback, WandbCallback   (logging callbacks)
 """
 
@@ -30,6 +32,10 @@ from ringtrain.result import Result, TrainingFailedError, WorkerFailure
 from ringtrain.session import get_checkpoint, get_context, report
 
 if TYPE_CHECKING:
+    from ringtrain.accumulate import accumulate
+    from ringtrain.amp import backward, prepare_optimizer
+    from ringtrain.export import export_model
+    from ringtrain.fsdp import FSDPConfig
     from ringtrain.monitor.integrations import MLflowCallback, WandbCallback
     from ringtrain.monitor.sinks import CSVCallback, TensorBoardCallback
     from ringtrain.prepare import get_device, prepare_data_loader, prepare_model
@@ -42,6 +48,11 @@ _LAZY = {
     "prepare_data_loader": "ringtrain.prepare",
     "get_device": "ringtrain.prepare",
     "TrainState": "ringtrain.state",
+    "FSDPConfig": "ringtrain.fsdp",
+    "export_model": "ringtrain.export",
+    "accumulate": "ringtrain.accumulate",
+    "backward": "ringtrain.amp",
+    "prepare_optimizer": "ringtrain.amp",
     "TensorBoardCallback": "ringtrain.monitor.sinks",
     "CSVCallback": "ringtrain.monitor.sinks",
     "MLflowCallback": "ringtrain.monitor.integrations",
@@ -53,6 +64,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointConfig",
     "DistributedContext",
+    "FSDPConfig",
     "FailureConfig",
     "MLflowCallback",
     "MonitorConfig",
@@ -66,11 +78,15 @@ __all__ = [
     "WandbCallback",
     "WorkerFailure",
     "__version__",
+    "accumulate",
+    "backward",
+    "export_model",
     "get_checkpoint",
     "get_context",
     "get_device",
     "prepare_data_loader",
     "prepare_model",
+    "prepare_optimizer",
     "report",
 ]
 

@@ -1,15 +1,17 @@
 """Inside the train function: put the model and the data where they belong.
 
-``prepare_model`` applies, in this order: device placement, then data parallelism (DDP). Each step
-is a plain function of the module. ``prepare_data_loader`` gives each rank a disjoint shard of the
-data, moves batches to the device, advances the shuffle each epoch and keeps its position
+``prepare_model`` applies, in this order: device placement, precision (autocast hooks on the
+module, :mod:`ringtrain.amp`), then data parallelism (DDP, with its communication hook,
+:mod:`ringtrain.comm.ddp`). Each step is a plain function of the module.
+``prepare_data_loader`` gives each rank a disjoint shard of the data, moves batches to the
+device, advances the shuffle each epoch and keeps its position
 (epoch, batch) as resumable state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
@@ -18,6 +20,9 @@ from ringtrain.data import ResumableDistributedSampler, SampleSeeded
 from ringtrain.distributed import init_process_group
 from ringtrain.monitor.timing import batch_size_of, instrument_model
 from ringtrain.session import current_timer, get_context
+
+if TYPE_CHECKING:
+    from ringtrain.fsdp import FSDPConfig
 
 
 def get_device() -> torch.device:
@@ -31,6 +36,13 @@ def prepare_model(
     move_to_device: bool = True,
     parallel_strategy: str | None = "ddp",
     ddp_kwargs: Mapping[str, Any] | None = None,
+    comm_hook: str | None = None,
+    comm_hook_options: Mapping[str, Any] | None = None,
+    bucket_cap_mb: float | None = None,
+    static_graph: bool | None = None,
+    find_unused_parameters: bool | None = None,
+    precision: str = "32",
+    fsdp_config: FSDPConfig | None = None,
 ) -> torch.nn.Module:
     """Place ``model`` on this worker's device and wrap it for data parallelism.
 
@@ -39,31 +51,81 @@ def prepare_model(
             before building it; DDP also broadcasts rank 0's parameters and buffers on wrap).
         move_to_device: move parameters and buffers to ``get_device()``.
         parallel_strategy: ``"ddp"`` wraps in ``DistributedDataParallel`` when the world size is
-            above 1; ``None`` returns the placed module unwrapped.
-        ddp_kwargs: extra arguments for ``DistributedDataParallel`` (``bucket_cap_mb``,
-            ``find_unused_parameters``, ``static_graph``...).
+            above 1; ``"fsdp"`` shards parameters, gradients and optimizer state over the ranks
+            with FSDP2 ``fully_shard`` (also at world size 1; build the optimizer after this
+            call; see docs/fsdp.md); ``None`` returns the placed module unwrapped.
+        ddp_kwargs: extra arguments for ``DistributedDataParallel`` (``gradient_as_bucket_view``,
+            ``broadcast_buffers``...).
+        comm_hook: how DDP allreduces gradients: ``None`` (its built-in fp32 allreduce),
+            ``"bf16"`` / ``"fp16"`` (cast each bucket to 16 bits on the wire: half the bytes),
+            ``"powersgd"`` (low-rank compression with error feedback); see docs/comm.md.
+        comm_hook_options: PowerSGD options (``matrix_approximation_rank``,
+            ``start_powerSGD_iter``...; :data:`ringtrain.comm.ddp.POWERSGD_DEFAULTS`).
+        bucket_cap_mb: DDP's gradient bucket size in megabytes (default 25).
+        static_graph: tell DDP the set of used parameters and the graph do not change between
+            steps (enables its static-graph optimisations).
+        find_unused_parameters: let DDP find parameters that get no gradient in a step (costs a
+            graph traversal per step).
+        precision: ``"32"`` (default), ``"bf16-mixed"`` or ``"16-mixed"``: the forward runs under
+            ``torch.autocast`` in that dtype and its outputs are cast back to float32; with
+            ``"16-mixed"`` use :func:`ringtrain.prepare_optimizer` and :func:`ringtrain.backward`
+            for loss scaling (:mod:`ringtrain.amp`).
+        fsdp_config: a :class:`ringtrain.FSDPConfig` for ``parallel_strategy="fsdp"`` (units,
+            mixed precision, CPU offload, activation checkpointing); default ``FSDPConfig()``.
 
     Returns:
         The module to train (``model.module`` is the original when wrapped).
 
     Raises:
-        ValueError: for an unknown ``parallel_strategy``.
+        ValueError: for an unknown ``parallel_strategy``, ``comm_hook`` or ``precision``, a
+            precision the device cannot run, a bad DDP option, or an option given both directly
+            and in ``ddp_kwargs``; raised before any process group is created.
     """
-    if parallel_strategy not in ("ddp", None):
+    if parallel_strategy not in ("ddp", "fsdp", None):
         raise ValueError(
             f"prepare_model(parallel_strategy={parallel_strategy!r}) is not supported "
-            "(use 'ddp', or None to leave the model unwrapped)"
+            "(use 'ddp', 'fsdp', or None to leave the model unwrapped)"
         )
+    if parallel_strategy == "fsdp" or fsdp_config is not None:
+        from ringtrain.fsdp import prepare_fsdp
+
+        ddp_only = dict(
+            ddp_kwargs=ddp_kwargs,
+            comm_hook=comm_hook,
+            comm_hook_options=comm_hook_options,
+            bucket_cap_mb=bucket_cap_mb,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+        )
+        return prepare_fsdp(model, parallel_strategy, fsdp_config, precision, ddp_only)
+    from ringtrain.amp import apply_precision, check_precision, normalize_precision
+    from ringtrain.comm.ddp import validate_comm_options, wrap_ddp
+
     ctx = get_context()
+    precision = normalize_precision(precision)
+    check_precision(precision, ctx.device)
+    ddp_options = dict(
+        bucket_cap_mb=bucket_cap_mb,
+        static_graph=static_graph,
+        find_unused_parameters=find_unused_parameters,
+    )
+    merged_ddp_kwargs = validate_comm_options(comm_hook, comm_hook_options, ddp_options, ddp_kwargs)
     timer = current_timer()
     if move_to_device:
         model = model.to(ctx.device)
     module = model
+    apply_precision(module, precision, ctx.device)
     if parallel_strategy == "ddp" and ctx.world_size > 1:
-        from ringtrain.comm.ddp import wrap_ddp
-
         init_process_group(ctx)
-        model = wrap_ddp(model, ctx, timer, ddp_kwargs=ddp_kwargs)
+        model = wrap_ddp(
+            model,
+            ctx,
+            timer,
+            ddp_kwargs=merged_ddp_kwargs,
+            comm_hook=comm_hook,
+            comm_hook_options=comm_hook_options,
+            loss_scaling=precision == "16-mixed",
+        )
     if timer is not None:
         instrument_model(timer, model, module)
     return model
@@ -107,6 +169,11 @@ def prepare_data_loader(
             ``add_dist_sampler`` is True (shard those yourself and pass ``add_dist_sampler=False``).
     """
     ctx = get_context()
+    if add_dist_sampler:
+        from ringtrain.elastic.worker import constant_global_batch
+
+        # Elastic runs: the per-worker batch follows the world size (global batch constant).
+        data_loader = constant_global_batch(data_loader, ctx)
     loader = data_loader
     if add_dist_sampler:
         if isinstance(data_loader.dataset, IterableDataset):

@@ -7,8 +7,19 @@ A checkpoint of a TrainState is two kinds of file in the round's checkpoint dire
   Stateful object, plus ``step``, ``epoch`` and the user's plain extras. Under data parallelism
   these are identical on every rank, so they are stored once.
 - ``rank_NNNNN.pt``, one per rank: that rank's RNG states (Python ``random``, NumPy's legacy global
-  generator, torch CPU, and every CUDA device when CUDA is initialised) and its data loader
-  position.
+  generator, torch CPU, and every CUDA device when CUDA is initialised), its data loader
+  position, and the per-rank state attached to the prepared model (:func:`attach_rank_state`:
+  PowerSGD's error feedback, a gradient accumulation counter with the partial gradients).
+
+For a model sharded with ``prepare_model(parallel_strategy="fsdp")``, the model and its optimizer
+are not in ``train_state.pt``: every rank writes its shards with ``torch.distributed.checkpoint``
+(``__R_0.distcp`` per rank, ``.metadata`` from rank 0; :mod:`ringtrain.checkpoint.sharded`), into
+the same staging directory, manifest and atomic rename. They load at any world size (resharding).
+
+Resuming at another world size (a sharded or unsharded model alike) is supported but not
+bit-exact: the data loader's global sample position is converted to the new world size and batch
+size (rounded down to a whole global batch, replaying at most one global batch), ranks that
+existed before get back their RNG streams, new ranks keep theirs, and a warning says so.
 
 Both are loaded with ``torch.load(weights_only=True)``: a checkpoint file can never run code. The
 contract: restore, then continue, and the parameters are bit-identical to never having stopped
@@ -79,6 +90,28 @@ def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+RANK_STATE_ATTR = "_ringtrain_rank_state"
+_PENDING_ATTR = "_ringtrain_pending_rank_state"
+
+
+def attach_rank_state(model: Any, name: str, obj: Any) -> None:
+    """Attach a Stateful ``obj`` that differs across ranks to a prepared ``model`` (a
+    communication hook's state, a gradient accumulation counter): a TrainState holding the model
+    saves ``obj.state_dict()`` in each rank's file and restores it on resume. An object attached
+    after ``TrainState.restore()`` gets the restored state when it is attached."""
+    target = _unwrap(model)
+    target.__dict__.setdefault(RANK_STATE_ATTR, {})[name] = obj
+    pending = target.__dict__.get(_PENDING_ATTR) or {}
+    if name in pending:
+        obj.load_state_dict(pending.pop(name))
+
+
+def _model_rank_state(model: Any) -> dict[str, Any]:
+    if model is None:
+        return {}
+    return dict(getattr(_unwrap(model), RANK_STATE_ATTR, None) or {})
 
 
 def _unwrap(model: Any) -> Any:
@@ -193,7 +226,8 @@ class TrainState:
         model: the model (DDP-wrapped or not; saved unwrapped).
         optimizer: a ``torch.optim.Optimizer``.
         lr_scheduler: a ``torch.optim.lr_scheduler.LRScheduler``.
-        grad_scaler: a ``torch.amp.GradScaler``.
+        grad_scaler: a ``torch.amp.GradScaler`` (default: the one of an optimizer returned by
+            :func:`ringtrain.prepare_optimizer` under ``precision="16-mixed"``).
         data_loader: the loader returned by :func:`ringtrain.prepare_data_loader` (or any object
             with ``state_dict``/``load_state_dict``, e.g. torchdata's ``StatefulDataLoader``); its
             position is saved per rank.
@@ -225,6 +259,9 @@ class TrainState:
         objects: dict[str, Any] = {}
         plain: dict[str, Any] = {}
         problems: list[str] = []
+        if grad_scaler is None:
+            # rt.prepare_optimizer(...) under precision="16-mixed" carries its GradScaler.
+            grad_scaler = getattr(optimizer, "grad_scaler", None)
         named = dict(
             model=model,
             optimizer=optimizer,
@@ -261,6 +298,10 @@ class TrainState:
                         "or plain values (numbers, strings, tensors, lists and dicts of them)"
                     )
                 plain[name] = obj
+        from ringtrain.checkpoint.sharded import sharded_objects
+
+        self._sharded, sharded_problems = sharded_objects(objects)
+        problems += sharded_problems
         if problems:
             raise TypeError("TrainState cannot save:\n  " + "\n  ".join(problems))
         self._objects = objects
@@ -269,6 +310,7 @@ class TrainState:
         self.epoch = int(epoch)
         self.restored_from: Checkpoint | None = None
         self._staged: dict[str, Any] = {}
+        self._dcp_group: Any = None  # gloo group for dcp.async_save's background collectives
 
     # ------------------------------------------------------------------ counters
     @property
@@ -280,6 +322,9 @@ class TrainState:
     def step(self, value: int) -> None:
         self._step = int(value)
         mark_progress(self._step)
+        elastic = _elastic_runtime()
+        if elastic is not None:  # elastic runs: in-memory snapshots at step boundaries
+            elastic.on_step(self)
 
     @property
     def data_loader(self) -> Any:
@@ -315,7 +360,7 @@ class TrainState:
     def _shared_payload(self) -> dict[str, Any]:
         objects = {}
         for name, obj in self._objects.items():
-            if name == "data_loader":
+            if name == "data_loader" or name in self._sharded:
                 continue
             objects[name] = (_unwrap(obj) if name == "model" else obj).state_dict()
         return {
@@ -323,6 +368,7 @@ class TrainState:
             "step": self._step,
             "epoch": self.epoch,
             "world_size": get_context().world_size,
+            "sharded": sorted(self._sharded),  # saved with torch.distributed.checkpoint
             "objects": objects,
             "extras": dict(self.extras),
         }
@@ -336,6 +382,10 @@ class TrainState:
             "epoch": self.epoch,
             "rng": capture_rng(),
             "data_loader": loader.state_dict() if loader is not None else None,
+            "model_rank_state": {
+                name: obj.state_dict()
+                for name, obj in _model_rank_state(self._objects.get("model")).items()
+            },
         }
 
     def _checkpoint_writers(self, stage: bool) -> dict[str, Callable[[Any], None]]:
@@ -354,7 +404,31 @@ class TrainState:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
             self._staged = payloads
-        return {name: _torch_writer(obj) for name, obj in payloads.items()}
+        writers = {name: _torch_writer(obj) for name, obj in payloads.items()}
+        if self._sharded:
+            writers.update(self._sharded_writers(rank, stage))
+        return writers
+
+    def _sharded_writers(self, rank: int, stage: bool) -> dict[str, Callable[[Any], None]]:
+        """Save the FSDP model and optimizer with DCP (collective) into a local temporary
+        directory, and return writers that copy this rank's files from there. With ``stage``,
+        ``dcp.async_save`` copies the shards to host memory and returns; the writers wait for
+        its files."""
+        from ringtrain.checkpoint import sharded
+
+        group = None
+        if stage:
+            import torch.distributed as dist
+
+            if self._dcp_group is None:  # every rank saves at the same report: collective
+                self._dcp_group = dist.new_group(backend="gloo")
+            group = self._dcp_group
+        state = sharded.state_dict_of(
+            self._objects["model"],
+            self._objects.get("optimizer") if "optimizer" in self._sharded else None,
+        )
+        directory, wait = sharded.save_to_local(state, rank, async_group=group)
+        return sharded.file_writers(directory, rank, wait)
 
     # ------------------------------------------------------------------ restoring
     def restore(self, checkpoint: Checkpoint | None = None) -> bool:
@@ -380,16 +454,34 @@ class TrainState:
                 "(report(..., checkpoint=state))"
             )
         saved = shared["objects"]
-        missing = [n for n in self._objects if n != "data_loader" and n not in saved]
+        saved_sharded = set(shared.get("sharded") or ())
+        if saved_sharded != self._sharded:
+            then = ", ".join(sorted(saved_sharded)) or "nothing"
+            now = ", ".join(sorted(self._sharded)) or "nothing"
+            raise ValueError(
+                f"{ckpt.uri} was saved with {then} sharded (FSDP), this TrainState has {now}"
+                " sharded: resume with the same prepare_model(parallel_strategy=...), or turn the "
+                "checkpoint into a plain state dict with ringtrain.export_model"
+            )
+        missing = [
+            n
+            for n in self._objects
+            if n != "data_loader" and n not in saved and n not in saved_sharded
+        ]
         if missing:
             raise ValueError(
                 f"{ckpt.uri} has no state for {', '.join(missing)} (registered in this "
                 "TrainState, absent when the checkpoint was saved)"
             )
         for name, obj in self._objects.items():
-            if name == "data_loader":
+            if name == "data_loader" or name in self._sharded:
                 continue
             (_unwrap(obj) if name == "model" else obj).load_state_dict(saved[name])
+        if self._sharded:
+            from ringtrain.checkpoint.sharded import restore_objects
+
+            optimizer = self._objects["optimizer"] if "optimizer" in self._sharded else None
+            restore_objects(self._objects["model"], optimizer, ckpt.path, ckpt.filesystem)
         extra_saved = [n for n in saved if n not in self._objects]
         if extra_saved:
             logger.warning("checkpoint state for %s ignored (not registered)", extra_saved)
@@ -397,25 +489,97 @@ class TrainState:
         self._step = int(shared["step"])
         self.epoch = int(shared["epoch"])
         per_rank = _load(ckpt, rank_file(rank))
-        if per_rank is None:
+        saved_world = int(shared.get("world_size") or 1)
+        world = get_context().world_size
+        if per_rank is None and saved_world == world:
             raise ValueError(
                 f"{ckpt.uri} has no {rank_file(rank)}: it was saved by "
                 f"{shared.get('world_size')} workers, this run has {get_context().world_size}"
             )
+        loader_state = (per_rank or {}).get("data_loader")
+        if saved_world != world and not shared.get("elastic"):
+            logger.warning(
+                "resuming a checkpoint of %d workers with %d: not bit-exact (the data position "
+                "is converted to the new world size; ranks >= %d keep their own RNG streams)",
+                saved_world,
+                world,
+                saved_world,
+            )
+        if saved_world != world:
+            if loader_state is None:  # a new rank: every rank has consumed the same samples
+                loader_state = (_load(ckpt, rank_file(0)) or {}).get("data_loader")
+            if loader_state is not None and self.data_loader is not None:
+                loader_state = _reshard_loader_state(loader_state, self.data_loader)
+            per_rank = per_rank or {"rng": None}
         loader = self.data_loader
-        if loader is not None and per_rank.get("data_loader") is not None:
-            loader.load_state_dict(per_rank["data_loader"])
+        if loader is not None and loader_state is not None:
+            loader.load_state_dict(loader_state)
             # A checkpoint taken after the loader ran off the end of an epoch (but before the
             # epoch loop advanced) resumes at the next epoch, not at a replay of this one.
             if getattr(loader, "batch", None) == 0 and getattr(loader, "epoch", 0) > self.epoch:
                 self.epoch = int(loader.epoch)
-        restore_rng(per_rank["rng"])
+        saved_rank_state = dict(per_rank.get("model_rank_state") or {})
+        model = self._objects.get("model")
+        for name, obj in _model_rank_state(model).items():
+            if name in saved_rank_state:
+                obj.load_state_dict(saved_rank_state.pop(name))
+            else:
+                logger.warning("checkpoint has no per-rank %s state; it starts afresh", name)
+        if model is not None and saved_rank_state:  # for objects attached later
+            _unwrap(model).__dict__[_PENDING_ATTR] = saved_rank_state
+        if per_rank["rng"] is not None:
+            restore_rng(per_rank["rng"])
         self.restored_from = ckpt
         logger.info("restored step %d, epoch %d from %s", self._step, self.epoch, ckpt.uri)
         return True
 
 
+def _reshard_loader_state(state: dict[str, Any], loader: Any) -> dict[str, Any]:
+    """A data loader position saved at another world size (or per-rank batch size), converted
+    for ``loader``: the same global sample offset into the same epoch's shuffle order (which
+    depends only on the seed and the epoch), rounded down to a whole global batch of the new
+    run. A loader that is not a ringtrain ``PreparedDataLoader`` gets ``state`` unchanged.
+    """
+    world = getattr(loader, "world_size", None)
+    batch_size = getattr(loader, "batch_size", None)
+    if world is None or not batch_size or "samples" not in state:
+        return state
+    per_step = world * batch_size
+    samples = int(state["samples"])
+    if samples >= len(loader.dataset):  # the saved epoch was consumed to its end
+        batch = len(loader)
+    else:
+        batch = samples // per_step
+        if samples % per_step:
+            logger.warning(
+                "data position %d is not a multiple of the new global batch (%d workers x %d): "
+                "resuming at sample %d of the epoch (%d samples are seen again)",
+                samples,
+                world,
+                batch_size,
+                batch * per_step,
+                samples - batch * per_step,
+            )
+    return {
+        **state,
+        "batch": batch,
+        "samples": min(batch * per_step, samples),
+        "world_size": world,
+        "batch_size": batch_size,
+    }
+
+
+def _elastic_runtime() -> Any:
+    from ringtrain import session
+
+    current = session._session
+    return current.elastic if current is not None else None
+
+
 def _load(ckpt: Checkpoint, name: str) -> Any:
+    in_memory = getattr(ckpt, "in_memory_files", None)
+    if in_memory is not None:  # an elastic snapshot (ringtrain.elastic.snapshot)
+        return in_memory.get(name)
     fs = ckpt.filesystem
     path = ckpt.path.rstrip("/") + "/" + name
     if not fs.exists(path):

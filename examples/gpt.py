@@ -1,0 +1,377 @@
+"""Train a small GPT-style byte-level language model on Python's own standard library, sharded
+over N ringtrain workers with FSDP2 (``--strategy fsdp``, the default) or replicated with DDP
+(``--strategy ddp``).
+
+Data (offline, deterministic): the ``*.py`` files directly in the standard library's directory
+(``os.path.dirname(os.__file__)``), sorted by name and concatenated, the first
+``--corpus-chars`` bytes of that. The last 10% is held out for validation, the rest cut into
+non-overlapping windows of ``--block-size + 1`` bytes; each window is one sample (inputs: its first
+``block_size`` bytes, targets: the same shifted by one). The vocabulary is the 256 byte values.
+
+Model: the GPT-2 layout (Radford et al., 2019; as in Karpathy's nanoGPT): token and position
+embeddings, ``--n-layer`` pre-LayerNorm transformer blocks (causal multi-head self-attention with
+``scaled_dot_product_attention``, a 4x GELU MLP), a final LayerNorm and an output head tied to the
+token embedding. With FSDP each ``Block`` is its own unit (``FSDPConfig(shard_modules=[Block])``);
+the embeddings, final norm and tied head live in the root unit. ``--bf16`` computes in bfloat16
+(gradients reduced in float32), ``--activation-checkpointing`` recomputes each block's
+activations in backward.
+
+Each epoch ends with the validation loss (mean cross-entropy in nats per byte, and bits per
+byte), evaluated by all ranks on disjoint slices of the held-out text and summed with an
+allreduce, and a checkpoint: the model and AdamW state as per-rank shards
+(``torch.distributed.checkpoint``) under FSDP, in ``train_state.pt`` under DDP, plus the cosine
+LR schedule, the data position and the RNG states. Starting the script again with the same
+``--name`` resumes from the latest checkpoint (also with another ``--workers``: the shards are
+resharded and the data position converted). ``--export model.safetensors`` writes the final
+model as one consolidated state dict.
+
+Run it::
+
+    python examples/gpt.py                          # 2 workers, FSDP
+    python examples/gpt.py --strategy ddp --name gpt-ddp
+    python examples/gpt.py --bf16 --activation-checkpointing --name gpt-bf16
+    python examples/gpt.py --export runs/gpt/model.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import ringtrain as rt
+
+VOCAB = 256  # bytes
+VAL_FRACTION = 0.1
+
+# Shapes: B batch, T time (block size), C channels (n_embd), H heads, V vocabulary.
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+def stdlib_corpus(max_bytes: int) -> bytes:
+    """The standard library's top-level ``*.py`` files, sorted by name, concatenated (each
+    followed by a newline), truncated to ``max_bytes``."""
+    root = Path(os.path.dirname(os.__file__))
+    chunks, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes() + b"\n"
+        chunks.append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+    corpus = b"".join(chunks)[:max_bytes]
+    if len(corpus) < 10_000:
+        raise RuntimeError(f"only {len(corpus)} bytes of Python source found under {root}")
+    return corpus
+
+
+class Windows(Dataset):
+    """Non-overlapping windows of ``block_size + 1`` tokens: ``(x (T,), y (T,))`` int64."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.block_size
+        chunk = self.tokens[start : start + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def load_data(corpus_bytes: int, block_size: int) -> tuple[Windows, Windows]:
+    tokens = torch.frombuffer(bytearray(stdlib_corpus(corpus_bytes)), dtype=torch.uint8).long()
+    split = int(len(tokens) * (1 - VAL_FRACTION))
+    return Windows(tokens[:split], block_size), Windows(tokens[split:], block_size)
+
+
+# -------------------------------------------------------------------------------------------- model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        B, T, C = x_BTC.shape
+        q, k, v = self.qkv(x_BTC).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y_BHTc = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y_BHTc.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, n_layer: int, n_embd: int, n_head: int, block_size: int) -> None:
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"--n-embd {n_embd} must be a multiple of --n-head {n_head}")
+        self.block_size = block_size
+        self.tok = nn.Embedding(VOCAB, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, VOCAB, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` -> logits ``(B, T, V)``."""
+        T = idx_BT.shape[1]
+        x = self.tok(idx_BT) + self.pos(torch.arange(T, device=idx_BT.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BTV.reshape(-1, VOCAB).float(), y_BT.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: Windows, batch_size: int, device: torch.device) -> float:
+    """Mean validation loss (nats per byte) over the held-out windows. Every rank evaluates a
+    disjoint, equally long slice (FSDP needs every rank in every forward) and the sums are
+    allreduced."""
+    ctx = rt.get_context()
+    n = len(val) // ctx.world_size * ctx.world_size
+    mine = list(range(ctx.world_rank, n, ctx.world_size))
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(0, len(mine), batch_size):
+        xs, ys = zip(*(val[j] for j in mine[i : i + batch_size]), strict=True)
+        x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
+        total[0] += lm_loss(model(x), y).double() * y.numel()
+        total[1] += y.numel()
+    model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+@torch.no_grad()
+def sample(model: nn.Module, prompt: bytes, n: int, device: torch.device) -> str:
+    """``n`` bytes continuing ``prompt``, drawn at temperature 0.8 from a fixed seed (the same on
+    every rank, so that all ranks take part in the same forwards)."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor([list(prompt)], device=device)
+    model.eval()
+    for _ in range(n):
+        logits = model(idx[:, -model_block_size(model) :])[0, -1].float().cpu()
+        nxt = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=g)
+        idx = torch.cat([idx, nxt.to(device).view(1, 1)], dim=1)
+    model.train()
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+
+
+def model_block_size(model: nn.Module) -> int:
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    assert isinstance(module, GPT)  # FSDP's class (FSDPGPT) is a subclass
+    return module.block_size
+
+
+# ----------------------------------------------------------------------------------- train function
+
+
+def train_fn(config: dict) -> None:
+    ctx = rt.get_context()
+    device = ctx.device
+    train_set, val_set = load_data(config["corpus_bytes"], config["block_size"])
+    torch.manual_seed(config["seed"])  # the same initial weights on every rank
+    net = GPT(config["n_layer"], config["n_embd"], config["n_head"], config["block_size"])
+    if config["strategy"] == "fsdp":
+        fsdp_config = rt.FSDPConfig(
+            shard_modules=[Block],
+            mixed_precision="bf16" if config["bf16"] else None,
+            activation_checkpointing=config["activation_checkpointing"],
+        )
+        model = rt.prepare_model(net, parallel_strategy="fsdp", fsdp_config=fsdp_config)
+    else:
+        model = rt.prepare_model(net, precision="bf16-mixed" if config["bf16"] else "32")
+    # Built after prepare_model: under FSDP it must hold the sharded parameters.
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config["lr"], betas=(0.9, 0.95), weight_decay=0.1
+    )
+    loader = rt.prepare_data_loader(
+        DataLoader(train_set, batch_size=config["batch_size"], shuffle=True, drop_last=True),
+        seed=config["seed"],
+    )
+    total_steps = config["epochs"] * len(loader)
+    warmup = max(1, total_steps // 20)
+
+    def lr_factor(step: int) -> float:  # linear warm-up, then cosine decay to 10%
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    state = rt.TrainState(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        data_loader=loader,
+        epochs=config["epochs"],
+        metrics={},
+    )
+    if state.restore():
+        if ctx.world_rank == 0:
+            print(f"resuming at epoch {state.epoch}, step {state.step}", flush=True)
+        if state.epoch >= config["epochs"]:  # already trained: report its metrics again
+            rt.report(state["metrics"])
+            return
+    if ctx.world_rank == 0:
+        n_params = sum(p.numel() for p in net.parameters())
+        print(
+            f"{config['strategy']}: {n_params / 1e6:.2f}M parameters, {len(train_set)} training "
+            f"windows of {config['block_size']} bytes, {len(loader)} steps per epoch per rank",
+            flush=True,
+        )
+
+    for epoch in state.epochs(config["epochs"]):
+        start = time.perf_counter()
+        loss_sum, steps = 0.0, 0
+        for x, y in loader:
+            loss = lm_loss(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            # Under FSDP the gradients are DTensor shards: the global norm is reduced across ranks.
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            state.step += 1
+            loss_sum += loss.item()
+            steps += 1
+        val_loss = evaluate(model, val_set, config["batch_size"], device)
+        metrics = {
+            "epoch": epoch,
+            "train_loss": loss_sum / max(1, steps),
+            "val_loss": val_loss,
+            "val_bits_per_byte": val_loss / math.log(2),
+            "epoch_s": time.perf_counter() - start,
+        }
+        state["metrics"] = metrics
+        if ctx.world_rank == 0:
+            print(
+                f"epoch {epoch + 1}/{config['epochs']}  train loss {metrics['train_loss']:.3f}  "
+                f"val loss {val_loss:.3f} ({metrics['val_bits_per_byte']:.2f} bits/byte)  "
+                f"({metrics['epoch_s']:.1f}s)",
+                flush=True,
+            )
+        rt.report(metrics, checkpoint=state)
+    if config["sample"]:
+        text = sample(model, b"def ", config["sample"], device)
+        if ctx.world_rank == 0:
+            print("sample:\n" + text, flush=True)
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a byte-level GPT on the Python standard library with FSDP or DDP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp")
+    p.add_argument("--workers", type=int, default=2, help="number of data-parallel workers")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16, help="windows per worker per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=128, help="context length in bytes")
+    p.add_argument(
+        "--corpus-bytes", type=int, default=300_000, help="bytes of stdlib source to use"
+    )
+    p.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 reduction")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--sample", type=int, default=120, help="bytes to generate at the end (0: none)")
+    p.add_argument("--name", default="gpt", help="run name: the run directory's name")
+    p.add_argument("--storage-path", default="./runs", help="where run directories go")
+    p.add_argument("--gpu", action="store_true", help="one CUDA device per worker")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-failures", type=int, default=0, help="failures to survive (-1: forever)")
+    p.add_argument("--export", default=None, help="write the final model here (.safetensors/.pt)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    config = {
+        "strategy": args.strategy,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "n_layer": args.n_layer,
+        "n_embd": args.n_embd,
+        "n_head": args.n_head,
+        "block_size": args.block_size,
+        "corpus_bytes": args.corpus_bytes,
+        "bf16": args.bf16,
+        "activation_checkpointing": args.activation_checkpointing,
+        "sample": args.sample,
+        "seed": args.seed,
+    }
+    start = time.perf_counter()
+    result = rt.Trainer(
+        train_fn,
+        train_loop_config=config,
+        scaling_config=rt.ScalingConfig(num_workers=args.workers, use_gpu=args.gpu),
+        run_config=rt.RunConfig(
+            name=args.name,
+            storage_path=args.storage_path,
+            checkpoint_config=rt.CheckpointConfig(num_to_keep=2),
+            failure_config=rt.FailureConfig(max_failures=args.max_failures),
+        ),
+    ).fit()
+    print(
+        f"validation loss {result.metrics['val_loss']:.3f} nats/byte "
+        f"({result.metrics['val_bits_per_byte']:.2f} bits/byte) after {args.epochs} epochs, "
+        f"{time.perf_counter() - start:.1f}s; run directory {result.path}"
+    )
+    if args.export and result.checkpoint is not None:
+        print(f"exported the model to {rt.export_model(result.checkpoint, args.export)}")
+
+
+if __name__ == "__main__":
+    main()
