@@ -42,6 +42,7 @@ Examples:
   ringtrain run -n 2 examples/mnist.py --epochs 3
   ringtrain run -n 2 --max-failures 3 --name exact examples/mnist.py
   ringtrain run --resume runs/exact
+  ringtrain run --backend ray --address auto -n 8 train.py    (on a Ray cluster)
 """
 
 
@@ -93,6 +94,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage-path", default="./runs", help="where run directories go (default: ./runs)"
     )
     run.add_argument("--gpu", action="store_true", help="one CUDA device per worker (NCCL)")
+    run.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default=None,
+        help="where workers run: processes on this machine (local, the default) or Ray actors "
+        "on a Ray cluster (ray; pip install 'ringtrain[ray]')",
+    )
+    run.add_argument(
+        "--address",
+        metavar="RAY_ADDRESS",
+        help="the Ray cluster to join: auto, or HOST:PORT (implies --backend ray; default: "
+        "RAY_ADDRESS, else a Ray started on this machine)",
+    )
+    run.add_argument(
+        "--placement-strategy",
+        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        default=None,
+        help="how Ray places the workers over nodes (implies --backend ray; default: PACK)",
+    )
     run.add_argument(
         "--threads", type=_positive_int, help="torch threads per worker (default: cores / N)"
     )
@@ -166,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--rounds", type=_positive_int, default=30, help="last N rounds (default 30)")
     _add_bench_parser(sub)
     _add_dashboard_parser(sub)
+    _add_export_parser(sub)
     return parser
 
 
@@ -184,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_ls(args)
     if args.command == "dashboard":
         return _cmd_dashboard(args)
+    if args.command == "export":
+        return _cmd_export(args)
     return _cmd_show(args)
 
 
@@ -225,6 +248,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 checkpoint_score_attribute=args.checkpoint_score_attribute,
                 checkpoint_score_order=args.checkpoint_score_order,
             )
+        scaling = _with_backend(scaling, args)
         if args.max_failures is not None:
             failure = dataclasses.replace(failure, max_failures=args.max_failures)
         if args.worker_timeout is not None:
@@ -280,7 +304,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         terminated = isinstance(exc, DriverTerminated)
         print(f"ringtrain: run stopped ({exc or 'interrupted'}); workers stopped", file=sys.stderr)
         return 128 + (15 if terminated else 2)
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, ImportError) as exc:  # ImportError: backend not installed
         print(f"ringtrain run: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -290,6 +314,26 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"ringtrain: run failed: {result.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _with_backend(scaling: Any, args: argparse.Namespace) -> Any:
+    """``scaling`` with the backend options of ``ringtrain run`` applied (``--address`` and
+    ``--placement-strategy`` imply ``--backend ray``)."""
+    import dataclasses
+
+    changes: dict[str, Any] = {}
+    ray_options = args.address is not None or args.placement_strategy is not None
+    if args.backend is not None or ray_options:
+        changes["backend"] = args.backend or "ray"
+    if args.address is not None:
+        changes["ray_address"] = args.address
+    if args.placement_strategy is not None:
+        changes["placement_strategy"] = args.placement_strategy
+    if changes.get("backend") == "local":
+        if ray_options:
+            raise ValueError("--address and --placement-strategy need --backend ray")
+        changes.update(ray_address=None, placement_strategy="PACK")  # a resumed Ray run
+    return dataclasses.replace(scaling, **changes) if changes else scaling
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
@@ -588,6 +632,42 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         pass
     finally:
         server.stop()
+    return 0
+
+
+# ----------------------------------------------------------------------------- ringtrain export
+
+
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint's model as one consolidated state dict (safetensors)",
+        description="Write the model of a TrainState checkpoint (DDP or FSDP-sharded) as one "
+        "unsharded state dict file for inference: safetensors for *.safetensors (and any other "
+        "name when safetensors is installed), torch.save for *.pt/*.pth/*.bin. No process group "
+        "or GPU is needed. RUN_OR_CHECKPOINT is a checkpoint directory, or a run directory (its "
+        "newest valid checkpoint).",
+    )
+    export.add_argument("source", metavar="RUN_OR_CHECKPOINT")
+    export.add_argument("out", metavar="OUT")
+    export.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="cast floating-point tensors (default: keep the saved dtype)",
+    )
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ringtrain.export import export_model, find_checkpoint
+
+    try:
+        ckpt = find_checkpoint(args.source)
+        out = export_model(ckpt, args.out, dtype=args.dtype)
+    except (FileNotFoundError, ValueError, ImportError) as exc:
+        print(f"ringtrain export: {exc}", file=sys.stderr)
+        return 1
+    print(f"exported the model of {ckpt.uri} to {out}")
     return 0
 
 

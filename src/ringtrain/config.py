@@ -14,8 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "ray")
 """Launcher backends known to this version."""
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+"""Ray placement group strategies (``backend="ray"``), as Ray names them."""
 
 CALLBACK_HOOKS = (
     "on_report",
@@ -45,27 +48,40 @@ class ScalingConfig:
     """How many workers, and on what.
 
     Attributes:
-        num_workers: world size, the number of data-parallel worker processes (>= 1).
+        num_workers: world size, the number of data-parallel worker processes (>= 1); or a
+            ``(min, max)`` pair for elastic training (``backend="local"``): the run starts with
+            ``max`` workers and, when workers die, continues in place with the survivors while
+            at least ``min`` remain (docs/elastic.md).
         use_gpu: give each worker one CUDA device and use NCCL; otherwise CPU and gloo.
         resources_per_worker: ``{"CPU": k}`` sets each worker's torch thread count to ``int(k)``
             (default: the machine's cores divided by ``num_workers``, at least 1); ``{"GPU": g}``
             must be 1 when ``use_gpu`` (one device per worker).
-        backend: the launcher: ``"local"`` starts worker processes on this machine.
+        backend: the launcher: ``"local"`` starts worker processes on this machine; ``"ray"``
+            starts one Ray actor per worker on a Ray cluster (``pip install ringtrain[ray]``;
+            see docs/ray.md). With ``"ray"``, ``resources_per_worker`` is each worker's Ray
+            bundle (``CPU`` defaults to 1 and sets the torch threads; other keys are Ray custom
+            resources).
+        placement_strategy: ``backend="ray"`` only: how the workers' placement group spreads
+            over nodes: ``"PACK"`` (as few nodes as possible), ``"SPREAD"`` (as many as
+            possible), ``"STRICT_PACK"`` (one node) or ``"STRICT_SPREAD"`` (one worker per node).
+        ray_address: ``backend="ray"`` only: the cluster to join (``"auto"``, ``"HOST:PORT"``);
+            ``None`` uses ``RAY_ADDRESS`` or Ray already initialised in this process, else starts
+            a Ray instance on this machine for the run. Ray Client (``ray://``) is not supported:
+            run the driver on a node of the cluster.
+        placement_timeout_s: ``backend="ray"`` only: seconds to wait for the cluster to grant
+            the placement group before failing with the missing resources named.
     """
 
-    num_workers: int = 1
+    num_workers: int | tuple[int, int] = 1
     use_gpu: bool = False
     resources_per_worker: Mapping[str, float] | None = None
     backend: str = "local"
+    placement_strategy: str = "PACK"
+    ray_address: str | None = None
+    placement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _check_int(
-            "ScalingConfig",
-            "num_workers",
-            self.num_workers,
-            1,
-            "use num_workers=1 for a single process",
-        )
+        self._check_num_workers()
         if not isinstance(self.use_gpu, bool):
             raise TypeError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}")
         if self.backend not in BACKENDS:
@@ -80,10 +96,13 @@ class ScalingConfig:
                     f"got {type(self.resources_per_worker).__name__}"
                 )
             for key, amount in self.resources_per_worker.items():
-                if key not in ("CPU", "GPU"):
+                if key not in ("CPU", "GPU") and (
+                    self.backend != "ray" or not isinstance(key, str) or not key
+                ):
                     raise ValueError(
                         f"ScalingConfig.resources_per_worker has unknown resource {key!r} "
-                        "(use 'CPU' for threads per worker, 'GPU' for devices per worker)"
+                        "(use 'CPU' for threads per worker, 'GPU' for devices per worker; "
+                        "custom Ray resources need backend='ray')"
                     )
                 if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
                     raise ValueError(
@@ -98,13 +117,97 @@ class ScalingConfig:
                 )
             # A frozen dataclass may still hold a caller's mutable dict; keep our own copy.
             object.__setattr__(self, "resources_per_worker", dict(self.resources_per_worker))
+        self._check_ray_fields()
+
+    def _check_num_workers(self) -> None:
+        n = self.num_workers
+        if isinstance(n, (tuple, list)):
+            if len(n) != 2:
+                raise ValueError(
+                    f"ScalingConfig.num_workers must be an int or a (min, max) pair, got {n!r} "
+                    "(use num_workers=(2, 4) for elastic training between 2 and 4 workers)"
+                )
+            fix = "use num_workers=(min, max) with 1 <= min <= max"
+            _check_int("ScalingConfig", "num_workers[0] (min)", n[0], 1, fix)
+            _check_int("ScalingConfig", "num_workers[1] (max)", n[1], 1, fix)
+            if n[0] > n[1]:
+                raise ValueError(
+                    f"ScalingConfig.num_workers=({n[0]}, {n[1]}): min must be <= max ({fix})"
+                )
+            if self.backend != "local":
+                raise ValueError(
+                    f"ScalingConfig.num_workers={tuple(n)!r} (elastic) needs backend='local' "
+                    f"for now, got backend={self.backend!r} (use an int num_workers with Ray)"
+                )
+            # JSON gives back a list (config.json); keep a hashable tuple.
+            object.__setattr__(self, "num_workers", (int(n[0]), int(n[1])))
+            return
+        _check_int(
+            "ScalingConfig",
+            "num_workers",
+            n,
+            1,
+            "use num_workers=1 for a single process, or (min, max) for elastic training",
+        )
+
+    @property
+    def elastic(self) -> bool:
+        """Whether ``num_workers`` is a ``(min, max)`` range (elastic training, docs/elastic.md)."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        """The fewest workers the run continues with in place (``num_workers`` when an int)."""
+        n = self.num_workers
+        return n[0] if isinstance(n, tuple) else n
+
+    @property
+    def max_workers(self) -> int:
+        """The world size the run starts with (``num_workers`` when an int)."""
+        n = self.num_workers
+        return n[1] if isinstance(n, tuple) else n
+
+    def _check_ray_fields(self) -> None:
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                "ScalingConfig.placement_strategy must be one of "
+                f"{', '.join(map(repr, PLACEMENT_STRATEGIES))}, got {self.placement_strategy!r} "
+                "(PACK fills as few nodes as possible, SPREAD as many)"
+            )
+        if self.ray_address is not None:
+            if not isinstance(self.ray_address, str) or not self.ray_address:
+                raise ValueError(
+                    "ScalingConfig.ray_address must be 'auto', 'HOST:PORT' or None, got "
+                    f"{self.ray_address!r}"
+                )
+            if self.ray_address.startswith("ray://"):
+                raise ValueError(
+                    f"ScalingConfig.ray_address={self.ray_address!r}: Ray Client (ray://) is not "
+                    "supported, because every worker connects back to the driver; run the "
+                    "driver on a node of the cluster with ray_address='auto'"
+                )
+            if self.backend != "ray":
+                raise ValueError(
+                    f"ScalingConfig.ray_address={self.ray_address!r} needs backend='ray', got "
+                    f"backend={self.backend!r}"
+                )
+        t = self.placement_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t:
+            raise ValueError(
+                f"ScalingConfig.placement_timeout_s must be a positive number of seconds, got {t!r}"
+            )
+        if self.backend != "ray" and self.placement_strategy != "PACK":
+            raise ValueError(
+                f"ScalingConfig.placement_strategy={self.placement_strategy!r} needs "
+                f"backend='ray', got backend={self.backend!r}"
+            )
 
     def threads_per_worker(self, cpu_count: int | None = None) -> int:
         """Torch intra-op threads each worker uses (>= 1)."""
         if self.resources_per_worker and "CPU" in self.resources_per_worker:
             return max(1, int(self.resources_per_worker["CPU"]))
         cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
-        return max(1, cores // self.num_workers)
+        return max(1, cores // self.max_workers)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -175,12 +278,24 @@ class FailureConfig:
             this plus 10 s, so the driver names the stuck rank first), so a dead peer never
             blocks the group forever. ``None`` disables hang detection (collectives then time
             out after torch's default 30 minutes).
+        snapshot_interval_steps: elastic runs only (``ScalingConfig(num_workers=(min, max))``):
+            every this many ``TrainState.step`` increments each worker copies its TrainState to
+            host memory (its per-rank part is also sent to its ring neighbour), which is what a
+            resize in place rolls back to (docs/elastic.md). Ignored with an int ``num_workers``.
     """
 
     max_failures: int = 0
     worker_timeout_s: float | None = 600.0
+    snapshot_interval_steps: int = 1
 
     def __post_init__(self) -> None:
+        _check_int(
+            "FailureConfig",
+            "snapshot_interval_steps",
+            self.snapshot_interval_steps,
+            1,
+            "use 1 to snapshot after every TrainState.step increment",
+        )
         _check_int(
             "FailureConfig",
             "max_failures",

@@ -24,6 +24,7 @@ from ringtrain.controller.policy import FailurePolicy
 from ringtrain.env import (
     ENV_ASYNC_CHECKPOINT,
     ENV_COMM_TIMING,
+    ENV_ELASTIC,
     ENV_MAX_STEPS,
     ENV_TIMING,
     ENV_WORKER_TIMEOUT,
@@ -52,18 +53,29 @@ def default_run_name(entrypoint: str) -> str:
 
 
 def validate_gpus(scaling: ScalingConfig) -> None:
-    """Raise before any process starts when ``use_gpu`` asks for more GPUs than this host has."""
-    if not scaling.use_gpu:
+    """Raise before any process starts when ``use_gpu`` asks for more GPUs than this host has.
+    (On Ray the GPUs are the cluster's: its placement group checks them.)"""
+    if not scaling.use_gpu or scaling.backend != "local":
         return
     import torch
 
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if available < scaling.num_workers:
+    if available < scaling.max_workers:
         raise ValueError(
             f"ScalingConfig(use_gpu=True, num_workers={scaling.num_workers}) needs "
-            f"{scaling.num_workers} CUDA devices, this machine has {available} "
+            f"{scaling.max_workers} CUDA devices, this machine has {available} "
             f"(use num_workers<={available}" + (")" if available else ", or use_gpu=False)")
         )
+
+
+def make_launcher(scaling: ScalingConfig) -> Launcher:
+    """The launcher ``scaling.backend`` names: local processes, or Ray actors (Ray is imported
+    only then; ImportError naming ``pip install 'ringtrain[ray]'`` when it is missing)."""
+    if scaling.backend == "ray":
+        from ringtrain.launch.ray import RayLauncher
+
+        return RayLauncher.from_scaling_config(scaling)
+    return LocalLauncher()
 
 
 class Trainer:
@@ -208,7 +220,7 @@ class Trainer:
         if ctx.world_size != self.scaling_config.num_workers:
             logger.info(
                 "running in-process as rank %d of %d (started by %s); "
-                "ScalingConfig.num_workers=%d does not apply",
+                "ScalingConfig.num_workers=%s does not apply",
                 ctx.world_rank,
                 ctx.world_size,
                 ctx.source,
@@ -347,6 +359,8 @@ def run_workers(
 
     ``max_steps``: every worker stops cleanly when its prepared data loader is asked for a batch
     after this many steps (the run then ends FINISHED); ``None`` runs the job to its end."""
+    own_launcher = launcher is None
+    launcher = launcher or make_launcher(scaling_config)  # before anything is written
     run_dir = RunDirectory(run_config.storage_path, name)
     staging_dir = None
     if "memory" in protocols(run_dir.fs):
@@ -394,10 +408,22 @@ def run_workers(
     }
     if max_steps is not None:
         worker_env[ENV_MAX_STEPS] = str(int(max_steps))
+    elastic = None
+    if scaling_config.elastic:  # num_workers=(min, max): resize in place (docs/elastic.md)
+        from ringtrain.elastic.policy import ElasticPolicy
+        from ringtrain.elastic.worker import ElasticSettings
+
+        settings = ElasticSettings(
+            scaling_config.min_workers,
+            scaling_config.max_workers,
+            run_config.failure_config.snapshot_interval_steps,
+        )
+        worker_env[ENV_ELASTIC] = settings.to_env()
+        elastic = ElasticPolicy(settings.min_workers, settings.max_workers)
 
     def make_spec(attempt: int, start_round: int, latest: str | None) -> WorkerSpec:
         return WorkerSpec(
-            world_size=scaling_config.num_workers,
+            world_size=scaling_config.max_workers,
             run_dir=checkpoints.workers_run_dir or run_dir.uri,
             payload=payload,
             script=script,
@@ -413,9 +439,9 @@ def run_workers(
     # TensorBoard and CSV logs: driver-side callbacks, ahead of the user's.
     sinks = default_sinks(run_dir, monitor)
     controller = Controller(
-        launcher=launcher or LocalLauncher(),
+        launcher=launcher,
         make_spec=make_spec,
-        world_size=scaling_config.num_workers,
+        world_size=scaling_config.max_workers,
         run_dir=run_dir,
         checkpoints=checkpoints,
         failure_policy=FailurePolicy(run_config.failure_config),
@@ -425,6 +451,7 @@ def run_workers(
         stragglers=StragglerDetector(monitor.straggler_threshold, monitor.straggler_patience)
         if monitor.timing
         else None,
+        elastic=elastic,
     )
     try:
         with _sigterm_as_interrupt():
@@ -432,6 +459,8 @@ def run_workers(
     finally:
         for sink in sinks:  # also after Ctrl-C, when on_end is not called: files complete
             sink.close()  # type: ignore[attr-defined]
+        if own_launcher and callable(getattr(launcher, "close", None)):
+            launcher.close()  # type: ignore[attr-defined]  # e.g. a Ray instance it started
         if staging_dir is not None:
             shutil.rmtree(staging_dir, ignore_errors=True)
 

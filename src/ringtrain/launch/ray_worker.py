@@ -1,0 +1,183 @@
+"""The Ray actor of the Ray backend (one per worker): it reports its node, the rank-0 actor hosts
+the rendezvous store, and each runs ``python -m ringtrain.launch.worker`` as its child process.
+
+Imported by Ray inside the actor process (by reference: ringtrain must be installed on every
+node); it imports Ray and torch only inside methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from typing import IO, Any
+
+
+class RayWorker:
+    """One Ray actor per worker: reports its node, optionally hosts the rendezvous store, and
+    runs ``python -m ringtrain.launch.worker`` as its child, forwarding its output and exit.
+
+    Runs as a threaded actor (its methods may run concurrently); all state is guarded by one
+    condition variable.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._lines: deque[tuple[str, str]] = deque()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._open_pipes = 0
+        self._returncode: int | None = None
+        self._exited_at = 0.0
+        self._store: Any = None
+        self._store_error: str | None = None
+
+    def node_info(self) -> dict[str, Any]:
+        """``node_id``, ``ip``, ``pid`` and ``cuda_visible_devices`` (what Ray assigned)."""
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")
+            or ",".join(str(i) for i in ray.get_gpu_ids()),
+        }
+
+    def host_store(self, world_size: int) -> int:
+        """Host the rendezvous ``TCPStore`` on this node; returns its port at once.
+
+        The listening socket is bound here (all interfaces, port chosen by the OS, so no race
+        for a "free" port) and handed to the store by file descriptor, while torch is imported
+        in the background: workers start meanwhile, and their connections wait in the socket's
+        backlog. The store lives as long as this actor."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", 0))
+        sock.listen(1024)
+        port = int(sock.getsockname()[1])
+        fd = sock.detach()  # the store owns the descriptor from now on
+
+        def serve() -> None:
+            try:
+                import torch.distributed as dist
+
+                self._store = dist.TCPStore(
+                    "0.0.0.0",
+                    port,
+                    world_size,
+                    is_master=True,
+                    wait_for_workers=False,
+                    master_listen_fd=fd,
+                )
+            except BaseException as exc:
+                with self._cond:
+                    self._store_error = f"rendezvous store failed: {type(exc).__name__}: {exc}"
+                    self._cond.notify_all()
+
+        threading.Thread(target=serve, name="ringtrain-store", daemon=True).start()
+        return port
+
+    def path_exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def start(
+        self, cmd: list[str], env: dict[str, str], pythonpath: list[str], cwd: str | None
+    ) -> int:
+        """Start the worker process with this actor's environment updated by ``env``; returns
+        its pid."""
+        full_env = dict(os.environ)
+        full_env.update(env)
+        paths = [*pythonpath, *filter(None, [os.environ.get("PYTHONPATH")])]
+        full_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+        proc = subprocess.Popen(
+            cmd,
+            env=full_env,
+            cwd=cwd if cwd and os.path.isdir(cwd) else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._proc = proc
+        self._open_pipes = 2
+        assert proc.stdout is not None and proc.stderr is not None
+        for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+            threading.Thread(target=self._read, args=(pipe, name), daemon=True).start()
+        threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
+        return proc.pid
+
+    def _read(self, pipe: IO[bytes], name: str) -> None:
+        try:
+            for raw in iter(pipe.readline, b""):
+                with self._cond:
+                    self._lines.append((name, raw.decode("utf-8", errors="replace")))
+                    self._cond.notify_all()
+        finally:
+            with contextlib.suppress(OSError):
+                pipe.close()
+            with self._cond:
+                self._open_pipes -= 1
+                self._cond.notify_all()
+
+    def _wait(self, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        with self._cond:
+            self._returncode = code
+            self._exited_at = time.monotonic()
+            self._cond.notify_all()
+
+    def _finished(self) -> bool:
+        # The exit counts once the output is drained (or 2 s later: a grandchild, such as a
+        # DataLoader worker, may hold the pipe a moment longer).
+        return self._returncode is not None and (
+            self._open_pipes == 0 or time.monotonic() - self._exited_at > 2.0
+        )
+
+    def poll(self, timeout_s: float) -> tuple[list[tuple[str, str]], int | None]:
+        """Output lines ``(stream, line)`` since the last call, and the worker's return code
+        once it has exited (negative: killed by that signal). Waits up to ``timeout_s`` seconds
+        for either."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            if self._store_error is not None:
+                raise RuntimeError(self._store_error)
+            while not self._lines and not self._finished():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+            lines = list(self._lines)
+            self._lines.clear()
+            return lines, self._returncode if self._finished() else None
+
+    def terminate(self, grace_s: float) -> None:
+        """SIGTERM the worker's process group, SIGKILL it after ``grace_s`` seconds."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace_s)
+        _signal_group(proc.pid, signal.SIGKILL)  # its DataLoader workers too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+_REMOTE_WORKER: list[Any] = []
+
+
+def remote_worker_class(ray: Any) -> Any:
+    """``ray.remote(RayWorker)``, made once per process (Ray exports a class per decoration)."""
+    if not _REMOTE_WORKER:
+        _REMOTE_WORKER.append(ray.remote(RayWorker))
+    return _REMOTE_WORKER[0]
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

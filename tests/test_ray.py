@@ -1,0 +1,362 @@
+"""The Ray backend on a real two-node Ray cluster started on this machine by the tests.
+
+One cluster (``ray.cluster_utils.Cluster``: a head and a worker node, 2 CPUs each) serves the whole
+module; it starts before the first test, so its processes predate every test's leak check. The
+exact-resume tests run ``workloads.exact_fn`` and compare, tensor by tensor, with an uninterrupted
+run on the *local* backend: the Ray backend must give the very same parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ringtrain as rt
+import workloads
+from conftest import wait_until
+from test_resume import assert_bit_identical
+
+ray = pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'")
+pytest.importorskip("ray.util.state", reason="the Ray state API needs ray[default]")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.state import list_actors, list_placement_groups  # noqa: E402
+
+from ringtrain.launch.ray import (  # noqa: E402
+    NodeResources,
+    PlacementError,
+    assign_ranks,
+    explain_unplaceable,
+)
+
+EPOCHS = 3  # exact_fn: 30 steps, a report every 4 steps and at each epoch's end: 10 rounds
+_finals: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node and one worker node on this machine, 2 CPUs each; Ray initialised on it."""
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "include_dashboard": True,
+            "dashboard_port": 0,
+            # notice a lost node within about a second (test_node_death_...)
+            "_system_config": {"health_check_period_ms": 300, "health_check_failure_threshold": 3},
+        },
+    )
+    c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _leftovers() -> tuple[list, list]:
+    actors = list_actors(filters=[("state", "=", "ALIVE")])
+    groups = [g for g in list_placement_groups() if g.state != "REMOVED"]
+    return actors, groups
+
+
+def _cpus_free() -> bool:
+    return ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", -1)
+
+
+def assert_torn_down() -> None:
+    """No actor alive, no placement group left, every CPU free again (Ray's state API and
+    resource view lag a moment: bounded wait). Also keeps the next test's placement (SPREAD is
+    best-effort) from seeing a node still busy."""
+    wait_until(lambda: _leftovers() == ([], []) and _cpus_free(), timeout_s=20, interval_s=0.2)
+    actors, groups = _leftovers()
+    assert actors == [], f"actors left alive: {actors}"
+    assert groups == [], f"placement groups left: {groups}"
+    assert _cpus_free(), f"resources still held: {ray.available_resources()}"
+
+
+def _run_config(tmp_path, name, **kwargs):
+    return rt.RunConfig(
+        name=name,
+        storage_path=str(tmp_path / "runs"),
+        failure_config=rt.FailureConfig(max_failures=kwargs.pop("max_failures", 1)),
+        progress="off",
+        **kwargs,
+    )
+
+
+def _fit_exact(tmp_path, name, backend="ray", kill=None, callbacks=()):
+    out = tmp_path / f"{name}.pt"
+    cfg = {"epochs": EPOCHS, "out": str(out), "kill": kill, "kill_rank": 1}
+    result = rt.Trainer(
+        workloads.exact_fn,
+        rt.ScalingConfig(num_workers=2, backend=backend),
+        _run_config(tmp_path, name, callbacks=callbacks),
+        train_loop_config=cfg,
+    ).fit()
+    return result, torch.load(out, weights_only=True)
+
+
+def _local_final(tmp_path_factory):
+    if "local" not in _finals:
+        result, final = _fit_exact(tmp_path_factory.mktemp("local"), "local", backend="local")
+        assert result.failures == []
+        _finals["local"] = final
+    return _finals["local"]
+
+
+EXPECTED_STEPS = [s for s in range(1, EPOCHS * 10 + 1) for every in (4, 10) if s % every == 0]
+
+
+def test_two_workers_end_to_end_match_the_local_backend(cluster, tmp_path, tmp_path_factory):
+    result, final = _fit_exact(tmp_path, "e2e")
+    assert result.failures == [] and result.error is None
+    assert_bit_identical(_local_final(tmp_path_factory), final)
+    assert [m["step"] for m in result.metrics_history] == EXPECTED_STEPS
+    # every rank's reports reached the driver, and the checkpoints are in the run directory
+    run = tmp_path / "runs" / "e2e"
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    reports = [e for e in events if e["type"] == "report"]
+    assert sorted({e["rank"] for e in reports}) == [0, 1]
+    assert len(reports) == 2 * len(EXPECTED_STEPS)
+    assert sorted(result.metrics_per_rank) == [0, 1]
+    assert result.checkpoint is not None
+    assert os.path.dirname(result.checkpoint.path) == str(run)
+    assert json.loads((run / "result.json").read_text())["status"] == "FINISHED"
+    assert json.loads((run / "config.json").read_text())["scaling_config"]["backend"] == "ray"
+    _finals["ray"] = final
+    assert_torn_down()
+
+
+class _KillActor:
+    """Driver-side callback: ``ray.kill`` the actor of bundle 1 (rank 1 under PACK on one
+    node) once rank 1 has reported round ``at``."""
+
+    def __init__(self, run_name: str, at: int) -> None:
+        self.prefix = f"ringtrain-{run_name}-a0-w1-"
+        self.at = at
+        self.killed: list[str] = []
+
+    def on_report(self, rank, round_, metrics):
+        if self.killed or rank != 1 or round_ != self.at:
+            return
+        names = [n for n in ray.util.list_named_actors() if n.startswith(self.prefix)]
+        assert len(names) == 1, names
+        ray.kill(ray.get_actor(names[0]), no_restart=True)
+        self.killed.append(names[0])
+
+
+def test_actor_killed_resumes_bit_exactly(cluster, tmp_path, tmp_path_factory):
+    killer = _KillActor("actor_kill", at=4)
+    result, final = _fit_exact(tmp_path, "actor_kill", callbacks=[killer])
+    assert len(killer.killed) == 1
+    assert len(result.failures) == 1
+    failure = result.failures[0]
+    assert failure.kind == "exception" and failure.rank == 1
+    assert "the Ray actor of rank 1" in failure.message and "died" in failure.message
+    assert_bit_identical(_local_final(tmp_path_factory), final)
+    assert [m["step"] for m in result.metrics_history] == EXPECTED_STEPS
+    assert_torn_down()
+
+
+def test_worker_sigkill_resumes_bit_exactly(cluster, tmp_path, tmp_path_factory):
+    result, final = _fit_exact(tmp_path, "sigkill", kill=("step", 17))
+    assert [(f.rank, f.kind, f.message) for f in result.failures] == [
+        (1, "signal", "rank 1 was killed by SIGKILL")
+    ]
+    assert_bit_identical(_local_final(tmp_path_factory), final)
+    assert [m["step"] for m in result.metrics_history] == EXPECTED_STEPS
+    assert_torn_down()
+
+
+def test_spread_placement_sets_node_and_local_ranks(cluster, tmp_path):
+    strategy, node_ranks, local_ranks = "SPREAD", [0, 1], [0, 0]
+    assert_torn_down()  # both nodes idle: SPREAD then puts one worker on each
+    result = rt.Trainer(
+        workloads.placement_fn,
+        rt.ScalingConfig(
+            num_workers=2,
+            backend="ray",
+            placement_strategy=strategy,
+            resources_per_worker={"CPU": 1},
+        ),
+        _run_config(tmp_path, strategy.lower(), max_failures=0),
+    ).fit()
+    per_rank = [result.metrics_per_rank[r] for r in (0, 1)]
+    assert [m["world_size_sum"] for m in per_rank] == [2.0, 2.0]
+    assert [m["node_rank"] for m in per_rank] == node_ranks
+    assert [m["local_rank"] for m in per_rank] == local_ranks
+    assert [m["local_world_size"] for m in per_rank] == [2 // len(set(node_ranks))] * 2
+    assert [m["threads"] for m in per_rank] == [1, 1]
+    node_ids = [m["node_id"] for m in per_rank]
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert set(node_ids) <= alive
+    assert len(set(node_ids)) == len(set(node_ranks))  # one node id per node rank
+    assert_torn_down()
+
+
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        (
+            {"num_workers": 3, "placement_strategy": "STRICT_SPREAD"},
+            "STRICT_SPREAD needs 3 nodes with CPU 1 each, the cluster has 2",
+        ),
+        ({"num_workers": 2, "resources_per_worker": {"CPU": 3}}, "no node can hold one worker"),
+        ({"num_workers": 1, "resources_per_worker": {"TPU": 1}}, "missing TPU 1"),
+    ],
+    ids=["strict-spread", "cpu", "custom"],
+)
+def test_unsatisfiable_placement_fails_in_time_naming_what_is_missing(
+    cluster, tmp_path, scaling, message
+):
+    trainer = rt.Trainer(
+        workloads.placement_fn,
+        rt.ScalingConfig(backend="ray", placement_timeout_s=1.0, **scaling),
+        _run_config(tmp_path, "unplaceable", max_failures=3),
+    )
+    with pytest.raises(PlacementError, match="placement_timeout_s=1") as info:
+        trainer.fit()
+    assert message in str(info.value)
+    assert_torn_down()
+
+
+def test_cli_runs_a_script_on_ray(cluster, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, torch.distributed as dist, ringtrain as rt
+            dist.init_process_group("gloo")
+            t = torch.ones(1); dist.all_reduce(t)
+            ctx = rt.get_context()
+            print("sum", t.item(), "node", ctx.node_rank, "local", ctx.local_rank)
+            rt.report({"sum": t.item(), "rank": dist.get_rank()})
+            """
+        )
+    )
+    cmd = [sys.executable, "-m", "ringtrain.cli", "run", "--backend", "ray", "--address"]
+    cmd += [cluster.address, "-n", "2", "--storage-path", str(tmp_path / "runs")]
+    cmd += ["--placement-strategy", "STRICT_PACK"]  # both workers on one node
+    cmd += ["--name", "cli", "--progress", "plain", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(rank 0) sum 2.0 node 0 local 0" in proc.stdout
+    assert "(rank 1) sum 2.0 node 0 local 1" in proc.stdout
+    assert "[cli] FINISHED" in proc.stdout + proc.stderr
+    config = json.loads((tmp_path / "runs" / "cli" / "config.json").read_text())
+    assert config["scaling_config"]["backend"] == "ray"
+    assert config["scaling_config"]["ray_address"] == cluster.address
+    assert_torn_down()
+
+
+class _RemoveNode:
+    """Driver-side callback: once both ranks reported round 0, kill every process of the worker
+    node (raylet included, no grace), as a machine failure would."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.nodes: dict[int, str] = {}
+        self.removed: str | None = None
+
+    def on_report(self, rank, round_, metrics):
+        if metrics["attempt"] == 0:
+            self.nodes[rank] = metrics["node_id"]
+
+    def on_round(self, round_, metrics):
+        if self.removed is not None:
+            return
+        driver_node = ray.get_runtime_context().get_node_id()
+        victim = next(n for n in self.cluster.worker_nodes if n.node_id != driver_node)
+        self.removed = victim.node_id
+        self.cluster.remove_node(victim, allow_graceful=False)
+
+
+def test_node_death_is_a_worker_failure_and_the_run_recovers(cluster, tmp_path):
+    # The last test that uses the cluster: it leaves the head node alone.
+    remover = _RemoveNode(cluster)
+    result = rt.Trainer(
+        workloads.node_loss_fn,
+        rt.ScalingConfig(num_workers=2, backend="ray", placement_strategy="SPREAD"),
+        _run_config(tmp_path, "node_loss", max_failures=1, callbacks=[remover]),
+    ).fit()
+    lost = [r for r, n in remover.nodes.items() if n == remover.removed]
+    assert len(lost) == 1, remover.nodes
+    assert [(f.rank, f.kind) for f in result.failures] == [(lost[0], "exception")]
+    assert "died" in result.failures[0].message
+    assert result.metrics["attempt"] == 1
+    assert_torn_down()
+
+
+# ------------------------------------------------------------------ pure logic, no cluster
+
+
+def test_assign_ranks_numbers_node_by_node():
+    slots = assign_ranks(["b", "a", "b", "a", "c"])
+    assert [(s.rank, s.node_rank, s.local_rank, s.local_world_size) for s in slots] == [
+        (0, 0, 0, 2),
+        (2, 1, 0, 2),
+        (1, 0, 1, 2),
+        (3, 1, 1, 2),
+        (4, 2, 0, 1),
+    ]
+
+
+def test_explain_unplaceable_names_the_gap():
+    two = [NodeResources("10.0.0.1", {"CPU": 8, "GPU": 2}), NodeResources("10.0.0.2", {"CPU": 8})]
+    gpu = {"CPU": 1.0, "GPU": 1.0}
+    assert "missing GPU 2: 4 workers need CPU 4, GPU 4 in all" in explain_unplaceable(
+        gpu, 4, "PACK", two
+    )
+    assert "STRICT_PACK needs one node with CPU 10" in explain_unplaceable(
+        {"CPU": 5.0}, 2, "STRICT_PACK", two
+    )
+    assert "can hold only 2 of the 3 workers" in explain_unplaceable({"CPU": 5.0}, 3, "SPREAD", two)
+    assert "in use by other jobs (free now: CPU 0)" in explain_unplaceable(
+        {"CPU": 1.0}, 2, "PACK", two, {"CPU": 0.0}
+    )
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="placement_strategy must be one of"):
+        rt.ScalingConfig(backend="ray", placement_strategy="pack")
+    with pytest.raises(ValueError, match="Ray Client"):
+        rt.ScalingConfig(backend="ray", ray_address="ray://head:10001")
+    with pytest.raises(ValueError, match="needs backend='ray'"):
+        rt.ScalingConfig(ray_address="auto")
+    with pytest.raises(ValueError, match="placement_timeout_s must be a positive"):
+        rt.ScalingConfig(backend="ray", placement_timeout_s=0)
+    with pytest.raises(ValueError, match="custom Ray resources need backend='ray'"):
+        rt.ScalingConfig(resources_per_worker={"TPU": 1})
+    assert rt.ScalingConfig(backend="ray", resources_per_worker={"TPU": 1}).backend == "ray"
+
+
+def test_ringtrain_never_imports_ray_and_names_the_extra_when_missing(tmp_path):
+    code = textwrap.dedent(
+        """
+        import sys
+        import ringtrain as rt
+        rt.ScalingConfig(num_workers=2, backend="ray")
+        assert "ray" not in sys.modules, "importing ringtrain imported ray"
+        sys.modules["ray"] = None  # as if Ray were not installed
+        try:
+            rt.Trainer(lambda: None, rt.ScalingConfig(backend="ray")).fit()
+        except ImportError as exc:
+            print(exc)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert "pip install 'ringtrain[ray]'" in proc.stdout
