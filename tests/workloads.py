@@ -321,3 +321,105 @@ def timed_fn(config):
             if rank == config.get("slow_rank"):
                 time.sleep(config["slow_s"])
         rt.report({"epoch": epoch, "loss": loss.item()})
+
+
+# ------------------------------------------------------------------ Ray backend (issue 4)
+
+
+def placement_fn(config):
+    """Reports where this rank runs (node rank, local rank, the Ray node id the launcher set,
+    the rendezvous host) after an allreduce over the whole group."""
+    ctx = rt.get_context()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    rt.report(
+        {
+            "world_size_sum": t.item(),
+            "node_rank": ctx.node_rank,
+            "local_rank": ctx.local_rank,
+            "local_world_size": ctx.local_world_size,
+            "node_id": os.environ.get("RINGTRAIN_RAY_NODE_ID"),
+            "master_addr": ctx.master_addr,
+            "threads": torch.get_num_threads(),
+        }
+    )
+
+
+# ------------------------------------------------------------------ elastic training (issue 8)
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """``n`` samples ``(x, y, index)``: the index lets a test account for every sample seen."""
+
+    def __init__(self, n: int = 120) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 6, generator=g)
+        self.y = self.x @ torch.randn(6, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+def elastic_fn(config):
+    """Deterministic momentum-SGD regression with a TrainState (a report with a checkpoint every
+    ``every`` steps). Per step, every rank appends ``{pid, attempt, world, rank, step, epoch, ids,
+    loss}`` to ``{config["log"]}/{pid}.jsonl``. On attempt 0 at the first world size, the ranks
+    in ``config["kill_ranks"]`` SIGKILL themselves right after step ``config["kill_step"]``.
+    ``stop_at``: return after that step's report. Rank 0 saves the final parameters to
+    ``config["out"]``."""
+    import json
+
+    ctx = rt.get_context()
+    torch.manual_seed(0)
+    model = rt.prepare_model(torch.nn.Linear(6, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = rt.prepare_data_loader(
+        DataLoader(IndexedDataset(), batch_size=config.get("batch_size", 4), shuffle=True)
+    )
+    state = rt.TrainState(model=model, optimizer=optimizer, data_loader=loader)
+    state.restore()
+    first_world = ctx.attempt == 0 and ctx.world_size == config.get("first_world", 3)
+    log = os.path.join(config["log"], f"{os.getpid()}.jsonl")
+    every = config.get("every", 5)
+    for epoch in state.epochs(config["epochs"]):
+        for x, y, ids in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            state.step += 1
+            record = {
+                "pid": os.getpid(),
+                "attempt": ctx.attempt,
+                "world": rt.get_context().world_size,
+                "rank": rt.get_context().world_rank,
+                "step": state.step,
+                "epoch": epoch,
+                "ids": ids.tolist(),
+                "loss": loss.item(),
+            }
+            with open(log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            kills = config.get("kill_ranks", ())
+            if first_world and ctx.world_rank in kills and state.step == config["kill_step"]:
+                _kill_self()
+            if state.step % every == 0:
+                rt.report({"loss": loss.item(), "step": state.step}, checkpoint=state)
+            if state.step == config.get("stop_at"):
+                break
+        if state.step == config.get("stop_at"):
+            break
+    if rt.get_context().world_rank == 0:
+        module = model.module if hasattr(model, "module") else model
+        torch.save({"model": module.state_dict(), "step": state.step}, config["out"])
+
+
+def node_loss_fn(config):
+    """Reports its Ray node, then on attempt 0 waits (to lose its node); later attempts end."""
+    ctx = rt.get_context()
+    rt.report({"node_id": os.environ.get("RINGTRAIN_RAY_NODE_ID"), "attempt": ctx.attempt})
+    if ctx.attempt == 0:
+        time.sleep(120)

@@ -98,6 +98,30 @@ class Done:
     rounds: int
 
 
+@dataclass(frozen=True)
+class Interrupted:
+    """Elastic runs: a collective of this rank failed because a peer was lost; the rank is alive,
+    has torn down its process group and waits for a :class:`Resize`. ``snapshot_step``: the
+    ``TrainState.step`` of its newest in-memory snapshot (``None``: it has none)."""
+
+    rank: int
+    time: float
+    exc_type: str
+    message: str
+    snapshot_step: int | None
+    step: int | None = None  # the last TrainState.step this rank reached
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Elastic runs: the first ``TrainState.step`` completed after a resize in place."""
+
+    rank: int
+    time: float
+    generation: int
+    step: int
+
+
 # ---------------------------------------------------------------- messages (driver -> worker)
 
 
@@ -108,6 +132,23 @@ class Start:
 
     payload: bytes | None = None
     latest_checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class Resize:
+    """Elastic runs: join generation ``generation`` of the worker group as rank ``rank`` of
+    ``world_size``, rendezvousing under ``store_prefix`` in the driver's store. ``source_rank``:
+    the new rank whose snapshot every rank takes (broadcast over the new process group), or
+    ``None`` when every member holds the same snapshot. ``start_round``: the index of this rank's
+    next ``report()``."""
+
+    generation: int
+    world_size: int
+    rank: int
+    store_prefix: str
+    source_rank: int | None
+    start_round: int
+    snapshot_step: int
 
 
 # --------------------------------------------------------------------------- driver side events
@@ -122,7 +163,18 @@ class Exited:
     returncode: int
 
 
-Event = Hello | Report | CheckpointDone | Heartbeat | Timing | WorkerError | Done | Exited
+Event = (
+    Hello
+    | Report
+    | CheckpointDone
+    | Heartbeat
+    | Timing
+    | WorkerError
+    | Done
+    | Exited
+    | Interrupted
+    | Resumed
+)
 
 
 def new_authkey() -> bytes:

@@ -57,6 +57,7 @@ class Session:
     warned_no_storage: bool = False
     timer: Any = None
     timing_interval_s: float = 2.0
+    elastic: Any = None  # the ElasticRuntime of an elastic run (ringtrain.elastic.worker)
     _writer: Any = None
     _run_fs: Any = None
     _run_path: str | None = None
@@ -68,7 +69,6 @@ class Session:
         channel = self.channel
         if channel is None:
             return
-        rank = self.context.world_rank
 
         if self.timer is not None:
             interval_s = min(interval_s, self.timing_interval_s)
@@ -91,7 +91,7 @@ class Session:
                 try:
                     channel.send(
                         Heartbeat(
-                            rank=rank,
+                            rank=self.context.world_rank,  # changes on an elastic resize
                             time=time.time(),
                             progress_age_s=age,
                             step=self.last_step,

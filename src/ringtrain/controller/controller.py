@@ -35,12 +35,16 @@ from ringtrain.channel import (
     Exited,
     Heartbeat,
     Hello,
+    Interrupted,
     Report,
+    Resize,
+    Resumed,
     Timing,
     WorkerError,
 )
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.controller.policy import Decision, FailurePolicy
+from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
 from ringtrain.launch.base import Launcher, WorkerGroup, WorkerSpec
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.monitor.straggler import StragglerDetector
@@ -99,6 +103,12 @@ class _Attempt:
         self.outcomes: dict[int, dict[int, tuple[str, Any]]] = {}
         # Rounds whose reports are all in but whose files are still being written.
         self.writing: dict[int, tuple[dict[int, Report], set[int]]] = {}
+        # Elastic runs: ranks waiting for a Resize; whether this generation gave up on resizing
+        # in place; the resize that started this generation (its event is written once the
+        # first step after it completes).
+        self.interrupted: dict[int, Interrupted] = {}
+        self.elastic_fallback = False
+        self.resize: dict[str, Any] | None = None
 
     @property
     def all_exited(self) -> bool:
@@ -130,6 +140,8 @@ class Controller:
             checkpoint writes of rounds every rank reported, so that the restart loses only the
             steps after that checkpoint (seconds).
         stragglers: flags slow ranks from the workers' timing windows (``None``: no detection).
+        elastic: resize-in-place decisions (``ScalingConfig(num_workers=(min, max))``);
+            ``None``: every failure restarts the group (docs/elastic.md).
     """
 
     def __init__(
@@ -149,6 +161,7 @@ class Controller:
         worker_timeout_s: float | None = None,
         checkpoint_grace_s: float = 120.0,
         stragglers: StragglerDetector | None = None,
+        elastic: ElasticPolicy | None = None,
     ) -> None:
         self.launcher = launcher
         self.make_spec = make_spec
@@ -164,6 +177,8 @@ class Controller:
         self.worker_timeout_s = worker_timeout_s
         self.checkpoint_grace_s = checkpoint_grace_s
         self.stragglers = stragglers
+        self.elastic = elastic
+        self.generation = 0  # elastic: rendezvous generation of the worker group
 
         self.state = RunState.INITIALIZING
         self.group: WorkerGroup | None = None
@@ -253,6 +268,14 @@ class Controller:
             while not attempt.all_exited:
                 for event in self.group.poll(self.poll_interval_s):
                     self._handle(event)
+                if (
+                    self.elastic is not None
+                    and attempt.first_failure_at is not None
+                    and not attempt.elastic_fallback
+                    and self._elastic(attempt) is not ElasticAction.FALLBACK
+                ):
+                    attempt = self._attempt  # the same, or the resized generation
+                    continue
                 if attempt.first_failure_at is None:
                     self._check_hang(attempt)
                 elif self._writes_in_flight(attempt) and (
@@ -292,6 +315,12 @@ class Controller:
                 attempt.last_progress[rank] = now
         if isinstance(event, Hello):
             self.progress.worker_state(event.rank, "running")
+        elif isinstance(event, Interrupted):
+            attempt.interrupted[event.rank] = event
+            if attempt.first_failure_at is None:
+                attempt.first_failure_at = time.monotonic()
+        elif isinstance(event, Resumed):
+            self._on_resumed(attempt, event)
         elif isinstance(event, Report):
             self._on_report(attempt, event)
         elif isinstance(event, Timing):
@@ -565,6 +594,9 @@ class Controller:
         )
 
     def _end_attempt(self, attempt: _Attempt) -> None:
+        if attempt.resize is not None:  # no step completed after the resize
+            self.run_dir.event("resize", **attempt.resize, resume_s=None)
+            attempt.resize = None
         if attempt.failures or not attempt.pending:
             return
         counts = {rank: attempt.last_round.get(rank, -1) + 1 for rank in range(attempt.world_size)}
@@ -573,6 +605,113 @@ class Controller:
             f"({', '.join(f'rank {r}: {n}' for r, n in counts.items())}); "
             f"rounds {sorted(attempt.pending)} never completed and their checkpoints were dropped"
         )
+
+    # ------------------------------------------------------------------ elastic
+    def _elastic(self, attempt: _Attempt) -> ElasticAction:
+        """After a failure in an elastic run: wait for the survivors, resize in place, or give
+        up (the usual restart from the disk checkpoint follows)."""
+        assert self.elastic is not None and attempt.first_failure_at is not None
+        finished = attempt.done | {r for r, code in attempt.exited.items() if code == 0}
+        decision = self.elastic.decide(
+            attempt.world_size,
+            attempt.failures,
+            attempt.interrupted,
+            finished,
+            time.monotonic() - attempt.first_failure_at,
+        )
+        if decision.action is ElasticAction.RESIZE:
+            failure = _root_cause(list(attempt.failures.values()))
+            verdict = self.failure_policy.decide(failure, len(self.failures) + 1)
+            if verdict.decision is Decision.RAISE:
+                decision = ElasticDecision(ElasticAction.FALLBACK, verdict.reason)
+            elif not callable(getattr(self.group, "resize", None)):
+                decision = ElasticDecision(
+                    ElasticAction.FALLBACK,
+                    "not resizing in place: this launcher cannot resize a worker group",
+                )
+            else:
+                try:
+                    self._resize(attempt, decision, failure)
+                    return ElasticAction.RESIZE
+                except OSError as exc:
+                    decision = ElasticDecision(
+                        ElasticAction.FALLBACK, f"resize in place failed ({exc})"
+                    )
+        if decision.action is ElasticAction.FALLBACK:
+            attempt.elastic_fallback = True
+            message = f"{decision.reason}; restarting the group from the disk checkpoint"
+            logger.warning(message)
+            self.progress.message(message)
+            self.run_dir.event("resize_fallback", reason=decision.reason)
+        return decision.action
+
+    def _resize(self, attempt: _Attempt, decision: ElasticDecision, failure: WorkerFailure) -> None:
+        """Turn the survivors into the next generation of the group, ranks renumbered in order,
+        without restarting a process."""
+        assert self.group is not None and decision.snapshot_step is not None
+        self.failures.append(failure)
+        self._callback("on_failure", failure)
+        self.generation += 1
+        old_world, new_world = attempt.world_size, len(decision.survivors)
+        # Rounds some rank never reported are gone; a round whose files the lost rank owed can
+        # never be published: drop its staging directory (survivors finished their writes
+        # before saying Interrupted).
+        for round_ in sorted(set(attempt.writing) | set(attempt.pending)):
+            self.checkpoints.discard_staging(round_)
+        start_round = self.next_round
+        assignment = {old: new for new, old in enumerate(decision.survivors)}
+        orders = {
+            old: Resize(
+                generation=self.generation,
+                world_size=new_world,
+                rank=new,
+                store_prefix=f"ringtrain/elastic/{attempt.number}/{self.generation}/",
+                source_rank=decision.source,
+                start_round=start_round,
+                snapshot_step=decision.snapshot_step,
+            )
+            for old, new in assignment.items()
+        }
+        reached = [i.step for i in attempt.interrupted.values() if i.step is not None]
+        reached += [s for s in attempt.last_step.values() if s is not None]
+        rolled_back = max(0, max(reached, default=decision.snapshot_step) - decision.snapshot_step)
+        info = {
+            "old_world_size": old_world,
+            "new_world_size": new_world,
+            "cause": failure.message,
+            "generation": self.generation,
+            "snapshot_step": decision.snapshot_step,
+            "steps_rolled_back": rolled_back,
+            "failure_time": failure.time,
+        }
+        new = _Attempt(attempt.number, new_world)
+        new.resize = info
+        self._attempt = new
+        self.world_size = new_world
+        self.group.resize(assignment, orders)  # type: ignore[attr-defined]
+        message = (
+            f"{decision.reason}: {failure.message}; rolling back to the snapshot of step "
+            f"{decision.snapshot_step} ({rolled_back} steps); failure {len(self.failures)}"
+        )
+        logger.warning(message)
+        self.progress.message(message)
+        for rank in range(new_world, old_world):
+            self.progress.worker_state(rank, "stopped")
+        for rank in range(new_world):
+            self.progress.worker_state(rank, "running")
+
+    def _on_resumed(self, attempt: _Attempt, event: Resumed) -> None:
+        if attempt.resize is None:
+            return
+        info, attempt.resize = attempt.resize, None
+        resume_s = max(0.0, event.time - info["failure_time"])
+        self.run_dir.event("resize", **info, resume_s=resume_s)
+        text = (
+            f"resized {info['old_world_size']} -> {info['new_world_size']} workers; training "
+            f"resumed {resume_s:.2f} s after the failure, at step {event.step}"
+        )
+        logger.info(text)
+        self.progress.message(text)
 
     # ------------------------------------------------------------------ outputs
     def result(self) -> Result:

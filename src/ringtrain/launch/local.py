@@ -57,6 +57,8 @@ class LocalWorkerGroup:
         self._conns: dict[int, Connection] = {}
         self._threads: list[threading.Thread] = []
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._retired: list[subprocess.Popen[bytes]] = []  # lost in an elastic resize
+        self._rank_of: dict[int, int] = {}  # pid -> current rank (renumbered by resize)
         self._stopped = False
         self._lock = threading.Lock()
         authkey = new_authkey()
@@ -102,6 +104,7 @@ class LocalWorkerGroup:
                     cmd, env=env, stdout=pipe, stderr=pipe, start_new_session=True
                 )
                 self._procs[rank] = proc
+                self._rank_of[proc.pid] = rank
                 self._spawn(self._wait_exit, rank, proc)
                 if forward_output:
                     assert proc.stdout is not None and proc.stderr is not None
@@ -121,6 +124,8 @@ class LocalWorkerGroup:
 
     def _wait_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
+        with self._lock:
+            rank = self._rank_of.get(proc.pid, rank)
         self._events.put(Exited(rank=rank, time=time.time(), returncode=code))
 
     def _on_connection(self, conn: Connection) -> None:
@@ -151,6 +156,24 @@ class LocalWorkerGroup:
             with contextlib.suppress(OSError):
                 conn.close()
 
+    def resize(self, assignment: dict[int, int], orders: dict[int, Any]) -> None:
+        """Elastic resize in place: worker ``old`` becomes rank ``assignment[old]`` and is sent
+        ``orders[old]`` (a :class:`~ringtrain.channel.Resize`) on its channel connection; the
+        processes not in ``assignment`` (already exited) are retired.
+
+        Raises:
+            OSError: if a worker's connection is gone (the caller restarts the group instead).
+        """
+        with self._lock:
+            procs = {new: self._procs[old] for old, new in assignment.items()}
+            conns = {new: self._conns[old] for old, new in assignment.items()}
+            self._retired += [p for r, p in self._procs.items() if r not in assignment]
+            self._procs, self._conns = procs, conns
+            self._rank_of = {p.pid: r for r, p in procs.items()}
+            self.world_size = len(assignment)
+        for old, new in assignment.items():
+            conns[new].send(orders[old])
+
     # ------------------------------------------------------------------ contract
     def poll(self, timeout_s: float) -> list[Event]:
         events: list[Event] = []
@@ -170,7 +193,8 @@ class LocalWorkerGroup:
             if self._stopped:
                 return
             self._stopped = True
-        alive = [p for p in self._procs.values() if p.poll() is None]
+        everyone = [*self._procs.values(), *self._retired]
+        alive = [p for p in everyone if p.poll() is None]
         for proc in alive:
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -179,7 +203,7 @@ class LocalWorkerGroup:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for proc in self._procs.values():
+        for proc in everyone:
             # SIGKILL the whole process group: the worker and any DataLoader workers it forked.
             _signal_group(proc, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -34,6 +34,7 @@ from ringtrain.env import (
     ENV_AUTHKEY,
     ENV_COMM_TIMING,
     ENV_DRIVER_ADDR,
+    ENV_ELASTIC,
     ENV_MAX_STEPS,
     ENV_START_ROUND,
     ENV_THREADS,
@@ -127,9 +128,15 @@ def main(argv: list[str] | None = None) -> int:
             # of the run's storage.
             if start.latest_checkpoint:
                 sess.latest_checkpoint = Checkpoint(start.latest_checkpoint)
-            init_process_group(ctx)
+            elastic = bool(ctx.extra.get(ENV_ELASTIC))
+            if not elastic:
+                init_process_group(ctx)
             try:
-                if _takes_config(train_fn):
+                if elastic:  # ScalingConfig(num_workers=(min, max)): resizes in place
+                    from ringtrain.elastic.worker import run_elastic
+
+                    run_elastic(train_fn, config, _takes_config(train_fn), sess)
+                elif _takes_config(train_fn):
                     train_fn(config if config is not None else {})
                 else:
                     train_fn()
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         sess.wait_for_checkpoint()  # the last checkpoint must be on storage before Done
         _send_last_timing(sess)
-        channel.send(Done(rank=ctx.world_rank, time=time.time(), rounds=sess.next_round))
+        channel.send(Done(rank=sess.context.world_rank, time=time.time(), rounds=sess.next_round))
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
         # A checkpoint this rank was writing in the background is finished first (bounded): a
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             channel.send(
                 WorkerError(
-                    rank=ctx.world_rank,
+                    rank=sess.context.world_rank,  # an elastic resize may have renumbered it
                     time=time.time(),
                     exc_type=type(exc).__name__,
                     message=str(exc),

@@ -1,0 +1,124 @@
+"""The driver's elastic decision: resize in place, wait, or fall back to the full restart.
+
+Pure logic over what the controller has seen of one worker-group generation, so it is unit-tested
+without processes. The rules:
+
+- only *lost* workers (killed by a signal, or exited non-zero without raising in Python) are
+  resized away; an exception in the train function or a hang means a bug or a stuck collective,
+  and the group is restarted from the disk checkpoint as in a non-elastic run;
+- every other rank must have said :class:`~ringtrain.channel.Interrupted` (it is alive and
+  waiting) within ``wait_s`` of the first failure, and must hold an in-memory snapshot;
+- at least ``min_workers`` ranks must remain.
+
+The new group resumes from the newest snapshot any survivor holds (a rank whose last collective
+completed just before the peer died may be one step ahead of the others; its state is the
+complete result of that step, so the others take it by broadcast).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ringtrain.channel import Interrupted
+from ringtrain.result import WorkerFailure
+
+LOST_KINDS = ("signal", "exit")
+
+
+class ElasticAction(enum.Enum):
+    WAIT = "wait"
+    RESIZE = "resize"
+    FALLBACK = "fallback"
+
+
+@dataclass(frozen=True)
+class ElasticDecision:
+    """``survivors``: the old ranks that form the new group, in new-rank order. ``source``: the
+    new rank whose snapshot all take (``None``: all hold the same). ``snapshot_step``: the step
+    the new group resumes after."""
+
+    action: ElasticAction
+    reason: str
+    survivors: tuple[int, ...] = ()
+    source: int | None = None
+    snapshot_step: int | None = None
+
+
+class ElasticPolicy:
+    """Args:
+    min_workers: the fewest workers to continue with in place.
+    max_workers: the world size of a full (re)start.
+    wait_s: how long after the first failure to wait for every survivor's Interrupted
+        (seconds) before giving up on the resize.
+    """
+
+    def __init__(self, min_workers: int, max_workers: int, wait_s: float = 30.0) -> None:
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.wait_s = wait_s
+
+    def decide(
+        self,
+        world_size: int,
+        failures: Mapping[int, WorkerFailure],
+        interrupted: Mapping[int, Interrupted],
+        finished: set[int],
+        waited_s: float,
+    ) -> ElasticDecision:
+        """Args:
+        world_size: ranks of the current generation.
+        failures: rank -> its failure, so far.
+        interrupted: rank -> its Interrupted message.
+        finished: ranks that exited successfully or sent Done.
+        waited_s: seconds since the first failure.
+        """
+        other = {r: f for r, f in failures.items() if f.kind not in LOST_KINDS}
+        if other:
+            _rank, f = min(other.items())
+            return ElasticDecision(
+                ElasticAction.FALLBACK,
+                f"not resizing in place: {f.message} (a {f.kind}, not a lost worker)",
+            )
+        if finished:
+            return ElasticDecision(
+                ElasticAction.FALLBACK,
+                f"not resizing in place: ranks {sorted(finished)} already finished",
+            )
+        lost = sorted(failures)
+        survivors = tuple(r for r in range(world_size) if r not in failures)
+        if lost and len(survivors) < self.min_workers:
+            return ElasticDecision(
+                ElasticAction.FALLBACK,
+                f"not resizing in place: {len(survivors)} of {world_size} workers remain, "
+                f"fewer than min={self.min_workers}",
+            )
+        waiting = [r for r in survivors if r not in interrupted]
+        if waiting or not lost:
+            if waited_s < self.wait_s:
+                return ElasticDecision(ElasticAction.WAIT, "waiting for the survivors")
+            what = f"ranks {waiting} did not" if waiting else "no worker was lost, but ranks"
+            return ElasticDecision(
+                ElasticAction.FALLBACK,
+                f"not resizing in place: {what} report a lost peer within {self.wait_s:g} s",
+            )
+        steps = {r: interrupted[r].snapshot_step for r in survivors}
+        if any(s is None for s in steps.values()):
+            none = sorted(r for r, s in steps.items() if s is None)
+            return ElasticDecision(
+                ElasticAction.FALLBACK,
+                f"not resizing in place: ranks {none} hold no in-memory snapshot yet (none is "
+                "taken before the first TrainState.step increment, nor for FSDP-sharded state)",
+            )
+        newest = max(s for s in steps.values() if s is not None)
+        source = None
+        if len(set(steps.values())) > 1:
+            source = survivors.index(min(r for r in survivors if steps[r] == newest))
+        return ElasticDecision(
+            ElasticAction.RESIZE,
+            f"resizing in place: {world_size} -> {len(survivors)} workers (lost ranks {lost})",
+            survivors=survivors,
+            source=source,
+            snapshot_step=newest,
+        )
