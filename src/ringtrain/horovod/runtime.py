@@ -187,6 +187,9 @@ def shutdown() -> None:
             pending.finish()
         except Exception:
             pass
+    from ringtrain.comm.fusion import POOL
+
+    POOL.clear()
 
 
 def _destroy_owned_group() -> None:
