@@ -55,6 +55,7 @@ import torch
 import ringtrain as rt
 
 VARIANTS = ("ringtrain-local", "ringtrain-ray", "raytrain")
+TIMING = True  # ringtrain's per-step timing (on by default); --no-timing turns it off
 WARMUP_STEPS = 10
 
 
@@ -127,7 +128,12 @@ def run_once(variant: str, steps: int, workdir: Path) -> dict[str, float]:
                 resources_per_worker={"CPU": 1},
                 backend="ray" if variant == "ringtrain-ray" else "local",
             ),
-            rt.RunConfig(name=name, storage_path=storage, progress="off"),
+            rt.RunConfig(
+                name=name,
+                storage_path=storage,
+                progress="off",
+                monitor_config=rt.MonitorConfig(timing=TIMING),
+            ),
             train_loop_config=config,
         ).fit()
     t_end = time.time()
@@ -145,7 +151,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--no-timing", action="store_true", help="turn ringtrain's per-step timing off"
+    )
     args = parser.parse_args()
+    global TIMING
+    TIMING = not args.no_timing
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS}")
 

@@ -552,13 +552,22 @@ class GradientAllreducer:
                 work.wait()
             buf = bucket.buffer
             assert buf is not None
-            _apply_scale(buf, self._post)
+            # Scale while unpacking (one pass over the bucket, not two) when the types allow.
+            fold = self._post != 1.0 and buf.is_floating_point()
+            if not fold:
+                _apply_scale(buf, self._post)
             offset = 0
             for i in bucket.indices:
                 grad = self.params[i].grad
                 assert grad is not None
                 n = grad.numel()
-                grad.copy_(buf[offset : offset + n].view_as(grad))
+                view = buf[offset : offset + n].view_as(grad)
+                if fold and grad.dtype == buf.dtype:
+                    torch.mul(view, self._post, out=grad)
+                else:
+                    grad.copy_(view)
+                    if fold:
+                        grad.mul_(self._post)
                 offset += n
         self._reset_step()
 
