@@ -7,10 +7,14 @@ WorkerError, Done, Exited) through ``poll`` and can be stopped from any state.
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Protocol
 
-from ringtrain.channel import Event
+from ringtrain.channel import Event, Hello, Start
 
 
 @dataclass(frozen=True)
@@ -62,3 +66,54 @@ class WorkerGroup(Protocol):
 
 class Launcher(Protocol):
     def start(self, spec: WorkerSpec) -> WorkerGroup: ...
+
+
+class ChannelGroup:
+    """The driver's side of the worker channel, shared by the local and the Ray worker groups:
+    one reader thread per worker connection (``_read``) feeds one event queue (``poll``).
+
+    A subclass sets ``spec``, ``world_size``, ``_lock``, ``_stopped``, ``_conns`` and ``_events``.
+    """
+
+    spec: WorkerSpec
+    world_size: int
+    _lock: threading.Lock
+    _stopped: bool
+    _conns: dict[int, Connection]
+    _events: queue.Queue[Event]
+
+    def _read(self, conn: Connection) -> None:
+        """Serve one worker's connection: its Hello, then our Start, then its events until it
+        closes."""
+        try:
+            hello = conn.recv()
+            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world_size:
+                conn.close()
+                return
+            with self._lock:
+                if self._stopped:
+                    conn.close()
+                    return
+                self._conns[hello.rank] = conn
+            conn.send(
+                Start(payload=self.spec.payload, latest_checkpoint=self.spec.latest_checkpoint)
+            )
+            self._events.put(hello)
+            while True:
+                self._events.put(conn.recv())
+        except (EOFError, OSError):
+            pass  # the worker exited or was killed; its Exited event says how
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def poll(self, timeout_s: float) -> list[Event]:
+        """Events that arrived, waiting up to ``timeout_s`` seconds for the first one."""
+        events: list[Event] = []
+        try:
+            events.append(self._events.get(timeout=timeout_s))
+            while True:
+                events.append(self._events.get_nowait())
+        except queue.Empty:
+            pass
+        return events

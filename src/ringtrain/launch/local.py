@@ -20,9 +20,9 @@ import time
 from multiprocessing.connection import Connection
 from typing import IO, Any
 
-from ringtrain.channel import DriverListener, Event, Exited, Hello, Start, new_authkey
+from ringtrain.channel import DriverListener, Event, Exited, new_authkey
 from ringtrain.env import worker_environment
-from ringtrain.launch.base import WorkerSpec
+from ringtrain.launch.base import ChannelGroup, WorkerSpec
 
 
 class LocalLauncher:
@@ -40,7 +40,7 @@ class LocalLauncher:
         return LocalWorkerGroup(spec, forward_output=self.forward_output)
 
 
-class LocalWorkerGroup:
+class LocalWorkerGroup(ChannelGroup):
     """N worker processes, their channel connections, and one event queue.
 
     Threads: one accepts connections, one per connection reads messages, one per process waits for
@@ -131,31 +131,6 @@ class LocalWorkerGroup:
     def _on_connection(self, conn: Connection) -> None:
         self._spawn(self._read, conn)
 
-    def _read(self, conn: Connection) -> None:
-        rank = None
-        try:
-            hello = conn.recv()
-            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world_size:
-                conn.close()
-                return
-            rank = hello.rank
-            with self._lock:
-                if self._stopped:
-                    conn.close()
-                    return
-                self._conns[rank] = conn
-            conn.send(
-                Start(payload=self.spec.payload, latest_checkpoint=self.spec.latest_checkpoint)
-            )
-            self._events.put(hello)
-            while True:
-                self._events.put(conn.recv())
-        except (EOFError, OSError):
-            pass  # the worker exited or was killed; its Exited event says how
-        finally:
-            with contextlib.suppress(OSError):
-                conn.close()
-
     def resize(self, assignment: dict[int, int], orders: dict[int, Any]) -> None:
         """Elastic resize in place: worker ``old`` becomes rank ``assignment[old]`` and is sent
         ``orders[old]`` (a :class:`~ringtrain.channel.Resize`) on its channel connection; the
@@ -175,16 +150,6 @@ class LocalWorkerGroup:
             conns[new].send(orders[old])
 
     # ------------------------------------------------------------------ contract
-    def poll(self, timeout_s: float) -> list[Event]:
-        events: list[Event] = []
-        try:
-            events.append(self._events.get(timeout=timeout_s))
-            while True:
-                events.append(self._events.get_nowait())
-        except queue.Empty:
-            pass
-        return events
-
     def pids(self) -> dict[int, int]:
         return {rank: p.pid for rank, p in self._procs.items()}
 

@@ -43,13 +43,11 @@ from ringtrain.channel import (
     DriverListener,
     Event,
     Exited,
-    Hello,
-    Start,
     WorkerError,
     new_authkey,
 )
 from ringtrain.env import worker_environment
-from ringtrain.launch.base import WorkerSpec
+from ringtrain.launch.base import ChannelGroup, WorkerSpec
 from ringtrain.launch.ray_placement import (
     NodeResources,
     Slot,
@@ -181,7 +179,7 @@ class RayLauncher:
             import_ray().shutdown()
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(ChannelGroup):
     """N Ray actors in one placement group, their channel connections, and one event queue.
 
     Threads: one accepts channel connections, one per connection reads messages, and one per
@@ -421,40 +419,7 @@ class RayWorkerGroup:
     def _on_connection(self, conn: Connection) -> None:
         self._spawn(self._read, conn)
 
-    def _read(self, conn: Connection) -> None:
-        try:
-            hello = conn.recv()
-            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world_size:
-                conn.close()
-                return
-            with self._lock:
-                if self._stopped:
-                    conn.close()
-                    return
-                self._conns[hello.rank] = conn
-            conn.send(
-                Start(payload=self.spec.payload, latest_checkpoint=self.spec.latest_checkpoint)
-            )
-            self._events.put(hello)
-            while True:
-                self._events.put(conn.recv())
-        except (EOFError, OSError):
-            pass  # the worker exited or was killed; its Exited event says how
-        finally:
-            with contextlib.suppress(OSError):
-                conn.close()
-
     # ------------------------------------------------------------------ contract
-    def poll(self, timeout_s: float) -> list[Event]:
-        events: list[Event] = []
-        try:
-            events.append(self._events.get(timeout=timeout_s))
-            while True:
-                events.append(self._events.get_nowait())
-        except queue.Empty:
-            pass
-        return events
-
     def pids(self) -> dict[int, int]:
         """rank -> worker process id (on the worker's node)."""
         return dict(self._pids)
