@@ -468,9 +468,16 @@ class GradientAllreducer:
         plan = plan_buckets(sizes, keys, self.threshold_bytes, first_bucket_bytes)
         self.buckets = [_Bucket(b, wire[b[0]]) for b in plan]
         self._bucket_of = [0] * len(self.params)
+        self._offset = [0] * len(self.params)  # element offset of each gradient in its bucket
         for bi, bucket in enumerate(self.buckets):
+            offset = 0
             for i in bucket.indices:
                 self._bucket_of[i] = bi
+                self._offset[i] = offset
+                offset += self.params[i].numel()
+            # The fusion buffer, kept and reused every step.
+            first = self.params[bucket.indices[0]]
+            bucket.buffer = torch.empty(offset, dtype=bucket.wire_dtype, device=first.device)
         self.bytes_on_wire = 0  # total bytes this rank put into reduced buffers
         self._post = (
             postscale_factor / world_size if self.op == ReduceOp.Average else postscale_factor
@@ -483,6 +490,7 @@ class GradientAllreducer:
     # -------------------------------------------------------------- step state
     def _reset_step(self) -> None:
         self._counts = [0] * len(self.params)
+        self._copied = [False] * len(self.params)
         for b in self.buckets:
             b.pending = len(b.indices)
         self._ready = [False] * len(self.buckets)
@@ -511,6 +519,9 @@ class GradientAllreducer:
             )
         if count < self.backward_passes_per_step:
             return
+        # Copy the gradient into its bucket now, while backward goes on (DDP's reducer does the
+        # same): launching the bucket then needs no packing pass after its last gradient.
+        self._copy_in(index)
         bi = self._bucket_of[index]
         bucket = self.buckets[bi]
         bucket.pending -= 1
@@ -524,15 +535,22 @@ class GradientAllreducer:
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    def _copy_in(self, index: int) -> None:
+        p = self.params[index]
+        bucket = self.buckets[self._bucket_of[index]]
+        assert bucket.buffer is not None
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        off = self._offset[index]
+        bucket.buffer[off : off + p.numel()].copy_(p.grad.reshape(-1))  # casts for the wire
+        self._copied[index] = True
+
     def _launch(self, bucket: _Bucket) -> None:
-        grads = []
         for i in bucket.indices:
-            p = self.params[i]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        buf = pack(grads, bucket.wire_dtype, bucket.buffer)
-        bucket.buffer = buf  # the fusion buffer is kept and reused every step
+            if not self._copied[i]:  # no gradient this step, or launched by synchronize()
+                self._copy_in(i)
+        buf = bucket.buffer
+        assert buf is not None
         _apply_scale(buf, self.prescale_factor)
         self.bytes_on_wire += buf.numel() * buf.element_size()
         work = None
