@@ -385,12 +385,13 @@ class _Bucket:
 class GradientAllreducer:
     """Allreduce gradients as backward produces them, fused into buckets launched in order.
 
-    A ``post_accumulate_grad`` hook on every parameter counts its gradient; when every gradient
-    of a bucket has been accumulated ``backward_passes_per_step`` times, the bucket is ready, and
-    every ready bucket is launched (packed, scaled, cast for the wire, ``all_reduce`` with
-    ``async_op=True``) once all buckets before it are launched. :meth:`synchronize` launches what
-    is left (parameters that got no gradient contribute zeros), waits, and writes the reduced
-    gradients back into ``param.grad``.
+    A ``post_accumulate_grad`` hook on every parameter counts its gradient and, on its last
+    pass, copies it into its slot of the bucket's persistent fusion buffer (cast for the wire),
+    during backward as DDP's reducer does; when every gradient of a bucket has been accumulated
+    ``backward_passes_per_step`` times, the bucket is ready, and every ready bucket is launched
+    (scaled, ``all_reduce`` with ``async_op=True``) once all buckets before it are launched.
+    :meth:`synchronize` launches what is left (parameters that got no gradient contribute zeros),
+    waits, and writes the reduced gradients back into ``param.grad``.
 
     Args:
         named_parameters: ``(name, parameter)`` pairs, identical on every rank (names, order,
