@@ -227,6 +227,28 @@ class _AllreduceFn(torch.autograd.Function):
         return out, None, None, None, None
 
 
+def _reduce_compressed(
+    fn: Any,
+    launch_async: Callable[..., int],
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    pre: float,
+    post: float,
+    name: str | None,
+    compression: type[Compressor],
+) -> torch.Tensor:
+    """A blocking reduction (allreduce, reducescatter) with wire compression: through the
+    differentiable ``fn`` when autograd records, else ``launch_async`` + :func:`synchronize`."""
+    wire, ctx = compression.compress(tensor)
+    if wire.requires_grad and torch.is_grad_enabled():
+        out = fn.apply(wire, op, pre, post, name)
+    else:
+        out = synchronize(
+            launch_async(wire, name=name, op=op, prescale_factor=pre, postscale_factor=post)
+        )
+    return compression.decompress(out, ctx)
+
+
 def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -258,20 +280,16 @@ def allreduce(
     """
     _check_process_set(process_set)
     rop = _resolve_op(average, op)
-    wire, ctx = compression.compress(tensor)
-    if wire.requires_grad and torch.is_grad_enabled():
-        out = _AllreduceFn.apply(wire, rop, prescale_factor, postscale_factor, name)
-    else:
-        out = synchronize(
-            allreduce_async(
-                wire,
-                name=name,
-                op=rop,
-                prescale_factor=prescale_factor,
-                postscale_factor=postscale_factor,
-            )
-        )
-    return compression.decompress(out, ctx)
+    return _reduce_compressed(
+        _AllreduceFn,
+        allreduce_async,
+        tensor,
+        rop,
+        prescale_factor,
+        postscale_factor,
+        name,
+        compression,
+    )
 
 
 def allreduce_(
@@ -741,20 +759,16 @@ def reducescatter(
     """
     _check_process_set(process_set)
     rop = check_op(op)
-    wire, ctx = compression.compress(tensor)
-    if wire.requires_grad and torch.is_grad_enabled():
-        out = _ReducescatterFn.apply(wire, rop, prescale_factor, postscale_factor, name)
-    else:
-        out = synchronize(
-            reducescatter_async(
-                wire,
-                name=name,
-                op=rop,
-                prescale_factor=prescale_factor,
-                postscale_factor=postscale_factor,
-            )
-        )
-    return compression.decompress(out, ctx)
+    return _reduce_compressed(
+        _ReducescatterFn,
+        reducescatter_async,
+        tensor,
+        rop,
+        prescale_factor,
+        postscale_factor,
+        name,
+        compression,
+    )
 
 
 def grouped_reducescatter(
