@@ -18,7 +18,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,9 +32,13 @@ from rich.text import Text
 __all__ = [
     "CheckpointInfo",
     "FailureInfo",
+    "ResizeInfo",
     "RoundMetrics",
     "RunDetails",
     "RunSummary",
+    "WorldSizeChange",
+    "departed_ranks",
+    "elastic_history",
     "format_bytes",
     "format_duration",
     "format_metrics",
@@ -44,6 +48,7 @@ __all__ = [
     "load_run",
     "render_run",
     "render_runs",
+    "worker_range",
 ]
 
 CONFIG_FILE = "config.json"
@@ -52,7 +57,7 @@ RESULT_FILE = "result.json"
 MANIFEST_FILE = "manifest.json"
 
 #: Statuses a run can end with; ``RUNNING`` and ``UNKNOWN`` are the others.
-TERMINAL_STATUSES = frozenset({"FINISHED", "ERRORED", "ABORTED"})
+TERMINAL_STATUSES = frozenset({"FINISHED", "ERRORED", "ABORTED", "STOPPED"})
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 
@@ -61,6 +66,7 @@ _STATUS_STYLES = {
     "FINISHED": "green",
     "ERRORED": "bold red",
     "ABORTED": "yellow",
+    "STOPPED": "magenta",
     "UNKNOWN": "dim",
 }
 
@@ -83,7 +89,8 @@ class RunSummary:
             is no readable ``result.json``.
         start_time: When the run started, Unix time in seconds, or None if unknown.
         duration_s: Run time in seconds (for a running run: until now), or None if unknown.
-        world_size: Number of workers, or None if unknown.
+        world_size: Number of workers now (an elastic run's size after its latest resize), or
+            None if unknown.
         metrics: The last metrics reported by rank 0 (empty if none).
         num_checkpoints: Number of complete checkpoints (directories with a valid manifest).
         rounds: Number of report rounds completed, or None if unknown.
@@ -160,6 +167,57 @@ class FailureInfo:
 
 
 @dataclass
+class ResizeInfo:
+    """A change of an elastic run's worker group (``resize`` and ``resize_fallback`` events,
+    docs/elastic.md).
+
+    Attributes:
+        kind: ``"resize"``: the group changed size in place (shrank after a lost worker, or grew
+            back); ``"fallback"``: it was restarted from the disk checkpoint instead.
+        time: When the event was written, Unix time in seconds (a resize is written once the
+            first step after it completed), or None if unknown.
+        old_world_size: Workers before the resize; None for a fallback.
+        new_world_size: Workers after the resize; None for a fallback.
+        cause: Why: the lost worker's failure message (or what the resize reports, e.g.
+            ``capacity returned``); for a fallback, the reason it was not resized in place.
+        generation: The group's generation after the resize (counts resizes), or None.
+        snapshot_step: The step of the in-memory snapshot training resumed from, or None.
+        steps_rolled_back: Steps computed after that snapshot and lost, or None.
+        failure_time: When the worker died (Unix time in seconds), or None.
+        resume_s: Seconds from the failure to the first completed step after the resize; None
+            when none completed (or unknown).
+    """
+
+    kind: str
+    time: float | None
+    old_world_size: int | None = None
+    new_world_size: int | None = None
+    cause: str = ""
+    generation: int | None = None
+    snapshot_step: int | None = None
+    steps_rolled_back: int | None = None
+    failure_time: float | None = None
+    resume_s: float | None = None
+
+
+@dataclass
+class WorldSizeChange:
+    """The world size from a moment on (a step of the world-size-over-time chart).
+
+    Attributes:
+        time: From when, Unix time in seconds: a ``run_start``'s time, or for a resize the time
+            of the failure that caused it (the event's own time when it has none); None if
+            unknown.
+        world_size: Number of workers from then on.
+        event: ``"run_start"`` or ``"resize"``.
+    """
+
+    time: float | None
+    world_size: int
+    event: str
+
+
+@dataclass
 class RunDetails:
     """Everything ``ringtrain show`` displays about one run.
 
@@ -172,6 +230,9 @@ class RunDetails:
         rank_metrics: Each rank's last report, keyed by rank.
         checkpoints: The run's complete checkpoints, sorted by round.
         failures: Worker failures, in the order they happened.
+        resizes: Elastic runs: resizes in place and fallbacks to a restart from disk, in file
+            order (empty for other runs).
+        world_sizes: The world size over time: one entry per group start and per resize.
         skipped_event_lines: Lines of ``events.jsonl`` that could not be parsed (usually a last
             line still being written) and were ignored.
     """
@@ -183,6 +244,8 @@ class RunDetails:
     rank_metrics: dict[int, RoundMetrics] = field(default_factory=dict)
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
     failures: list[FailureInfo] = field(default_factory=list)
+    resizes: list[ResizeInfo] = field(default_factory=list)
+    world_sizes: list[WorldSizeChange] = field(default_factory=list)
     skipped_event_lines: int = 0
 
 
@@ -448,6 +511,8 @@ class _EventDigest:
     world_size: int | None = None
     end_status: str | None = None
     end_duration_s: float | None = None
+    resizes: list[ResizeInfo] = field(default_factory=list)
+    world_sizes: list[WorldSizeChange] = field(default_factory=list)
     skipped: int = 0
 
     def add(self, ev: Mapping[str, Any]) -> None:
@@ -472,15 +537,107 @@ class _EventDigest:
             ws = _as_int(ev.get("world_size"))
             if ws is not None:
                 self.world_size = ws
+                self.world_sizes.append(WorldSizeChange(t, ws, "run_start"))
             # A new attempt: an earlier run_end does not describe the run any more.
             self.end_status = None
             self.end_duration_s = None
         elif kind == "failure":
             self.failures.append(_failure_from(ev, t))
+        elif kind == "resize":
+            info = _resize_from(ev, t)
+            self.resizes.append(info)
+            if info.new_world_size is not None:
+                self.world_size = info.new_world_size
+                since = info.failure_time if info.failure_time is not None else t
+                if self.world_sizes and since is not None:
+                    # A change never draws before the previous one (clocks, unknown times).
+                    last = self.world_sizes[-1].time
+                    since = since if last is None else max(since, last)
+                self.world_sizes.append(WorldSizeChange(since, info.new_world_size, "resize"))
+        elif kind == "resize_fallback":
+            reason = ev.get("reason")
+            self.resizes.append(
+                ResizeInfo(kind="fallback", time=t, cause=reason if isinstance(reason, str) else "")
+            )
         elif kind == "run_end":
             status = ev.get("status")
             self.end_status = status.upper() if isinstance(status, str) else None
             self.end_duration_s = _as_float(ev.get("duration_s"))
+
+
+def _resize_from(ev: Mapping[str, Any], t: float | None) -> ResizeInfo:
+    cause = ev.get("cause")
+    return ResizeInfo(
+        kind="resize",
+        time=t,
+        old_world_size=_as_int(ev.get("old_world_size")),
+        new_world_size=_as_int(ev.get("new_world_size")),
+        cause=cause if isinstance(cause, str) else "",
+        generation=_as_int(ev.get("generation")),
+        snapshot_step=_as_int(ev.get("snapshot_step")),
+        steps_rolled_back=_as_int(ev.get("steps_rolled_back")),
+        failure_time=_as_float(ev.get("failure_time")),
+        resume_s=_as_float(ev.get("resume_s")),
+    )
+
+
+def elastic_history(
+    events: Iterable[Mapping[str, Any]],
+) -> tuple[list[ResizeInfo], list[WorldSizeChange]]:
+    """An elastic run's resizes and its world size over time, from its events.
+
+    Args:
+        events: Parsed ``events.jsonl`` lines, in file order (other types are ignored).
+
+    Returns:
+        ``(resizes, world_sizes)``: every ``resize`` and ``resize_fallback`` event in file order,
+        and one :class:`WorldSizeChange` per ``run_start`` and per ``resize`` (its last entry
+        is the current world size). Both are empty for events with neither.
+    """
+    digest = _EventDigest()
+    for ev in events:
+        digest.add(ev)
+    return digest.resizes, digest.world_sizes
+
+
+def departed_ranks(world_sizes: Sequence[WorldSizeChange]) -> dict[int, float | None]:
+    """The ranks that left the group: in it at some point, beyond the current world size.
+
+    Args:
+        world_sizes: The world size over time (:func:`elastic_history`), oldest first.
+
+    Returns:
+        Rank -> when it left (the time of the change from which on it was no longer in the
+        group, Unix seconds, or None if unknown), sorted by rank. Empty when the group is as
+        large as it ever was (a rank that grew back is in the group again).
+    """
+    left: dict[int, float | None] = {}
+    size = 0
+    for change in world_sizes:
+        for rank in range(change.world_size, size):
+            left[rank] = change.time
+        for rank in range(size, change.world_size):
+            left.pop(rank, None)
+        size = change.world_size
+    return {rank: left[rank] for rank in sorted(left)}
+
+
+def worker_range(config: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """An elastic run's ``(min, max)`` workers, from its ``config.json``.
+
+    Args:
+        config: The parsed ``config.json`` (or None).
+
+    Returns:
+        ``scaling_config.num_workers`` when it is a ``[min, max]`` pair of ints; None for a
+        fixed world size or when unknown.
+    """
+    n = _as_dict((config or {}).get("scaling_config")).get("num_workers")
+    if isinstance(n, (list, tuple)) and len(n) == 2:
+        lo, hi = _as_int(n[0]), _as_int(n[1])
+        if lo is not None and hi is not None:
+            return lo, hi
+    return None
 
 
 def _digest_events(events: list[dict[str, Any]], skipped: int) -> _EventDigest:
@@ -592,11 +749,13 @@ def _summarize(
         # A dead run's last result.json: its duration is how long it had run when written.
         duration = _as_float(res.get("duration_s"))
 
-    world_size = _as_int(res.get("world_size"))
+    # The events know the current world size (an elastic run resizes; a running run's
+    # result.json is rewritten only now and then); else result.json, else the configuration.
+    world_size = digest.world_size if digest is not None else None
+    if world_size is None:
+        world_size = _as_int(res.get("world_size"))
     if world_size is None:
         world_size = _as_int(_as_dict(cfg.get("scaling_config")).get("num_workers"))
-    if world_size is None and digest is not None:
-        world_size = digest.world_size
 
     metrics = _as_dict(res.get("metrics"))
     if digest is not None and digest.rounds and (not metrics or file_status == "RUNNING"):
@@ -748,6 +907,8 @@ def load_run(run_dir: str) -> RunDetails:
         rank_metrics={r: digest.rank_metrics[r] for r in sorted(digest.rank_metrics)},
         checkpoints=checkpoints,
         failures=failures,
+        resizes=list(digest.resizes),
+        world_sizes=list(digest.world_sizes),
         skipped_event_lines=digest.skipped,
     )
 
@@ -828,8 +989,8 @@ def render_run(
     max_rounds: int = 30,
     max_columns: int = 12,
 ) -> None:
-    """Prints the ``ringtrain show`` report: summary, metrics per round, workers, checkpoints
-    and failures.
+    """Prints the ``ringtrain show`` report: summary, metrics per round, workers, checkpoints,
+    an elastic run's resizes, and failures.
 
     Args:
         details: The run, as :func:`load_run` returns it.
@@ -847,7 +1008,7 @@ def render_run(
     header.add_row("Status", _status_text(s.status))
     header.add_row("Started", format_timestamp(s.start_time))
     header.add_row("Duration", format_duration(s.duration_s))
-    header.add_row("Workers", "-" if s.world_size is None else str(s.world_size))
+    header.add_row("Workers", _workers_text(details))
     header.add_row("Rounds", "-" if s.rounds is None else str(s.rounds))
     config = details.config or {}
     scaling = _as_dict(config.get("scaling_config"))
@@ -876,7 +1037,23 @@ def render_run(
     if len(details.rank_metrics) > 1:
         _render_rank_table(details, console, max_columns=max_columns)
     _render_checkpoints(details, console)
+    _render_resizes(details, console)
     _render_failures(details, console)
+
+
+def _workers_text(details: RunDetails) -> str:
+    """The header's world size: the current one, and an elastic run's range and history."""
+    s = details.summary
+    text = "-" if s.world_size is None else str(s.world_size)
+    notes = []
+    limits = worker_range(details.config)
+    if limits is not None:
+        notes.append(f"elastic {limits[0]}-{limits[1]}")
+    sizes = [c.world_size for c in details.world_sizes]
+    steps = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]
+    if len(steps) > 1:
+        notes.append(" -> ".join(map(str, steps)))
+    return text + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _render_metrics_table(
@@ -969,6 +1146,40 @@ def _render_checkpoints(details: RunDetails, console: Console) -> None:
             Text(format_metrics(ckpt.metrics, first=("epoch",))),
             ", ".join(tags),
         )
+    console.print(table)
+
+
+def _render_resizes(details: RunDetails, console: Console) -> None:
+    """The ``Resizes`` table: an elastic run's resizes in place and fallbacks to a restart."""
+    if not details.resizes:
+        if worker_range(details.config) is not None:
+            console.print()
+            console.print(Text("No resizes.", style="dim"))
+        return
+    console.print()
+    table = Table(
+        title=f"Resizes ({len(details.resizes)})", title_justify="left", box=box.SIMPLE_HEAD
+    )
+    table.add_column("Time", no_wrap=True)
+    table.add_column("Change", no_wrap=True)
+    table.add_column("Cause", overflow="fold")
+    table.add_column("Resumed after", justify="right", no_wrap=True)
+    table.add_column("Rolled back", justify="right", no_wrap=True)
+    for r in details.resizes:
+        if r.kind == "fallback":
+            change = Text("restart from disk", style="yellow")
+        else:
+            old = "?" if r.old_world_size is None else str(r.old_world_size)
+            new = "?" if r.new_world_size is None else str(r.new_world_size)
+            change = Text(f"{old} -> {new} workers")
+        resumed = "-" if r.resume_s is None else f"{r.resume_s:.2f} s"
+        if r.steps_rolled_back is None:
+            rolled = "-"
+        else:
+            rolled = f"{r.steps_rolled_back} step{'s' if r.steps_rolled_back != 1 else ''}"
+            if r.snapshot_step is not None:
+                rolled += f" (to step {r.snapshot_step})"
+        table.add_row(format_timestamp(r.time), change, Text(r.cause), resumed, rolled)
     console.print(table)
 
 

@@ -43,6 +43,8 @@ TIMELINE_TYPES = frozenset(
         "checkpoint_deleted",
         "straggler",
         "straggler_cleared",
+        "resize",
+        "resize_fallback",
         "run_end",
     }
 )
@@ -262,7 +264,8 @@ class RunLog:
         self.timeline: list[dict[str, Any]] = []
         """Run starts, failures, decisions, checkpoints, stragglers, the end (no tracebacks)."""
         self.stragglers: dict[int, dict[str, Any]] = {}
-        """Ranks flagged as stragglers now (cleared by ``straggler_cleared`` or a new attempt)."""
+        """Ranks flagged as stragglers now (cleared by ``straggler_cleared``, a new attempt or a
+        resize)."""
 
     @property
     def generation(self) -> str:
@@ -336,6 +339,9 @@ class RunLog:
             self.stragglers[rank] = {k: v for k, v in event.items() if k != "type"}
         elif kind == "straggler_cleared" and rank is not None:
             self.stragglers.pop(rank, None)
+        elif kind == "resize":
+            # Ranks are renumbered in a resized group: a flag names a process no longer there.
+            self.stragglers.clear()
         elif kind == "checkpoint" and isinstance(event.get("path"), str):
             # A round written again after a restart: its manifest is new.
             self._manifests.pop(runs._basename(event["path"]), None)
@@ -430,6 +436,7 @@ class RunLog:
                 for c in self.checkpoints
             ],
             "failures": [clean_json(asdict(f)) for f in self._failures()],
+            **self._elastic(),
             "stragglers": [self.stragglers[r] for r in sorted(self.stragglers)],
             "rank_metrics": {
                 str(rank): {"round": m.round, "time": m.time, "metrics": m.metrics}
@@ -437,6 +444,21 @@ class RunLog:
             },
             "skipped_event_lines": self._tail.skipped,
             **lists,
+        }
+
+    def _elastic(self) -> dict[str, Any]:
+        """The world size over time, resizes and ranks that left (docs/dashboard.md)."""
+        limits = runs.worker_range(self.config)
+        return {
+            "elastic": None
+            if limits is None
+            else {"min_workers": limits[0], "max_workers": limits[1]},
+            "world_sizes": [clean_json(asdict(c)) for c in self.digest.world_sizes],
+            "resizes": [clean_json(asdict(r)) for r in self.digest.resizes],
+            "left_ranks": [
+                {"rank": rank, "time": t}
+                for rank, t in runs.departed_ranks(self.digest.world_sizes).items()
+            ],
         }
 
     def _failures(self) -> list[runs.FailureInfo]:

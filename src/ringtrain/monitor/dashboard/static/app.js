@@ -15,7 +15,7 @@
     ["optimizer_s", "optimizer", "#b07aa1"],
     ["other_s", "other", "#a0a0a0"],
   ];
-  const TERMINAL = new Set(["FINISHED", "ERRORED", "ABORTED"]);
+  const TERMINAL = new Set(["FINISHED", "ERRORED", "ABORTED", "STOPPED"]);
 
   // ------------------------------------------------------------------ helpers
 
@@ -305,13 +305,14 @@
 
   function newRun(name) {
     return { name, gen: null, metrics: [], timing: [], timeline: [], data: null, version: 0,
-      drawn: -1, rankChoice: null, lastTimeline: -1, failuresKey: "", checkpointsKey: "" };
+      drawn: -1, rankChoice: null, lastTimeline: -1, failuresKey: "", checkpointsKey: "",
+      resizesKey: "" };
   }
 
   function resetRunView() {
     destroyCharts();
     $("metric-charts").replaceChildren();
-    for (const id of ["workers-table", "timeline-table", "checkpoints-table"]) {
+    for (const id of ["workers-table", "timeline-table", "checkpoints-table", "resizes-table"]) {
       $(id).tBodies[0].replaceChildren();
     }
     $("timeline-strip").replaceChildren();
@@ -319,6 +320,7 @@
     $("breakdown-rank").replaceChildren();
     $("run-error").hidden = true;
     $("straggler-banner").hidden = true;
+    $("elastic-panel").hidden = true;
   }
 
   async function pollRun(name) {
@@ -363,14 +365,14 @@
     const facts = [
       ["Started", fmtClock(s.start_time)],
       ["Duration", fmtDuration(s.duration_s)],
-      ["Workers", s.world_size ?? "-"],
+      ["Workers", workersText(d)],
       ["Rounds", s.rounds ?? "-"],
       ["Attempt", d.attempt],
       ["Checkpoints", s.num_checkpoints],
       ["Path", d.path],
     ];
     $("run-facts").replaceChildren(...facts.map(([k, v]) =>
-      el("div", {}, el("dt", { text: k }), el("dd", { text: String(v) }))));
+      el("div", { "data-fact": k.toLowerCase() }, el("dt", { text: k }), el("dd", { text: String(v) }))));
     $("run-error").hidden = !s.error;
     $("run-error").textContent = s.error || "";
     const cfg = [];
@@ -387,6 +389,7 @@
       renderTiming(state);
     }
     renderWorkers(state);
+    renderElastic(state);
     renderTimeline(state);
     renderCheckpoints(state);
     renderFailures(state);
@@ -398,6 +401,9 @@
       timingWindows: state.timing.length,
       timelineEvents: state.timeline.length,
       stragglers: d.stragglers.map((x) => x.rank),
+      worldSize: s.world_size ?? null,
+      resizes: d.resizes.length,
+      leftRanks: d.left_ranks.map((x) => x.rank),
     });
   }
 
@@ -488,10 +494,12 @@
     return { t0, rows, ranks, times, index, x, col };
   }
 
-  function rankSeries(ranks, flagged, fmt) {
+  function rankSeries(ranks, flagged, fmt, left) {
     return ranks.map((r, i) => {
       const bad = flagged.has(r);
-      return { label: `rank ${r}${bad ? " (straggler)" : ""}`, stroke: bad ? RED : PALETTE[i % PALETTE.length],
+      const gone = left && left.has(r);
+      return { label: `rank ${r}${bad ? " (straggler)" : gone ? " (left)" : ""}`,
+        stroke: bad ? RED : PALETTE[i % PALETTE.length], dash: gone ? [5, 4] : undefined,
         width: bad ? 3 : 1.4, spanGaps: true, value: (u, v) => (v === null ? "-" : fmt(v)),
         points: { show: false } };
     });
@@ -501,7 +509,8 @@
     const d = state.data;
     const m = timingModel(state);
     const flagged = new Set(d.stragglers.map((x) => x.rank));
-    const key = m.ranks.join(",") + "|" + [...flagged].join(",");
+    const left = new Set(d.left_ranks.map((x) => x.rank));
+    const key = m.ranks.join(",") + "|" + [...flagged].join(",") + "|" + [...left].join(",");
     $("timing-count").textContent = `${state.timing.length} timing window${state.timing.length === 1 ? "" : "s"}`;
     $("timing-charts").hidden = m.rows.length === 0;
     $("workers-empty").hidden = m.rows.length > 0;
@@ -509,15 +518,20 @@
     const msFmt = (v) => fmtNum(v) + " ms";
 
     plot("step", $("chart-step"), key, () => timeOpts("ms per step",
-      rankSeries(m.ranks, flagged, msFmt), fmtNum), [m.x, ...m.col("step_s", 1000)]);
+      rankSeries(m.ranks, flagged, msFmt, left), fmtNum), [m.x, ...m.col("step_s", 1000)]);
 
-    // Throughput: each rank, and the total (the sum of every rank's latest window).
+    // Throughput: each rank, and the total (the sum of every rank's latest window; a rank
+    // that left the group in a resize no longer counts).
     const per = m.col("samples_per_s");
     const total = new Array(m.times.length).fill(null);
     const latest = new Map();
-    let attempt = null;
+    const changes = d.world_sizes.filter((c) => c.event === "resize" && isNum(c.time));
+    let attempt = null, next = 0;
     for (const w of m.rows) {
       if (w.attempt !== attempt) { latest.clear(); attempt = w.attempt; }
+      for (; next < changes.length && changes[next].time <= w.time; next++) {
+        for (const r of [...latest.keys()]) if (r >= changes[next].world_size) latest.delete(r);
+      }
       if (isNum(w.samples_per_s)) latest.set(w.rank, w.samples_per_s);
       let sum = 0;
       for (const v of latest.values()) sum += v;
@@ -527,10 +541,10 @@
     plot("throughput", $("chart-throughput"), key, () => timeOpts("samples/s", [
       { label: "total", stroke: "#1d2330", width: 2.2, spanGaps: true,
         value: (u, v) => (v === null ? "-" : rateFmt(v)), points: { show: false } },
-      ...rankSeries(m.ranks, flagged, rateFmt),
+      ...rankSeries(m.ranks, flagged, rateFmt, left),
     ], fmtNum), [m.x, total, ...per]);
 
-    plot("rss", $("chart-rss"), key, () => timeOpts("RSS", rankSeries(m.ranks, flagged, fmtBytes),
+    plot("rss", $("chart-rss"), key, () => timeOpts("RSS", rankSeries(m.ranks, flagged, fmtBytes, left),
       fmtBytes, 74), [m.x, ...m.col("rss_bytes")]);
 
     const gpu = m.col("gpu_allocated_bytes");
@@ -538,7 +552,7 @@
     $("gpu-panel").hidden = !hasGpu;
     if (hasGpu) {
       plot("gpu", $("chart-gpu"), key, () => timeOpts("GPU allocated",
-        rankSeries(m.ranks, flagged, fmtBytes), fmtBytes, 74), [m.x, ...gpu]);
+        rankSeries(m.ranks, flagged, fmtBytes, left), fmtBytes, 74), [m.x, ...gpu]);
     }
     renderBreakdown(state, m, flagged);
   }
@@ -581,12 +595,15 @@
       const cur = latest.get(w.rank);
       if (!cur || !isNum(cur.time) || (isNum(w.time) && w.time >= cur.time)) latest.set(w.rank, w);
     }
-    const ranks = new Set([...latest.keys(), ...Object.keys(d.rank_metrics).map(Number), ...flagged.keys()]);
+    const left = new Map(d.left_ranks.map((x) => [x.rank, x.time]));
+    const t0 = startTime(state);
+    const ranks = new Set([...latest.keys(), ...Object.keys(d.rank_metrics).map(Number), ...flagged.keys(),
+      ...left.keys()]);
     const ws = d.summary.world_size;
     if (isNum(ws) && ws <= 256) for (let r = 0; r < ws; r++) ranks.add(r);
     const rows = [...ranks].sort((a, b) => a - b).map((r) => {
       const w = latest.get(r) || {};
-      const bad = flagged.get(r);
+      const bad = left.has(r) ? null : flagged.get(r);
       const total = isNum(w.step_s_mean) && w.step_s_mean > 0 ? w.step_s_mean
         : PARTS.reduce((a, [k]) => a + (isNum(w[k]) ? w[k] : 0), 0);
       const bar = el("div", { class: "bar", title: "share of the mean step" });
@@ -610,9 +627,13 @@
         el("td", { class: "num", text: fmtBytes(w.gpu_allocated_bytes) }),
         el("td", { class: "num", text: last ? String(last.round) : "-" }),
         el("td", {}, bad ? el("span", { class: "badge straggler", text: "straggler",
-          title: bad.message || bad.reason || "" }) : null),
+          title: bad.message || bad.reason || "" }) : left.has(r) ? el("span", { class: "badge left",
+          text: "left the group", title: isNum(left.get(r))
+            ? `not in the group since +${fmtDuration(left.get(r) - t0)} (an elastic resize); its last window is shown`
+            : "not in the group since an elastic resize" }) : null),
       );
       if (bad) tr.classList.add("straggler");
+      if (left.has(r)) tr.classList.add("left");
       return tr;
     });
     replaceRows($("workers-table").tBodies[0], rows);
@@ -637,6 +658,12 @@
       case "straggler": return `rank ${e.rank} flagged` + (e.reason ? ` (${e.reason})` : "") +
         (isNum(e.ratio) ? `, ${e.ratio.toFixed(2)}× the median` : "") + (e.message ? ` — ${e.message}` : "");
       case "straggler_cleared": return `rank ${e.rank} is no longer a straggler`;
+      case "resize": return `${e.old_world_size ?? "?"} → ${e.new_world_size ?? "?"} workers` +
+        (e.cause ? `: ${e.cause}` : "") +
+        (isNum(e.resume_s) ? `; training resumed ${e.resume_s.toFixed(2)} s after the failure` : "") +
+        (isNum(e.steps_rolled_back)
+          ? `, ${e.steps_rolled_back} step${e.steps_rolled_back === 1 ? "" : "s"} rolled back` : "");
+      case "resize_fallback": return `restart from the disk checkpoint: ${e.reason || ""}`;
       case "run_end": return `${e.status || "ended"} after ${fmtDuration(e.duration_s)}`;
       default: return "";
     }
@@ -655,7 +682,7 @@
     for (const e of state.timeline) {
       if (!isNum(e.time) || e.type === "checkpoint_deleted") continue;
       const pct = Math.min(100, Math.max(0, (100 * (e.time - t0)) / span));
-      const tall = ["run_start", "run_end", "failure", "decision"].includes(e.type);
+      const tall = ["run_start", "run_end", "failure", "decision", "resize", "resize_fallback"].includes(e.type);
       marks.push(el("span", { class: `mark ev-${e.type}${tall ? " tall" : ""}`, style: `left:${pct.toFixed(3)}%`,
         title: `+${fmtDuration(e.time - t0)} ${e.type}: ${describe(e)}` }));
     }
@@ -668,6 +695,91 @@
       el("td", {}, el("span", { class: `ev ev-${e.type}`, text: e.type.replace(/_/g, " ") })),
       el("td", { class: "wrap", text: describe(e) })));
     replaceRows($("timeline-table").tBodies[0], rows);
+  }
+
+  function workersText(d) {
+    const ws = d.summary.world_size;
+    const e = d.elastic;
+    return (ws ?? "-") + (e ? ` (elastic ${e.min_workers}–${e.max_workers})` : "");
+  }
+
+  /** When the run ended, or now for a running one (the right edge of time axes). */
+  function endTime(state, t0) {
+    const s = state.data.summary;
+    let tEnd = t0;
+    for (const e of state.timeline) if (isNum(e.time)) tEnd = Math.max(tEnd, e.time);
+    if (isNum(s.duration_s)) tEnd = Math.max(tEnd, t0 + s.duration_s);
+    return tEnd;
+  }
+
+  // Elastic runs: the world size over time (a step chart) and the resizes.
+  function renderElastic(state) {
+    const d = state.data;
+    const e = d.elastic;
+    const sizes = d.world_sizes.filter((c) => isNum(c.world_size));
+    const changed = new Set(sizes.map((c) => c.world_size)).size > 1;
+    const panel = $("elastic-panel");
+    panel.hidden = !e && !d.resizes.length && !changed;
+    if (panel.hidden) return;
+    const n = d.resizes.filter((r) => r.kind === "resize").length;
+    const fb = d.resizes.length - n;
+    $("resize-count").textContent = `${n} resize${n === 1 ? "" : "s"}` +
+      (fb ? `, ${fb} fallback${fb === 1 ? "" : "s"}` : "");
+    $("elastic-range").textContent = (e ? `elastic, ${e.min_workers}–${e.max_workers} workers; ` : "") +
+      `now ${d.summary.world_size ?? "-"}`;
+
+    const t0 = startTime(state);
+    const x = [], y = [];
+    for (const c of sizes) {
+      const at = isNum(c.time) ? Math.max(0, c.time - t0) : 0;
+      if (x.length && at <= x[x.length - 1]) { y[y.length - 1] = c.world_size; continue; }
+      if (y.length && y[y.length - 1] === c.world_size) continue; // a restart at the same size
+      x.push(at); y.push(c.world_size);
+    }
+    const end = endTime(state, t0) - t0;
+    if (y.length && end > x[x.length - 1]) { x.push(end); y.push(y[y.length - 1]); }
+    const box = $("chart-world");
+    box.dataset.worldSizes = sizes.map((c) => c.world_size).join(",");
+    if (x.length) {
+      const flat = (v) => x.map(() => v);
+      const series = [{ label: "workers", stroke: "#1d2330", width: 2, fill: "#1f77b418",
+        paths: uPlot.paths.stepped({ align: 1 }), value: (u, v) => (v === null ? "-" : String(v)),
+        points: { show: true, size: 5 } }];
+      const data = [x, y];
+      if (e) {
+        for (const [label, v, color] of [["min", e.min_workers, "#b7791f"], ["max", e.max_workers, "#2e8540"]]) {
+          series.push({ label, stroke: color, dash: [4, 4], width: 1, points: { show: false },
+            value: () => String(v) });
+          data.push(flat(v));
+        }
+      }
+      plot("world", box, "w:" + (e ? `${e.min_workers}-${e.max_workers}` : ""), () => {
+        const o = timeOpts("workers", series, (v) => (Number.isInteger(v) ? String(v) : ""), 44);
+        o.height = 150;
+        o.scales.y = { range: (u, min, max) => [0, Math.max(max, 1) + 0.5] };
+        o.axes[1].incrs = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000];
+        o.axes[1].space = 16;
+        return o;
+      }, data);
+    }
+
+    const key = String(d.resizes.length) + "|" + t0;
+    $("resizes-wrap").hidden = d.resizes.length === 0;
+    $("resizes-empty").hidden = d.resizes.length > 0;
+    if (key === state.resizesKey) return;
+    state.resizesKey = key;
+    replaceRows($("resizes-table").tBodies[0], d.resizes.map((r) => {
+      const fallback = r.kind === "fallback";
+      return el("tr", { "data-kind": r.kind, class: fallback ? "fallback" : "" },
+        el("td", { text: fmtClock(r.time) }),
+        el("td", { class: "num", text: isNum(r.time) ? fmtDuration(r.time - t0) : "-" }),
+        el("td", { class: "change", text: fallback ? "restart from disk checkpoint"
+          : `${r.old_world_size ?? "?"} → ${r.new_world_size ?? "?"}` }),
+        el("td", { class: "wrap", text: r.cause || "" }),
+        el("td", { class: "num", text: isNum(r.resume_s) ? r.resume_s.toFixed(2) + " s" : "-" }),
+        el("td", { class: "num", text: fmtNum(r.steps_rolled_back) }),
+        el("td", { class: "num", text: fmtNum(r.snapshot_step) }));
+    }));
   }
 
   function renderCheckpoints(state) {
