@@ -17,6 +17,9 @@ from typing import Any, Literal
 BACKENDS = ("local", "ray")
 """Launcher backends known to this version."""
 
+ELASTIC_BATCH_POLICIES = ("resize_batch", "accumulate", "scale_lr")
+"""``ScalingConfig.elastic_batch_policy`` values (docs/elastic.md, "Same math")."""
+
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 """Ray placement group strategies (``backend="ray"``), as Ray names them."""
 
@@ -70,6 +73,14 @@ class ScalingConfig:
             run the driver on a node of the cluster.
         placement_timeout_s: ``backend="ray"`` only: seconds to wait for the cluster to grant
             the placement group before failing with the missing resources named.
+        elastic_batch_policy: elastic runs only: how the optimisation follows the world size
+            ``W`` (the loader's ``batch_size`` ``b`` is the per-worker batch at ``max``):
+            ``"resize_batch"`` (default) keeps the global batch ``b * max`` with ``b * max / W``
+            samples per worker; ``"accumulate"`` keeps it too, but
+            ``PreparedDataLoader.micro_batches`` splits each worker's batch into micro-batches
+            of at most ``b`` (memory of ``max`` workers); ``"scale_lr"`` keeps ``b`` per worker
+            and scales every optimizer's learning rate by ``W / max`` (Goyal et al. 2017). See
+            docs/elastic.md.
     """
 
     num_workers: int | tuple[int, int] = 1
@@ -79,9 +90,11 @@ class ScalingConfig:
     placement_strategy: str = "PACK"
     ray_address: str | None = None
     placement_timeout_s: float = 60.0
+    elastic_batch_policy: str = "resize_batch"
 
     def __post_init__(self) -> None:
         self._check_num_workers()
+        self._check_elastic_batch_policy()
         if not isinstance(self.use_gpu, bool):
             raise TypeError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}")
         if self.backend not in BACKENDS:
@@ -149,6 +162,21 @@ class ScalingConfig:
             1,
             "use num_workers=1 for a single process, or (min, max) for elastic training",
         )
+
+    def _check_elastic_batch_policy(self) -> None:
+        policy = self.elastic_batch_policy
+        if policy not in ELASTIC_BATCH_POLICIES:
+            raise ValueError(
+                "ScalingConfig.elastic_batch_policy must be one of "
+                f"{', '.join(map(repr, ELASTIC_BATCH_POLICIES))}, got {policy!r} ('resize_batch' "
+                "and 'accumulate' keep the global batch, 'scale_lr' keeps the per-worker batch)"
+            )
+        if policy != "resize_batch" and not self.elastic:
+            raise ValueError(
+                f"ScalingConfig.elastic_batch_policy={policy!r} applies to elastic runs only, "
+                f"got num_workers={self.num_workers!r} (give num_workers=(min, max), or drop "
+                "elastic_batch_policy)"
+            )
 
     @property
     def elastic(self) -> bool:

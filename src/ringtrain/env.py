@@ -28,6 +28,7 @@ ENV_TIMING = "RINGTRAIN_TIMING_INTERVAL_S"  # step timing window in seconds ("" 
 ENV_COMM_TIMING = "RINGTRAIN_COMM_TIMING"  # MonitorConfig.comm_timing
 ENV_MAX_STEPS = "RINGTRAIN_MAX_STEPS"  # stop cleanly after this many steps (`ringtrain bench`)
 ENV_ELASTIC = "RINGTRAIN_ELASTIC"  # "min,max,snapshot_interval_steps" (elastic runs only)
+ENV_ELASTIC_BATCH = "RINGTRAIN_ELASTIC_BATCH"  # ScalingConfig.elastic_batch_policy (elastic)
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ def context_from_env(environ: Mapping[str, str] | None = None) -> DistributedCon
                 ENV_COMM_TIMING,
                 ENV_MAX_STEPS,
                 ENV_ELASTIC,
+                ENV_ELASTIC_BATCH,
             )
             if k in env
         },

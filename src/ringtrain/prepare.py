@@ -102,6 +102,9 @@ def prepare_model(
     from ringtrain.comm.ddp import validate_comm_options, wrap_ddp
 
     ctx = get_context()
+    from ringtrain.elastic.batch import ensure_lr_scaling
+
+    ensure_lr_scaling(ctx)  # elastic_batch_policy="scale_lr": scale the LR of optimizer steps
     precision = normalize_precision(precision)
     check_precision(precision, ctx.device)
     ddp_options = dict(
@@ -169,11 +172,14 @@ def prepare_data_loader(
             ``add_dist_sampler`` is True (shard those yourself and pass ``add_dist_sampler=False``).
     """
     ctx = get_context()
+    plan = None
     if add_dist_sampler:
+        from ringtrain.elastic.batch import plan_for_loader
         from ringtrain.elastic.worker import constant_global_batch
 
-        # Elastic runs: the per-worker batch follows the world size (global batch constant).
-        data_loader = constant_global_batch(data_loader, ctx)
+        # Elastic runs: the per-worker batch follows the world size by the elastic_batch_policy.
+        plan = plan_for_loader(data_loader, ctx)
+        data_loader = constant_global_batch(data_loader, ctx, plan)
     loader = data_loader
     if add_dist_sampler:
         if isinstance(data_loader.dataset, IterableDataset):
@@ -199,7 +205,10 @@ def prepare_data_loader(
         dataset = SampleSeeded(data_loader.dataset, seed) if seeded else data_loader.dataset
         loader = _rebuild(data_loader, dataset, sampler, torch.Generator())
     device = ctx.device if move_to_device else None
-    return PreparedDataLoader(loader, device, seed=seed, world_size=ctx.world_size)
+    prepared = PreparedDataLoader(loader, device, seed=seed, world_size=ctx.world_size)
+    if plan is not None and plan.policy == "accumulate":
+        prepared.micro_batch_size = plan.batch_size
+    return prepared
 
 
 def _rebuild(
@@ -239,6 +248,9 @@ class PreparedDataLoader:
     Attributes:
         loader: the underlying ``DataLoader``.
         batch: how many batches of the current epoch this rank has handed out.
+        micro_batch_size: the largest micro-batch :meth:`micro_batches` cuts a batch into
+            (samples): the loader's ``batch_size`` in an elastic run with
+            ``elastic_batch_policy="accumulate"``; ``None`` (no splitting) otherwise.
     """
 
     def __init__(
@@ -256,6 +268,38 @@ class PreparedDataLoader:
         self.batch = 0
         self._epoch = 0
         self._resume_batch: int | None = None
+        self.micro_batch_size: int | None = None
+
+    def micro_batches(
+        self, batch: Any, model: Any = None, max_size: int | None = None
+    ) -> Iterator[tuple[Any, float]]:
+        """Cut one step's ``batch`` into micro-batches and yield ``(micro_batch, weight)``::
+
+            for batch in loader:
+                optimizer.zero_grad()
+                for (x, y), weight in loader.micro_batches(batch, model):
+                    rt.backward(loss_fn(model(x), y) * weight)
+                optimizer.step()
+
+        ``weight`` is ``len(micro_batch) / len(batch)``: with a loss that is a mean over the
+        batch's samples, the summed gradient is that of the whole batch. With a DDP ``model``
+        the gradients are allreduced once, on the last micro-batch (the others run under
+        ``no_sync()``; it counts with :func:`ringtrain.accumulate`'s counter, so do not also
+        wrap it in ``rt.accumulate``). Without splitting it yields ``(batch, 1.0)`` once.
+
+        Args:
+            batch: a batch this loader yielded (tensors with the samples along dim 0, nested in
+                tuples, lists, dicts).
+            model: the prepared model (``None``: no ``no_sync()``).
+            max_size: the largest micro-batch (samples); default :attr:`micro_batch_size`.
+
+        Raises:
+            ValueError: ``max_size`` is not an integer >= 1.
+        """
+        from ringtrain.elastic.batch import micro_batches
+
+        size = max_size if max_size is not None else self.micro_batch_size
+        return micro_batches(batch, model, size)
 
     @property
     def sampler(self) -> Any:

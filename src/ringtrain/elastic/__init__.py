@@ -5,4 +5,6 @@
 (:mod:`ringtrain.elastic.snapshot`) and re-enters the train function after a resize; the driver
 side (:mod:`ringtrain.elastic.policy`) decides between a resize in place and the full restart
 from the disk checkpoint.
+How the batch and the learning rate follow the world size (``elastic_batch_policy``) is
+:mod:`ringtrain.elastic.batch`.
 """

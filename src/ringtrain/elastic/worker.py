@@ -68,32 +68,32 @@ def settings_of(ctx: DistributedContext) -> ElasticSettings | None:
     return ElasticSettings.parse(text) if text else None
 
 
-def constant_global_batch(data_loader: Any, ctx: DistributedContext) -> Any:
-    """The loader to shard at world size ``ctx.world_size`` so that the global batch stays
-    ``batch_size * max_workers`` (the loader's ``batch_size`` is the per-worker batch at
-    ``max`` workers). Outside an elastic run, or at ``max`` workers, ``data_loader`` itself.
+def constant_global_batch(data_loader: Any, ctx: DistributedContext, plan: Any = None) -> Any:
+    """The loader to shard at world size ``ctx.world_size``: its ``batch_size`` (the per-worker
+    batch at ``max`` workers) becomes ``plan.per_worker_batch``, the samples per worker and
+    step that the run's ``elastic_batch_policy`` gives (``batch_size * max / world_size`` when
+    the global batch is kept; :mod:`ringtrain.elastic.batch`). Outside an elastic run, or when
+    the per-worker batch does not change, ``data_loader`` itself.
+
+    Args:
+        data_loader: the user's ``DataLoader``.
+        ctx: this worker's context.
+        plan: the :class:`~ringtrain.elastic.batch.BatchPlan` (default: computed here).
 
     Raises:
-        ValueError: if the global batch does not divide by the world size (gradient
-            accumulation for that case is not implemented: choose a global batch that every
-            world size in ``[min, max]`` divides, e.g. a multiple of their least common multiple).
+        ValueError: if the policy keeps the global batch and it does not divide by the world
+            size (the message names the batch sizes that work, and ``"scale_lr"``).
     """
-    settings = settings_of(ctx)
-    batch_size = getattr(data_loader, "batch_size", None)
-    if settings is None or not batch_size or ctx.world_size == settings.max_workers:
+    if plan is None:
+        from ringtrain.elastic.batch import plan_for_loader
+
+        plan = plan_for_loader(data_loader, ctx)
+    if plan is None or plan.per_worker_batch == data_loader.batch_size:
         return data_loader
-    global_batch = batch_size * settings.max_workers
-    if global_batch % ctx.world_size:
-        raise ValueError(
-            f"elastic run at {ctx.world_size} workers: the global batch {global_batch} "
-            f"(batch_size={batch_size} x max {settings.max_workers} workers) does not divide by "
-            f"{ctx.world_size}; use a batch_size whose global batch every world size in "
-            f"[{settings.min_workers}, {settings.max_workers}] divides"
-        )
     from torch.utils.data import DataLoader
 
     kwargs: dict[str, Any] = dict(
-        batch_size=global_batch // ctx.world_size,
+        batch_size=plan.per_worker_batch,
         sampler=data_loader.sampler,
         num_workers=data_loader.num_workers,
         collate_fn=data_loader.collate_fn,
