@@ -69,3 +69,18 @@ def test_lightning_example_learns_the_digits(tmp_path):
     match = re.search(r"held-out accuracy: (\d\.\d+)", out)
     assert match, out[-2000:]
     assert float(match.group(1)) >= 0.85
+
+
+def test_tune_mnist_example_sweeps_two_worker_trials(tmp_path):
+    out = _run_example(
+        tmp_path, "tune_mnist.py", "--num-samples", "2", "--epochs", "1", "--search-alg", "random"
+    )
+    match = re.search(r"best: val_acc=(\d\.\d+) lr=\S+ width=(\d+)", out)
+    assert match, out[-2000:]
+    assert float(match.group(1)) > 0.5  # one epoch on 4,000 digits, far above chance (0.1)
+    sweep = tmp_path / "tune_mnist"
+    assert sorted(p.name for p in sweep.glob("trial_*")) == ["trial_0000", "trial_0001"]
+    for trial in sweep.glob("trial_*"):
+        result = json.loads((trial / "result.json").read_text())
+        assert result["world_size"] == 2 and set(result["metrics_per_rank"]) == {"0", "1"}
+    assert (sweep / "study.db").is_file()

@@ -1,4 +1,4 @@
-"""The ``ringtrain`` command: ``run``, ``ls``, ``show``, ``bench``, ``dashboard``."""
+"""The ``ringtrain`` command: ``run``, ``tune``, ``ls``, ``show``, ``bench``, ``dashboard``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ reports which rank failed and why.
   ringtrain bench train.py --workers 1,2 --steps 50
                                            scaling report: speedup, efficiency, limits
   ringtrain dashboard                      live web dashboard of the runs under ./runs
+  ringtrain tune sweep.py                  hyperparameter sweep; every trial is an N-worker run
 
 Python API: ringtrain.Trainer(train_fn, ScalingConfig(...), RunConfig(...)).fit()
 """
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     _add_dashboard_parser(sub)
     _add_export_parser(sub)
+    parser._tune_parser = _add_tune_parser(sub)  # type: ignore[attr-defined]
     return parser
 
 
@@ -207,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_dashboard(args)
     if args.command == "export":
         return _cmd_export(args)
+    if args.command == "tune":
+        from ringtrain.tune.cli import run as run_tune
+
+        return run_tune(args, parser._tune_parser)  # type: ignore[attr-defined]
     return _cmd_show(args)
 
 
@@ -386,6 +392,48 @@ Examples:
   ringtrain bench examples/mnist.py --workers 1,2 --steps 60
   ringtrain bench train.py --workers 1,2,4 --steps 100 --bandwidth-gbps 100 -- --lr 0.1
 """
+
+
+TUNE_HELP = """\
+Run the hyperparameter sweep that SCRIPT defines: a Python file with
+  train_fn      the training function (as for ringtrain.Trainer)
+  param_space   the search space: tune.uniform / loguniform / randint / choice /
+                grid_search, constants and nested dicts
+  tune_config   tune.TuneConfig(metric=..., mode=..., num_samples=..., ...)
+and optionally scaling_config (each trial's workers) and run_config (name,
+storage path). Every trial is an N-worker ringtrain run in RUN/trial_NNNN/;
+the Optuna study is RUN/study.db. Running the same sweep again (same name),
+or `ringtrain tune --resume RUN`, continues it: finished trials are kept and
+interrupted ones resume from their checkpoints.
+
+Examples:
+  ringtrain tune examples/tune_mnist.py
+  ringtrain tune examples/tune_mnist.py --num-samples 32 -n 2 --name wide
+  ringtrain tune --resume runs/tune_mnist
+  optuna-dashboard sqlite:///runs/tune_mnist/study.db
+"""
+
+
+def _add_tune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "tune",
+        help="run a hyperparameter sweep whose trials are distributed runs",
+        description=TUNE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("script", nargs="?", help="the sweep script (see above)")
+    p.add_argument("--resume", metavar="RUN", help="continue the sweep in directory RUN")
+    p.add_argument("--name", help="the sweep's name (default: the script's run_config)")
+    p.add_argument("--storage-path", help="where the sweep directory goes (default ./runs)")
+    p.add_argument("--num-samples", type=_positive_int, help="trials (x grid size)")
+    p.add_argument(
+        "-n", "--num-workers", type=_positive_int, dest="num_workers", help="workers per trial"
+    )
+    p.add_argument("--max-concurrent-trials", type=_positive_int)
+    p.add_argument(
+        "--progress", choices=("auto", "rich", "plain", "off"), help="the sweep's display"
+    )
+    return p
 
 
 def _split_bench_args(argv: list[str]) -> tuple[list[str], tuple[str, ...]]:

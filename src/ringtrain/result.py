@@ -88,6 +88,8 @@ class Result:
         error: the ``TrainingFailedError`` when the run failed and ``fit(raise_on_error=False)``.
         failures: every worker failure, including those a restart recovered from.
         metrics_history: rank 0's metrics of every round, in order.
+        config: the ``train_loop_config`` the run was given (a sweep trial's hyperparameters;
+            ``None`` when it had none).
     """
 
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -98,3 +100,4 @@ class Result:
     error: TrainingFailedError | None = None
     failures: list[WorkerFailure] = field(default_factory=list)
     metrics_history: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] | None = None

@@ -25,6 +25,7 @@ from ringtrain.env import (
     ENV_ASYNC_CHECKPOINT,
     ENV_COMM_TIMING,
     ENV_ELASTIC,
+    ENV_ELASTIC_BATCH,
     ENV_MAX_STEPS,
     ENV_TIMING,
     ENV_WORKER_TIMEOUT,
@@ -352,13 +353,18 @@ def run_workers(
     train_loop_config: dict[str, Any] | None = None,
     launcher: Launcher | None = None,
     max_steps: int | None = None,
+    stop_event: threading.Event | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Result:
     """Set up the run directory and drive the workers to completion (used by ``Trainer.fit``,
     ``ringtrain run`` and ``ringtrain bench``). Returns the Result; never raises
     TrainingFailedError itself.
 
     ``max_steps``: every worker stops cleanly when its prepared data loader is asked for a batch
-    after this many steps (the run then ends FINISHED); ``None`` runs the job to its end."""
+    after this many steps (the run then ends FINISHED); ``None`` runs the job to its end.
+    ``stop_event``: set from another thread to stop the run early (it ends ``STOPPED``).
+    ``extra_env``: environment variables added to every worker's (e.g. ``CUDA_VISIBLE_DEVICES``
+    for a sweep trial's share of the GPUs)."""
     own_launcher = launcher is None
     launcher = launcher or make_launcher(scaling_config)  # before anything is written
     run_dir = RunDirectory(run_config.storage_path, name)
@@ -408,6 +414,7 @@ def run_workers(
     }
     if max_steps is not None:
         worker_env[ENV_MAX_STEPS] = str(int(max_steps))
+    worker_env.update(extra_env or {})
     elastic = None
     if scaling_config.elastic:  # num_workers=(min, max): resize in place (docs/elastic.md)
         from ringtrain.elastic.policy import ElasticPolicy
@@ -419,6 +426,7 @@ def run_workers(
             run_config.failure_config.snapshot_interval_steps,
         )
         worker_env[ENV_ELASTIC] = settings.to_env()
+        worker_env[ENV_ELASTIC_BATCH] = scaling_config.elastic_batch_policy
         elastic = ElasticPolicy(settings.min_workers, settings.max_workers)
 
     def make_spec(attempt: int, start_round: int, latest: str | None) -> WorkerSpec:
@@ -452,6 +460,7 @@ def run_workers(
         if monitor.timing
         else None,
         elastic=elastic,
+        stop_event=stop_event,
     )
     try:
         with _sigterm_as_interrupt():

@@ -10,6 +10,9 @@
                        ▼
                      ERRORED            (Ctrl-C anywhere: ABORTED)
 
+A caller may also ask a running job to stop early (``stop_event``, e.g. a sweep pruning a trial):
+its group is stopped at once and the run ends ``STOPPED``, its published checkpoints kept.
+
 One attempt = one worker group. Every rank's n-th ``report()`` belongs to round n; when all ranks
 have reported a round, its checkpoint files (if any rank attached some) are published and retention
 applied. On the first failure the controller keeps collecting events for ``failure_grace_s`` (the
@@ -24,6 +27,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,6 +78,7 @@ class RunState(enum.Enum):
     FINISHED = "FINISHED"
     ERRORED = "ERRORED"
     ABORTED = "ABORTED"
+    STOPPED = "STOPPED"
 
 
 SpecFactory = Callable[[int, int, "str | None"], WorkerSpec]
@@ -142,6 +147,9 @@ class Controller:
         stragglers: flags slow ranks from the workers' timing windows (``None``: no detection).
         elastic: resize-in-place decisions (``ScalingConfig(num_workers=(min, max))``);
             ``None``: every failure restarts the group (docs/elastic.md).
+        stop_event: set by another thread (or a callback) to end the run early: the group is
+            stopped within one poll interval and the run ends ``STOPPED`` (used by
+            ``ringtrain.tune`` to prune a trial).
     """
 
     def __init__(
@@ -162,6 +170,7 @@ class Controller:
         checkpoint_grace_s: float = 120.0,
         stragglers: StragglerDetector | None = None,
         elastic: ElasticPolicy | None = None,
+        stop_event: threading.Event | None = None,
     ) -> None:
         self.launcher = launcher
         self.make_spec = make_spec
@@ -178,6 +187,7 @@ class Controller:
         self.checkpoint_grace_s = checkpoint_grace_s
         self.stragglers = stragglers
         self.elastic = elastic
+        self.stop_event = stop_event
         self.generation = 0  # elastic: rendezvous generation of the worker group
 
         self.state = RunState.INITIALIZING
@@ -200,7 +210,7 @@ class Controller:
             while True:
                 failure = self._run_attempt(attempt)
                 if failure is None:
-                    self.state = RunState.FINISHED
+                    self.state = RunState.STOPPED if self._stop_requested() else RunState.FINISHED
                     break
                 self.failures.append(failure)
                 self._callback("on_failure", failure)
@@ -268,6 +278,9 @@ class Controller:
             while not attempt.all_exited:
                 for event in self.group.poll(self.poll_interval_s):
                     self._handle(event)
+                if self._stop_requested():
+                    self.run_dir.event("stop_requested", round=self.next_round - 1)
+                    return None  # the finally below stops the group
                 if (
                     self.elastic is not None
                     and attempt.first_failure_at is not None
@@ -293,6 +306,9 @@ class Controller:
         if not attempt.failures:
             return None
         return _root_cause(list(attempt.failures.values()))
+
+    def _stop_requested(self) -> bool:
+        return self.stop_event is not None and self.stop_event.is_set()
 
     # ------------------------------------------------------------------ events
     def _handle(self, event: Event) -> None:
@@ -731,7 +747,12 @@ class Controller:
     def _write_result(self) -> None:
         result = self.result()
         now = time.time()
-        finished = self.state in (RunState.FINISHED, RunState.ERRORED, RunState.ABORTED)
+        finished = self.state in (
+            RunState.FINISHED,
+            RunState.ERRORED,
+            RunState.ABORTED,
+            RunState.STOPPED,
+        )
         self.run_dir.write_json(
             "result.json",
             {

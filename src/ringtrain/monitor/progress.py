@@ -58,6 +58,7 @@ _STATUS_STYLES = {
     "FINISHED": "green",
     "ERRORED": "red",
     "ABORTED": "yellow",
+    "STOPPED": "magenta",
 }
 _FIRST_KEYS = ("epoch",)
 

@@ -1,0 +1,199 @@
+"""The sweep's terminal output: a live table of trials on a terminal, one line per trial event
+otherwise, and the final summary."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+STATUS_STYLES = {
+    "PENDING": "dim",
+    "RUNNING": "bold cyan",
+    "COMPLETE": "green",
+    "PRUNED": "yellow",
+    "FAILED": "bold red",
+    "STOPPED": "magenta",
+}
+
+
+@dataclass
+class TrialRow:
+    """What the table shows of one trial."""
+
+    number: int
+    params: dict[str, Any]
+    status: str = "PENDING"
+    iterations: int = 0
+    last: float | None = None
+    best: float | None = None
+    started: float | None = None
+    ended: float | None = None
+    error: str | None = None
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started is None:
+            return None
+        return (self.ended or time.time()) - self.started
+
+
+def fmt_value(v: Any) -> str:
+    """A compact cell: 4 significant digits for floats."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+class SweepDisplay:
+    """Shows the trials of a sweep.
+
+    Args:
+        name: the sweep's name.
+        metric: the metric being optimised; ``mode``: ``"max"`` or ``"min"``.
+        columns: the hyperparameter columns (flat keys).
+        mode_display: ``"auto"`` (live table on a terminal, plain lines otherwise), ``"rich"``,
+            ``"plain"`` or ``"off"``.
+        stream: where to write (``sys.stdout`` if None).
+
+    Thread-safe: trial threads update rows; the table is redrawn by rich's refresh thread.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        metric: str,
+        mode: str,
+        columns: Sequence[str],
+        mode_display: str = "auto",
+        stream: TextIO | None = None,
+    ) -> None:
+        self.name = name
+        self.metric = metric
+        self.mode = mode
+        self.columns = list(columns)
+        self.rows: dict[int, TrialRow] = {}
+        self._lock = threading.Lock()
+        self._stream = stream or sys.stdout
+        display = mode_display.lower().strip()
+        if display not in ("auto", "rich", "plain", "off"):
+            raise ValueError(
+                f"progress mode must be 'auto', 'rich', 'plain' or 'off', not {mode_display!r}"
+            )
+        console = Console(file=self._stream, force_terminal=True if display == "rich" else None)
+        if display == "auto":
+            display = "rich" if console.is_terminal and not console.is_dumb_terminal else "plain"
+        self.display = display
+        self.console = console
+        self._live: Live | None = None
+
+    # ------------------------------------------------------------------ updates
+    def start(self, capacity_text: str) -> None:
+        self.line(f"[{self.name}] sweep started: {capacity_text}")
+        if self.display == "rich":
+            self._live = Live(self, console=self.console, refresh_per_second=4, transient=False)
+            self._live.start()
+
+    def add(self, row: TrialRow) -> None:
+        with self._lock:
+            self.rows[row.number] = row
+
+    def update(self, number: int, event: str | None = None, **changes: Any) -> None:
+        """Change trial ``number``'s row; ``event`` (e.g. ``"PRUNED at iteration 2"``) is printed
+        as a line in plain mode."""
+        with self._lock:
+            row = self.rows[number]
+            for k, v in changes.items():
+                setattr(row, k, v)
+        if event and self.display == "plain":
+            params = ", ".join(f"{k}={fmt_value(v)}" for k, v in row.params.items())
+            self.line(f"[{self.name}] trial {number:04d} {event} ({params})")
+
+    def line(self, text: str) -> None:
+        if self.display == "off":
+            return
+        if self._live is not None:
+            self._live.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self._stream, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    # ------------------------------------------------------------------ rendering
+    def best_row(self) -> TrialRow | None:
+        scored = [r for r in self.rows.values() if r.last is not None and r.status != "FAILED"]
+        if not scored:
+            return None
+        pick = max if self.mode == "max" else min
+        return pick(scored, key=lambda r: r.last if r.last is not None else 0.0)
+
+    def counts_text(self) -> str:
+        counts: dict[str, int] = {}
+        for r in self.rows.values():
+            counts[r.status] = counts.get(r.status, 0) + 1
+        parts = [f"{n} {s.lower()}" for s, n in sorted(counts.items())]
+        best = self.best_row()
+        if best is not None and best.last is not None:
+            parts.append(f"best {self.metric}={best.last:.4g} (trial {best.number:04d})")
+        return ", ".join(parts)
+
+    def table(self, rows: Sequence[TrialRow] | None = None, title: str | None = None) -> Table:
+        with self._lock:
+            rows = list(rows) if rows is not None else sorted(self.rows.values(), key=_order)
+        best = self.best_row()
+        table = Table(title=title or f"{self.name}: {self.counts_text()}", title_justify="left")
+        table.add_column("trial", justify="right")
+        table.add_column("status")
+        for c in self.columns:
+            table.add_column(c, justify="right")
+        table.add_column("iter", justify="right")
+        table.add_column(self.metric, justify="right")
+        table.add_column(f"best {self.metric}", justify="right")
+        table.add_column("time", justify="right")
+        for r in rows:
+            d = r.duration_s
+            mark = " *" if best is not None and r.number == best.number else ""
+            table.add_row(
+                f"{r.number:04d}{mark}",
+                f"[{STATUS_STYLES.get(r.status, '')}]{r.status}[/]",
+                *(fmt_value(r.params.get(c, "")) for c in self.columns),
+                str(r.iterations),
+                "" if r.last is None else f"{r.last:.4g}",
+                "" if r.best is None else f"{r.best:.4g}",
+                "" if d is None else f"{d:.1f}s",
+            )
+        return table
+
+    def __rich__(self) -> Table:
+        # The live view: running trials first, then the most recent others (a terminal's worth).
+        with self._lock:
+            rows = sorted(self.rows.values(), key=_order)
+        return self.table(rows[:20])
+
+    def summary(self) -> None:
+        """The final table, best first, and the best trial's parameters."""
+        if self.display == "off":
+            return
+        with self._lock:
+            rows = list(self.rows.values())
+        sign = -1.0 if self.mode == "max" else 1.0
+        rows.sort(key=lambda r: (r.last is None or r.status == "FAILED", sign * (r.last or 0.0)))
+        console = self.console if self.display == "rich" else Console(file=self._stream)
+        console.print(self.table(rows, title=f"{self.name} finished: {self.counts_text()}"))
+
+
+def _order(r: TrialRow) -> tuple[int, int]:
+    rank = {"RUNNING": 0, "PENDING": 2}.get(r.status, 1)
+    return (rank, -r.number if rank == 1 else r.number)
