@@ -54,7 +54,12 @@ def test_grid_points_are_enqueued_and_come_back_in_order():
         {"a": tune.grid_search([1, 2]), "b": tune.grid_search(["x", [3]]), "lr": tune.uniform(0, 1)}
     )
     points = space.grid_points()
-    assert points == [{"a": 1, "b": "x"}, {"a": 1, "b": [3]}, {"a": 2, "b": "x"}, {"a": 2, "b": [3]}]
+    assert points == [
+        {"a": 1, "b": "x"},
+        {"a": 1, "b": [3]},
+        {"a": 2, "b": "x"},
+        {"a": 2, "b": [3]},
+    ]
     study = _study(space)
     for p in points:
         study.enqueue_trial(space.encode(p))
@@ -94,7 +99,7 @@ def test_bad_spaces_and_algorithms_name_the_problem():
         tune.ASHAScheduler(reduction_factor=1)
     with pytest.raises(ValueError, match=r"MedianStoppingRule\.grace_period"):
         tune.MedianStoppingRule(grace_period=0)
-    with pytest.raises(TypeError, match="TuneConfig.scheduler"):
+    with pytest.raises(TypeError, match=r"TuneConfig\.scheduler"):
         make_pruner("asha")
 
 
