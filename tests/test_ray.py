@@ -360,3 +360,28 @@ def test_ringtrain_never_imports_ray_and_names_the_extra_when_missing(tmp_path):
         cwd=tmp_path,
     )
     assert "pip install 'ringtrain[ray]'" in proc.stdout
+
+
+def test_tune_sweep_gang_schedules_trials_on_the_cluster(cluster, tmp_path):
+    """Sweep trials as Ray placement groups: capacity is the cluster's 4 CPUs, so at most two
+    2-worker trials run at once; every trial's placement group is removed afterwards."""
+    import tune_workloads
+    from ringtrain import tune
+
+    log = tmp_path / "log"
+    log.mkdir()
+    grid = tune.Tuner(
+        tune_workloads.regression_fn,
+        param_space={"lr": tune.grid_search([0.01, 0.02, 0.03]), "rounds": 2, "log": str(log)},
+        tune_config=tune.TuneConfig(metric="score", mode="max"),
+        scaling_config=rt.ScalingConfig(num_workers=2, backend="ray"),
+        run_config=rt.RunConfig(name="ray_sweep", storage_path=str(tmp_path), progress="off"),
+    ).fit()
+    assert grid.statuses == ["COMPLETE"] * 3
+    records = [json.loads(line) for f in sorted(log.iterdir()) for line in f.open()]
+    assert len(records) == 6
+    points = sorted([(r["start"], 1) for r in records] + [(r["end"], -1) for r in records])
+    running = [sum(d for _, d in points[: i + 1]) for i in range(len(points))]
+    assert max(running) <= 4
+    assert wait_until(lambda: _leftovers() == ([], []), timeout_s=30)
+    assert ray.is_initialized()  # the sweep used the caller's Ray and left it running
