@@ -7,7 +7,7 @@ and the total worker-seconds (each trial's wall time x its workers, summed), the
 Target (issue 6): ASHA within 0.5 accuracy points of the unpruned sweep's best with at most 50%
 of its worker-seconds.
 
-    python benchmarks/tune.py                    # 12 trials x 4 epochs, 2 workers per trial
+    python benchmarks/tune.py                    # 12 trials x 10 epochs, 2 workers per trial
     python benchmarks/tune.py --num-samples 6 --epochs 3 --seeds 0 1
 """
 
@@ -66,7 +66,7 @@ def sweep(args: argparse.Namespace, storage: str, seed: int, asha: bool) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-samples", type=int, default=12)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--reduction-factor", type=float, default=3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
