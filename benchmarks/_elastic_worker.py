@@ -17,7 +17,8 @@ def train_fn(config):
     """``layers`` x ``nn.Linear(width, width)`` regression, momentum SGD, a TrainState reported
     with a checkpoint every ``every`` steps. On attempt 0 at the first world size, rank 1 writes
     ``time.time()`` to ``{log}/kill`` and SIGKILLs itself right after step ``kill_step`` (after
-    the checkpoint of that step is on storage). Every rank logs ``(step, time)`` per step."""
+    the checkpoint of that step is on storage). Every rank logs ``(step, time)`` per step.
+    ``slow_s``: sleep that long after each step at 2 workers (the grow benchmark)."""
     ctx = rt.get_context()
     torch.manual_seed(0)
     width, layers = config["width"], config["layers"]
@@ -52,6 +53,8 @@ def train_fn(config):
                 )
             if state.step % config["every"] == 0:
                 rt.report({"step": state.step}, checkpoint=state)
+            if config.get("slow_s") and rt.get_context().world_size == 2:
+                time.sleep(config["slow_s"])  # growing back: time for a worker to start
             if killer and state.step == config["kill_step"]:
                 time.sleep(config["settle_s"])  # let the checkpoint of this step be published
                 with open(os.path.join(config["log"], "kill"), "w") as f:

@@ -12,12 +12,19 @@ group) - (the kill's ``time.time()``).
   the two survivors re-form the group and continue from their in-memory snapshot.
 - restart: ``ScalingConfig(num_workers=3)``, ``FailureConfig(max_failures=1)``: the group is
   stopped, three fresh processes start and restore the checkpoint from disk.
+- grow (``--grow``): as in place, with ``elastic_grow_after_s=0``: once the group runs at 2, a
+  third worker is started (capacity returned) and joins at the next step boundary, receiving
+  the state by broadcast. Measured from the ``resize`` event of the grow: capacity return (the
+  worker started) -> first step completed at 3 workers (``resume_s``), and how long the two
+  members were paused for it (``paused_s``: from leaving the train function to that step).
+  The steps at 2 workers sleep ``--slow-s`` so that the run outlasts the worker's start.
 
 Usage::
 
     python benchmarks/elastic.py --runs 3                       # small model (~0.8 M params)
     python benchmarks/elastic.py --runs 3 --width 4096 --layers 6 --batch 2 \
         --kill-step 2 --settle-s 6                              # 100.7 M params
+    python benchmarks/elastic.py --runs 3 --grow                # growing back 2 -> 3
 """
 
 from __future__ import annotations
@@ -52,7 +59,11 @@ def one_run(mode: str, args: argparse.Namespace) -> float:
         elastic = mode == "in_place"
         result = rt.Trainer(
             _elastic_worker.train_fn,
-            rt.ScalingConfig(num_workers=(2, 3) if elastic else 3, resources_per_worker={"CPU": 1}),
+            rt.ScalingConfig(
+                num_workers=(2, 3) if elastic else 3,
+                resources_per_worker={"CPU": 1},
+                elastic_grow_after_s=None if elastic else 10.0,  # measure the shrink alone
+            ),
             rt.RunConfig(
                 name=mode,
                 storage_path=os.path.join(tmp, "runs"),
@@ -73,6 +84,43 @@ def one_run(mode: str, args: argparse.Namespace) -> float:
         return max(r["time"] for r in after if r["step"] == first) - killed
 
 
+def grow_run(args: argparse.Namespace) -> tuple[float, float]:
+    """One run that shrinks 3 -> 2 and grows back: ``(resume_s, paused_s)`` of the grow."""
+    import _elastic_worker
+
+    with tempfile.TemporaryDirectory(prefix="rt_elastic_bench_") as tmp:
+        config = {
+            "width": args.width,
+            "layers": args.layers,
+            "batch": args.batch,
+            "steps": args.kill_step + args.grow_steps,
+            "every": args.kill_step,
+            "kill_step": args.kill_step,
+            "settle_s": 0.0,
+            "slow_s": args.slow_s,
+            "log": tmp,
+        }
+        result = rt.Trainer(
+            _elastic_worker.train_fn,
+            rt.ScalingConfig(
+                num_workers=(2, 3), resources_per_worker={"CPU": 1}, elastic_grow_after_s=0.0
+            ),
+            rt.RunConfig(
+                name="grow",
+                storage_path=os.path.join(tmp, "runs"),
+                failure_config=rt.FailureConfig(max_failures=1, snapshot_interval_steps=1),
+                progress="off",
+            ),
+            train_loop_config=config,
+        ).fit()
+        with open(os.path.join(result.path, "events.jsonl")) as f:
+            events = [json.loads(line) for line in f]
+        grows = [e for e in events if e["type"] == "resize" and e["new_world_size"] == 3]
+        if not grows or grows[0]["resume_s"] is None:
+            raise SystemExit("the group did not grow back before the run ended: raise --grow-steps")
+        return float(grows[0]["resume_s"]), float(grows[0]["paused_s"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -82,11 +130,28 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=4)
     parser.add_argument("--settle-s", type=float, default=2.0)
     parser.add_argument("--json", help="write the numbers to this file")
+    parser.add_argument("--grow", action="store_true", help="measure growing back 2 -> 3")
+    parser.add_argument("--grow-steps", type=int, default=60, help="--grow: steps after the kill")
+    parser.add_argument("--slow-s", type=float, default=0.25, help="--grow: sleep per step at 2")
     args = parser.parse_args()
     params = args.layers * (args.width * args.width + args.width)
     print(
         f"model: {args.layers} x Linear({args.width}, {args.width}) = {params / 1e6:.1f} M params"
     )
+    if args.grow:
+        runs = [grow_run(args) for _ in range(args.runs)]
+        resume = [r for r, _ in runs]
+        paused = [p for _, p in runs]
+        print(
+            f"grow 2 -> 3: capacity return -> first step at 3 workers: median "
+            f"{statistics.median(resume):.2f} s ({', '.join(f'{t:.2f}' for t in resume)}); "
+            f"members paused: median {statistics.median(paused):.2f} s "
+            f"({', '.join(f'{t:.2f}' for t in paused)})"
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"params": params, "resume_s": resume, "paused_s": paused}, f, indent=1)
+        return
     out: dict[str, list[float]] = {}
     for mode in ("in_place", "restart"):
         out[mode] = [one_run(mode, args) for _ in range(args.runs)]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -34,11 +36,11 @@ def _events(run_path, kind=None):
     return [e for e in events if kind is None or e["type"] == kind]
 
 
-def _fit(tmp_path, name, num_workers, *, max_failures=3, restore_from=None, **config):
+def _fit(tmp_path, name, num_workers, *, max_failures=3, restore_from=None, scaling=None, **config):
     log = tmp_path / f"{name}_log"
     log.mkdir()
     cfg = {"epochs": EPOCHS, "log": str(log), "out": str(tmp_path / f"{name}.pt"), **config}
-    scaling = rt.ScalingConfig(num_workers=num_workers)
+    scaling = rt.ScalingConfig(num_workers=num_workers, **(scaling or {}))
     if restore_from is not None:
         trainer = rt.Trainer.restore(
             restore_from, workloads.elastic_fn, scaling_config=scaling, train_loop_config=cfg
@@ -58,7 +60,15 @@ def _fit(tmp_path, name, num_workers, *, max_failures=3, restore_from=None, **co
 @pytest.fixture(scope="module")
 def shrunk(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shrink")
-    return _fit(tmp, "elastic", (2, 3), kill_ranks=[1], kill_step=KILL_STEP)
+    # elastic_grow_after_s=None: stays at 2 workers (growing back is tested below).
+    return _fit(
+        tmp,
+        "elastic",
+        (2, 3),
+        kill_ranks=[1],
+        kill_step=KILL_STEP,
+        scaling={"elastic_grow_after_s": None},
+    )
 
 
 def test_losing_a_worker_shrinks_in_place(shrunk):
@@ -135,6 +145,123 @@ def test_below_min_falls_back_to_a_full_restart_from_disk(tmp_path):
     assert restarted[0] == 6 and {r["world"] for r in records if r["attempt"] == 1} == {3}
 
 
+# ------------------------------------------------------------------ growing back to max
+
+GROW = {"elastic_grow_after_s": 0.0}  # start a joining worker as soon as the shrink resumed
+SLOW = {"slow_world": 2, "slow_s": 0.6}  # slow steps at 2 workers: time for a worker to start
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grow")
+    return _fit(tmp, "grow", (2, 3), kill_ranks=[1], kill_step=KILL_STEP, scaling=GROW, **SLOW)
+
+
+def _phases(records, grow_step):
+    """The kept trajectory: 3 workers up to the kill's snapshot, 2 up to the grow, 3 after."""
+    return (
+        [r for r in records if r["world"] == 3 and r["step"] <= KILL_STEP],
+        [r for r in records if r["world"] == 2 and r["step"] > KILL_STEP],
+        [r for r in records if r["world"] == 3 and r["step"] > grow_step],
+    )
+
+
+def test_a_returning_worker_joins_without_restarting_the_members(grown):
+    result, records, final = grown
+    assert result.error is None and final["step"] == 10 * EPOCHS
+    assert [f.kind for f in result.failures] == ["signal"]  # a grow is not a failure
+    shrink, grow = _events(result.path, "resize")
+    assert (shrink["old_world_size"], shrink["new_world_size"]) == (3, 2)
+    assert (grow["old_world_size"], grow["new_world_size"]) == (2, 3)
+    assert grow["cause"] == "capacity returned" and grow["steps_rolled_back"] == 0
+    assert grow["resume_s"] >= grow["paused_s"] >= 0
+    assert grow["generation"] == 2 and _events(result.path, "grow_failed") == []
+    assert [e["attempt"] for e in _events(result.path, "run_start")] == [0]  # no restart
+    g = grow["snapshot_step"]
+    assert KILL_STEP < g < 10 * EPOCHS
+    first, small, regrown = _phases(records, g)
+    pids = [{r["rank"]: r["pid"] for r in phase} for phase in (first, small, regrown)]
+    assert pids[1] == {0: pids[0][0], 1: pids[0][2]}
+    # The members keep their processes and ranks; a new process joins as rank 2.
+    assert {0: pids[2][0], 1: pids[2][1]} == pids[1]
+    assert pids[2][2] not in pids[0].values()
+    # No step rolled back: the grown group goes on right after the step it paused at.
+    assert sorted({r["step"] for r in small}) == list(range(KILL_STEP + 1, g + 1))
+    assert sorted({r["step"] for r in regrown}) == list(range(g + 1, 10 * EPOCHS + 1))
+    assert {r["rank"] for r in regrown if r["step"] == g + 1} == {0, 1, 2}
+
+
+def test_growing_back_keeps_the_global_batch_and_sees_every_sample_once(grown):
+    _result, records, _final = grown
+    (grow,) = [e for e in _events(_result.path, "resize") if e["new_world_size"] == 3]
+    phases = _phases(records, grow["snapshot_step"])
+    for epoch in range(EPOCHS):
+        seen = collections.Counter(
+            i for phase in phases for r in phase if r["epoch"] == epoch for i in r["ids"]
+        )
+        assert sorted(seen) == list(range(120)), f"epoch {epoch}: samples skipped"
+        assert max(seen.values()) == 1, f"epoch {epoch}: samples seen twice"
+    # Global batch 12 throughout: 3 x 4, 2 x 6, then 3 x 4 again.
+    assert [{len(r["ids"]) for r in phase} for phase in phases] == [{4}, {6}, {4}]
+
+
+def test_grown_parameters_match_runs_switching_size_through_disk_at_the_same_steps(grown, tmp_path):
+    result, _, elastic_final = grown
+    (grow,) = [e for e in _events(result.path, "resize") if e["new_world_size"] == 3]
+    g = grow["snapshot_step"]
+    # 3 workers to the kill's step, 2 workers (6 each) to the grow's step, then 3 again
+    # (4 each), each switch through the ordinary restart from a disk checkpoint.
+    first, _, _ = _fit(tmp_path, "ref", 3, stop_at=KILL_STEP)
+    _fit(tmp_path, "ref2", 2, restore_from=first.path, batch_size=6, every=1, stop_at=g)
+    _, _, reference = _fit(tmp_path, "ref3", 3, restore_from=first.path)
+    assert reference["step"] == elastic_final["step"] == 10 * EPOCHS
+    for key, value in reference["model"].items():
+        assert torch.equal(value, elastic_final["model"][key]), f"{key} differs"
+
+
+def test_a_joining_worker_that_dies_falls_back_cleanly(tmp_path, monkeypatch):
+    """The first joining worker is killed while it starts (the grow is given up and tried
+    again); the second dies right after joining (the group shrinks in place again); the third
+    joins. No restart from disk, no hang, no process left behind."""
+    from ringtrain.launch.local import LocalWorkerGroup
+
+    original = LocalWorkerGroup.grow
+    started = []
+
+    def grow(self, ranks):
+        ranks = original(self, ranks)
+        started.extend(self._procs[r].pid for r in ranks)
+        if len(started) == 1:
+            os.killpg(started[0], signal.SIGKILL)  # dies before it is ready to join
+        return ranks
+
+    monkeypatch.setattr(LocalWorkerGroup, "grow", grow)
+    result, records, final = _fit(
+        tmp_path,
+        "joinfail",
+        (2, 3),
+        kill_ranks=[1],
+        kill_step=3,
+        scaling=GROW,
+        kill_joiner_once=str(tmp_path / "joiner-killed"),
+        epochs=4,
+        **SLOW,
+    )
+    assert result.error is None and final["step"] == 40
+    assert [e["attempt"] for e in _events(result.path, "run_start")] == [0]
+    (failed,) = _events(result.path, "grow_failed")
+    assert "joining rank 2 was killed by SIGKILL" in failed["reason"] and failed["retry_s"] == 0
+    sizes = [(e["old_world_size"], e["new_world_size"]) for e in _events(result.path, "resize")]
+    assert sizes == [(3, 2), (2, 3), (3, 2), (2, 3)]
+    causes = [e["cause"] for e in _events(result.path, "resize")]
+    assert causes[2] == "rank 2 was killed by SIGKILL"
+    assert [f.kind for f in result.failures] == ["signal", "signal"]
+    assert len(started) == 3 and started[2] in {r["pid"] for r in records if r["step"] == 40}
+    for pid in {r["pid"] for r in records} | set(started):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # every worker, member or joiner, is gone
+
+
 # ------------------------------------------------------------------ config and policy
 
 
@@ -160,8 +287,7 @@ def test_scaling_config_range_and_int_forms():
     fixed = rt.ScalingConfig(num_workers=3)
     assert not fixed.elastic and fixed.num_workers == 3
     assert (fixed.min_workers, fixed.max_workers) == (3, 3)
-    with pytest.raises(ValueError, match="needs backend='local'"):
-        rt.ScalingConfig(num_workers=(1, 2), backend="ray")
+    assert rt.ScalingConfig(num_workers=(1, 2), backend="ray").elastic  # tests/test_ray_elastic.py
     with pytest.raises(ValueError, match="snapshot_interval_steps"):
         rt.FailureConfig(snapshot_interval_steps=0)
 
@@ -193,3 +319,123 @@ def test_policy_decisions():
     assert policy.decide(4, {1: bug}, everyone, set(), 1.0).action is ElasticAction.FALLBACK
     none = policy.decide(4, lost, {**everyone, 0: _interrupted(0, None)}, set(), 1.0)
     assert none.action is ElasticAction.FALLBACK and "no in-memory snapshot" in none.reason
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), "10", True])
+def test_grow_delay_is_validated(value):
+    with pytest.raises(ValueError, match=r"ScalingConfig\.elastic_grow_after_s must be a number"):
+        rt.ScalingConfig(num_workers=(2, 3), elastic_grow_after_s=value)
+    assert (
+        rt.ScalingConfig(num_workers=(2, 3), elastic_grow_after_s=None).elastic_grow_after_s is None
+    )
+
+
+def test_policy_grow_decisions():
+    policy = ElasticPolicy(2, 4, grow_after_s=10.0)
+    assert policy.grow_ranks(2, 9.9, 0) == []  # too early
+    assert policy.grow_ranks(2, 10.0, 0) == [2, 3]
+    assert policy.grow_ranks(4, 100.0, 0) == []  # at max already
+    assert policy.grow_ranks(3, 15.0, 1) == []  # after a failed grow: twice the delay
+    assert policy.grow_ranks(3, 20.0, 1) == [3]
+    assert policy.grow_delay_s(100) == 640.0  # backoff capped at 64x
+    assert ElasticPolicy(2, 4).grow_ranks(2, 1e9, 0) == []  # None: never grows
+
+
+class _ScriptedGroup:
+    """A worker group that delivers one scripted batch of events per poll and records what the
+    controller asks of it (resize, grow, discard, send)."""
+
+    def __init__(self, world_size, script):
+        self.world_size = world_size
+        self.script = list(script)
+        self.calls = []
+
+    def poll(self, timeout_s):
+        return self.script.pop(0) if self.script else []
+
+    def stop(self, grace_s=5.0):
+        self.calls.append(("stop",))
+
+    def pids(self):
+        return {}
+
+    def resize(self, assignment, orders):
+        self.calls.append(("resize", dict(assignment), dict(orders)))
+        self.world_size = len(assignment)
+
+    def grow(self, ranks):
+        self.calls.append(("grow", list(ranks)))
+        return list(ranks)
+
+    def discard(self, ranks):
+        self.calls.append(("discard", list(ranks)))
+
+    def send(self, rank, message):
+        self.calls.append(("send", rank, message))
+
+
+def test_a_joiner_lost_while_the_members_paused_reforms_them_from_the_same_snapshot(tmp_path):
+    from ringtrain.channel import Done, Exited, GrowRequest, Hello, JoinReady, Resumed
+    from ringtrain.checkpoint.manager import CheckpointManager
+    from ringtrain.config import CheckpointConfig, FailureConfig
+    from ringtrain.controller.controller import Controller
+    from ringtrain.controller.policy import FailurePolicy
+    from ringtrain.launch.base import WorkerSpec
+    from ringtrain.monitor.progress import make_progress
+    from ringtrain.rundir import RunDirectory
+
+    def paused(rank, generation, step, grow=True):
+        return Interrupted(
+            rank=rank, time=2.0, exc_type="E", message="m", snapshot_step=step,
+            step=step, generation=generation, grow=grow,
+        )  # fmt: skip
+
+    group = _ScriptedGroup(
+        3,
+        [
+            [Hello(rank=r, pid=r, hostname="h") for r in range(3)],
+            [Exited(rank=2, time=1.0, returncode=-9)],
+            [paused(0, 0, 3, grow=False), paused(1, 0, 3, grow=False)],  # shrink 3 -> 2
+            [Resumed(rank=0, time=1.5, generation=1, step=4)],  # -> starts a joiner (rank 2)
+            [JoinReady(rank=2, time=2.0)],  # -> GrowRequest to the members
+            [paused(0, 1, 6), paused(1, 1, 6), Exited(rank=2, time=2.5, returncode=-9)],
+            [Resumed(rank=0, time=3.0, generation=2, step=7)],
+            [Done(rank=r, time=4.0, rounds=0) for r in (0, 1)]
+            + [Exited(rank=r, time=4.0, returncode=0) for r in (0, 1)],
+        ],
+    )
+    run_dir = RunDirectory(str(tmp_path), "run")
+    run_dir.create()
+
+    class Launcher:
+        def start(self, spec):
+            return group
+
+    controller = Controller(
+        launcher=Launcher(),
+        make_spec=lambda attempt, start, latest: WorkerSpec(world_size=3, run_dir=run_dir.uri),
+        world_size=3,
+        run_dir=run_dir,
+        checkpoints=CheckpointManager(run_dir.fs, run_dir.path, CheckpointConfig()),
+        failure_policy=FailurePolicy(FailureConfig(max_failures=3)),
+        progress=make_progress("off"),
+        failure_grace_s=0.0,
+        poll_interval_s=0.0,
+        elastic=ElasticPolicy(2, 3, grow_after_s=0.0),
+    )
+    result = controller.run()
+    assert result.error is None and len(result.failures) == 1  # the grow's loss is no failure
+    kinds = [c[0] for c in group.calls]
+    assert kinds[:6] == ["resize", "grow", "send", "send", "discard", "resize"]
+    assert [c[2] for c in group.calls if c[0] == "send"][:2] == [GrowRequest(1)] * 2
+    _, assignment, orders = group.calls[5]
+    assert assignment == {0: 0, 1: 1}  # the members, as they were
+    assert {o.world_size for o in orders.values()} == {2}
+    assert {(o.generation, o.snapshot_step, o.source_rank) for o in orders.values()} == {
+        (2, 6, None)
+    }
+    (failed, *_) = _events(result.path, "grow_failed")
+    assert failed["reason"] == "joining rank 2 was killed by SIGKILL" and failed["ranks"] == [2]
+    reform = _events(result.path, "resize")[1]
+    assert (reform["old_world_size"], reform["new_world_size"]) == (2, 2)
+    assert reform["steps_rolled_back"] == 0 and "re-formed" in reform["cause"]

@@ -406,6 +406,7 @@ def elastic_fn(config):
             kills = config.get("kill_ranks", ())
             if first_world and ctx.world_rank in kills and state.step == config["kill_step"]:
                 _kill_self()
+            _elastic_grow_hooks(config)
             if state.step % every == 0:
                 rt.report({"loss": loss.item(), "step": state.step}, checkpoint=state)
             if state.step == config.get("stop_at"):
@@ -415,6 +416,23 @@ def elastic_fn(config):
     if rt.get_context().world_rank == 0:
         module = model.module if hasattr(model, "module") else model
         torch.save({"model": module.state_dict(), "step": state.step}, config["out"])
+
+
+def _elastic_grow_hooks(config) -> None:
+    """Growing back (tests/test_elastic.py): ``slow_world``/``slow_s``: sleep ``slow_s`` per
+    step while the world size is ``slow_world`` (so that a joining worker has time to start);
+    ``kill_joiner_once``: a marker path; the first worker that joined a running group (and
+    creates the marker) SIGKILLs itself after its first step."""
+    world = rt.get_context().world_size
+    if config.get("slow_world") == world:
+        time.sleep(config.get("slow_s", 0.2))
+    marker = config.get("kill_joiner_once")
+    if marker and os.environ.get("RINGTRAIN_ELASTIC", "")[-2:] == ",1":
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        _kill_self()
 
 
 def node_loss_fn(config):

@@ -100,9 +100,11 @@ class Done:
 
 @dataclass(frozen=True)
 class Interrupted:
-    """Elastic runs: a collective of this rank failed because a peer was lost; the rank is alive,
-    has torn down its process group and waits for a :class:`Resize`. ``snapshot_step``: the
-    ``TrainState.step`` of its newest in-memory snapshot (``None``: it has none)."""
+    """Elastic runs: a collective of this rank failed because a peer was lost (or, with ``grow``,
+    the group paused at a step boundary for a :class:`GrowRequest`); the rank is alive, has torn
+    down its process group and waits for a :class:`Resize`. ``snapshot_step``: the
+    ``TrainState.step`` of its newest in-memory snapshot (``None``: it has none).
+    ``generation``: the group generation it left; the driver ignores one older than its own."""
 
     rank: int
     time: float
@@ -110,6 +112,8 @@ class Interrupted:
     message: str
     snapshot_step: int | None
     step: int | None = None  # the last TrainState.step this rank reached
+    generation: int = -1  # the group generation the rank left (-1: unknown)
+    grow: bool = False  # paused for a GrowRequest at a step boundary, not a lost peer
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,16 @@ class Resumed:
     time: float
     generation: int
     step: int
+
+
+@dataclass(frozen=True)
+class JoinReady:
+    """Elastic runs: a worker started to join a running group has loaded the train function,
+    paid its one-time start-up costs and waits for its :class:`Resize`; the driver asks the
+    members to pause only once every joining worker is ready."""
+
+    rank: int
+    time: float
 
 
 # ---------------------------------------------------------------- messages (driver -> worker)
@@ -151,6 +165,16 @@ class Resize:
     snapshot_step: int
 
 
+@dataclass(frozen=True)
+class GrowRequest:
+    """Elastic runs: workers are waiting to join (capacity returned). Every member pauses at the
+    same step boundary (the members agree on it with an allreduce at their next snapshot), takes
+    its snapshot, says :class:`Interrupted` with ``grow=True`` and waits for a :class:`Resize`
+    to the larger group. ``generation``: the members' current generation."""
+
+    generation: int
+
+
 # --------------------------------------------------------------------------- driver side events
 
 
@@ -174,6 +198,7 @@ Event = (
     | Exited
     | Interrupted
     | Resumed
+    | JoinReady
 )
 
 

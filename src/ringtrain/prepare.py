@@ -386,6 +386,7 @@ class PreparedDataLoader:
         return -(-sampler.num_samples // bs)
 
     def __iter__(self) -> Iterator[Any]:
+        from ringtrain.elastic.worker import at_batch_boundary
         from ringtrain.session import mark_progress
 
         timer = current_timer()
@@ -408,6 +409,7 @@ class PreparedDataLoader:
         batches = iter(self.loader)
         try:
             while True:
+                at_batch_boundary()  # elastic runs: where the group pauses to grow
                 if timer is not None and not skip:
                     timer.loader_fetch_start()  # ends the previous step, starts this one
                 try:

@@ -420,14 +420,18 @@ def run_workers(
         from ringtrain.elastic.policy import ElasticPolicy
         from ringtrain.elastic.worker import ElasticSettings
 
+        grow_after_s = scaling_config.elastic_grow_after_s
         settings = ElasticSettings(
             scaling_config.min_workers,
             scaling_config.max_workers,
             run_config.failure_config.snapshot_interval_steps,
+            grow=grow_after_s is not None,
         )
         worker_env[ENV_ELASTIC] = settings.to_env()
         worker_env[ENV_ELASTIC_BATCH] = scaling_config.elastic_batch_policy
-        elastic = ElasticPolicy(settings.min_workers, settings.max_workers)
+        elastic = ElasticPolicy(
+            settings.min_workers, settings.max_workers, grow_after_s=grow_after_s
+        )
 
     def make_spec(attempt: int, start_round: int, latest: str | None) -> WorkerSpec:
         return WorkerSpec(

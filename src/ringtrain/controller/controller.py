@@ -37,9 +37,11 @@ from ringtrain.channel import (
     Done,
     Event,
     Exited,
+    GrowRequest,
     Heartbeat,
     Hello,
     Interrupted,
+    JoinReady,
     Report,
     Resize,
     Resumed,
@@ -124,6 +126,21 @@ class _Attempt:
         return all(r in self.failures or r in self.exited for r in range(self.world_size))
 
 
+class _Grow:
+    """An elastic grow in progress: workers started to join (``ranks``), those ready to join
+    (``ready``: their JoinReady arrived) or failed (``dead``: rank -> why); ``requested``: the
+    members were sent a GrowRequest. ``capacity_time`` (Unix) and ``started_at`` (monotonic):
+    when the workers were started."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = list(ranks)
+        self.ready: set[int] = set()
+        self.dead: dict[int, str] = {}
+        self.requested = False
+        self.capacity_time = time.time()
+        self.started_at = time.monotonic()
+
+
 class Controller:
     """Runs a training job to completion through restarts.
 
@@ -189,6 +206,11 @@ class Controller:
         self.elastic = elastic
         self.stop_event = stop_event
         self.generation = 0  # elastic: rendezvous generation of the worker group
+        # Elastic growth back to max: the grow in progress, consecutive failed grows, and since
+        # when (monotonic) the group has been below max without trying (None: it is not).
+        self._grow: _Grow | None = None
+        self._grow_failures = 0
+        self._grow_idle_since: float | None = None
 
         self.state = RunState.INITIALIZING
         self.group: WorkerGroup | None = None
@@ -274,6 +296,9 @@ class Controller:
             self.progress.worker_state(rank, "starting")
         self.group = self.launcher.start(spec)
         self.state = RunState.RUNNING
+        self._grow, self._grow_idle_since = None, None  # a (re)start has max workers
+        self._grow_failures = 0
+        self.generation = 0  # fresh worker processes start at generation 0
         try:
             while not attempt.all_exited:
                 for event in self.group.poll(self.poll_interval_s):
@@ -281,6 +306,13 @@ class Controller:
                 if self._stop_requested():
                     self.run_dir.event("stop_requested", round=self.next_round - 1)
                     return None  # the finally below stops the group
+                if (
+                    self.elastic is not None
+                    and attempt.first_failure_at is None
+                    and self._grow_tick(attempt)
+                ):
+                    attempt = self._attempt  # the grown generation
+                    continue
                 if (
                     self.elastic is not None
                     and attempt.first_failure_at is not None
@@ -302,6 +334,7 @@ class Controller:
         finally:
             self.group.stop(grace_s=self.stop_grace_s)
             self.group = None
+            self._grow = None
         self._end_attempt(attempt)
         if not attempt.failures:
             return None
@@ -315,6 +348,11 @@ class Controller:
         attempt = self._attempt
         assert attempt is not None
         rank = getattr(event, "rank", None)
+        if isinstance(rank, int) and rank >= attempt.world_size:
+            # Elastic runs: a worker started to join, or a stale event of a rank that left.
+            if self._grow is not None and rank in self._grow.ranks:
+                self._on_joiner_event(self._grow, event)
+            return
         if isinstance(rank, int) and not isinstance(event, Exited):
             now = time.monotonic()
             attempt.last_seen[rank] = now
@@ -332,8 +370,12 @@ class Controller:
         if isinstance(event, Hello):
             self.progress.worker_state(event.rank, "running")
         elif isinstance(event, Interrupted):
+            if 0 <= event.generation < self.generation:
+                return  # it left a generation already replaced; its Resize is on its way
             attempt.interrupted[event.rank] = event
-            if attempt.first_failure_at is None:
+            if event.grow:  # paused at a step boundary to let workers join: not a failure
+                pass
+            elif attempt.first_failure_at is None:
                 attempt.first_failure_at = time.monotonic()
         elif isinstance(event, Resumed):
             self._on_resumed(attempt, event)
@@ -611,7 +653,8 @@ class Controller:
 
     def _end_attempt(self, attempt: _Attempt) -> None:
         if attempt.resize is not None:  # no step completed after the resize
-            self.run_dir.event("resize", **attempt.resize, resume_s=None)
+            info = {k: v for k, v in attempt.resize.items() if k != "pause_time"}
+            self.run_dir.event("resize", **info, resume_s=None)
             attempt.resize = None
         if attempt.failures or not attempt.pending:
             return
@@ -704,6 +747,8 @@ class Controller:
         new.resize = info
         self._attempt = new
         self.world_size = new_world
+        if self._grow is not None:  # workers waiting to join a group that just lost one
+            self._grow_failed(self._grow, f"a member was lost ({failure.message})", backoff=False)
         self.group.resize(assignment, orders)  # type: ignore[attr-defined]
         message = (
             f"{decision.reason}: {failure.message}; rolling back to the snapshot of step "
@@ -721,13 +766,226 @@ class Controller:
             return
         info, attempt.resize = attempt.resize, None
         resume_s = max(0.0, event.time - info["failure_time"])
-        self.run_dir.event("resize", **info, resume_s=resume_s)
+        pause_time = info.pop("pause_time", None)
+        extra = {} if pause_time is None else {"paused_s": max(0.0, event.time - pause_time)}
+        self.run_dir.event("resize", **info, resume_s=resume_s, **extra)
+        grew = info["new_world_size"] > info["old_world_size"]
+        if grew:
+            self._grow_failures = 0
+        # Below max: the next try to grow back is measured from here.
+        self._grow_idle_since = time.monotonic()
+        since = "capacity returned" if grew or pause_time is not None else "the failure"
         text = (
             f"resized {info['old_world_size']} -> {info['new_world_size']} workers; training "
-            f"resumed {resume_s:.2f} s after the failure, at step {event.step}"
+            f"resumed {resume_s:.2f} s after {since}, at step {event.step}"
         )
+        if "paused_s" in extra:
+            text += f" (paused {extra['paused_s']:.2f} s)"
         logger.info(text)
         self.progress.message(text)
+
+    # ------------------------------------------------------------------ elastic: growing back
+    def _grow_tick(self, attempt: _Attempt) -> bool:
+        """Drive a grow back to ``max`` one poll at a time (no failure is in progress): start
+        workers to join once ``elastic_grow_after_s`` has passed below ``max``; when all of them
+        is ready (JoinReady), ask the members to pause at their next step boundary; when all members
+        paused, make one group of members and joiners. Returns whether a new generation was
+        formed (``self._attempt`` replaced)."""
+        assert self.elastic is not None and self.group is not None
+        grow = self._grow
+        paused = [
+            r
+            for r in range(attempt.world_size)
+            if r in attempt.interrupted and attempt.interrupted[r].grow
+        ]
+        if grow is None:
+            if paused:  # a stale request paused the members: re-form them as they were
+                if len(paused) == attempt.world_size:
+                    self._grow_resize(attempt, [], None, "re-formed after a cancelled grow")
+                    return True
+                return False
+            return self._grow_start(attempt)
+        if grow.dead and not grow.requested:
+            self._grow_failed(grow, "; ".join(grow.dead[r] for r in sorted(grow.dead)))
+            return False
+        if not grow.requested:
+            if set(grow.ranks) <= grow.ready:
+                grow.requested = True
+                for rank in range(attempt.world_size):
+                    try:
+                        self.group.send(rank, GrowRequest(self.generation))  # type: ignore[attr-defined]
+                    except OSError:
+                        pass  # that member is gone: its failure follows and cancels the grow
+            elif time.monotonic() - grow.started_at > max(
+                HELLO_TIMEOUT_S, self.worker_timeout_s or 0
+            ):
+                waiting = sorted(set(grow.ranks) - grow.ready)
+                self._grow_failed(grow, f"ranks {waiting} did not get ready to join in time")
+            return False
+        if len(paused) < attempt.world_size:
+            return False
+        joiners = [r for r in grow.ranks if r not in grow.dead]
+        why = "; ".join(grow.dead[r] for r in sorted(grow.dead))
+        if grow.dead:
+            self._grow_failed(grow, why, discard=sorted(grow.dead))
+        self._grow_resize(
+            attempt,
+            joiners,
+            grow,
+            "capacity returned"
+            if joiners
+            else f"re-formed after the joining workers failed ({why})",
+        )
+        return True
+
+    def _grow_start(self, attempt: _Attempt) -> bool:
+        assert self.elastic is not None and self.group is not None
+        if (
+            self._grow_idle_since is None
+            or attempt.resize is not None  # the last resize has not resumed yet
+            or attempt.done
+            or attempt.exited
+            or not callable(getattr(self.group, "grow", None))
+        ):
+            return False
+        ranks = self.elastic.grow_ranks(
+            attempt.world_size, time.monotonic() - self._grow_idle_since, self._grow_failures
+        )
+        if not ranks:
+            return False
+        try:
+            started = list(self.group.grow(ranks))  # type: ignore[attr-defined]
+        except (OSError, RuntimeError, ValueError) as exc:
+            self._grow_failed(_Grow(ranks), f"could not start workers: {exc}", discard=[])
+            return False
+        if not started:  # no capacity now: look again after elastic_grow_after_s
+            self._grow_idle_since = time.monotonic()
+            return False
+        self._grow = _Grow(started)
+        message = (
+            f"growing back: starting {len(started)} worker(s) (ranks {started}) to grow "
+            f"{attempt.world_size} -> {attempt.world_size + len(started)}; the members pause at "
+            "their next step boundary once the new workers are up"
+        )
+        logger.info(message)
+        self.progress.message(message)
+        self.run_dir.event(
+            "grow_start",
+            old_world_size=attempt.world_size,
+            ranks=started,
+            generation=self.generation,
+        )
+        return False
+
+    def _on_joiner_event(self, grow: _Grow, event: Event) -> None:
+        rank = getattr(event, "rank", -1)
+        if isinstance(event, JoinReady):
+            grow.ready.add(rank)
+        elif isinstance(event, WorkerError):
+            grow.dead.setdefault(
+                rank, f"joining rank {rank} raised {event.exc_type}: {event.message}"
+            )
+        elif isinstance(event, Exited):
+            how = (
+                f"was killed by {_signal_name(-event.returncode)}"
+                if event.returncode < 0
+                else f"exited with status {event.returncode}"
+            )
+            grow.dead.setdefault(rank, f"joining rank {rank} {how}")
+
+    def _grow_failed(
+        self, grow: _Grow, reason: str, *, backoff: bool = True, discard: list[int] | None = None
+    ) -> None:
+        """Give up on ``grow`` (or on its ``discard`` ranks only): stop its workers, log why,
+        and try again after ``elastic_grow_after_s`` (doubled per consecutive failure when
+        ``backoff``)."""
+        assert self.elastic is not None
+        ranks = grow.ranks if discard is None else discard
+        if ranks and callable(getattr(self.group, "discard", None)):
+            self.group.discard(ranks)  # type: ignore[union-attr]
+        if discard is None:
+            self._grow = None
+        if backoff:
+            self._grow_failures += 1
+        self._grow_idle_since = time.monotonic()
+        delay = self.elastic.grow_delay_s(self._grow_failures)
+        message = f"growing back failed: {reason}; trying again in {delay:g} s"
+        logger.warning(message)
+        self.progress.message(message)
+        self.run_dir.event("grow_failed", reason=reason, ranks=ranks, retry_s=delay)
+
+    def _grow_resize(
+        self, attempt: _Attempt, joiners: list[int], grow: _Grow | None, cause: str
+    ) -> None:
+        """Make the paused members (ranks kept) and ``joiners`` (numbered after them) the next
+        generation: each member is sent a Resize, the joiners get the newest snapshot by
+        broadcast from a member."""
+        assert self.group is not None
+        old_world = attempt.world_size
+        members = list(range(old_world))
+        steps = {r: attempt.interrupted[r].snapshot_step for r in members}
+        held = [s for s in steps.values() if s is not None]
+        newest = max(held) if held else None
+        source = None
+        if newest is not None and (joiners or len(set(steps.values())) > 1):
+            source = min(r for r in members if steps[r] == newest)
+        self.generation += 1
+        for round_ in sorted(set(attempt.writing) | set(attempt.pending)):
+            self.checkpoints.discard_staging(round_)
+        order = members + joiners
+        new_world = len(order)
+        assignment = {old: new for new, old in enumerate(order)}
+        orders = {
+            old: Resize(
+                generation=self.generation,
+                world_size=new_world,
+                rank=new,
+                store_prefix=f"ringtrain/elastic/{attempt.number}/{self.generation}/",
+                source_rank=source,
+                start_round=self.next_round,
+                snapshot_step=newest if newest is not None else -1,
+            )
+            for old, new in assignment.items()
+        }
+        reached = [i.step for i in attempt.interrupted.values() if i.step is not None]
+        rolled_back = max(0, max(reached, default=newest or 0) - (newest or 0))
+        pauses = [attempt.interrupted[r].time for r in members if attempt.interrupted[r].grow]
+        info = {
+            "old_world_size": old_world,
+            "new_world_size": new_world,
+            "cause": cause,
+            "generation": self.generation,
+            "snapshot_step": newest,
+            "steps_rolled_back": rolled_back,
+            "failure_time": grow.capacity_time if grow is not None else time.time(),
+            "pause_time": min(pauses, default=time.time()),
+        }
+        new = _Attempt(attempt.number, new_world)
+        new.resize = info
+        self._attempt = new
+        self.world_size = new_world
+        self._grow = None
+        try:
+            self.group.resize(assignment, orders)  # type: ignore[attr-defined]
+        except OSError as exc:  # a connection went away just now: restart from disk
+            reason = f"growing back failed while re-forming the group ({exc})"
+            new.elastic_fallback = True
+            self._on_failure(
+                new,
+                WorkerFailure(
+                    rank=0, kind="exit", message=reason, attempt=attempt.number, time=time.time()
+                ),
+            )
+            self.run_dir.event("resize_fallback", reason=reason)
+            return
+        message = (
+            f"{'growing back' if new_world > old_world else 'resizing'} in place: {old_world} -> "
+            f"{new_world} workers ({cause}); joining at the snapshot of step {newest}"
+        )
+        logger.info(message)
+        self.progress.message(message)
+        for rank in range(new_world):
+            self.progress.worker_state(rank, "running")
 
     # ------------------------------------------------------------------ outputs
     def result(self) -> Result:

@@ -1,4 +1,5 @@
-"""The driver's elastic decision: resize in place, wait, or fall back to the full restart.
+"""The driver's elastic decisions: resize in place, wait, or fall back to the full restart; and
+when to grow back to ``max_workers``.
 
 Pure logic over what the controller has seen of one worker-group generation, so it is unit-tested
 without processes. The rules:
@@ -52,12 +53,44 @@ class ElasticPolicy:
     max_workers: the world size of a full (re)start.
     wait_s: how long after the first failure to wait for every survivor's Interrupted
         (seconds) before giving up on the resize.
+    grow_after_s: after a resize below ``max_workers``, how long to wait before growing back
+        (seconds; ``None``: never; ``ScalingConfig.elastic_grow_after_s``).
     """
 
-    def __init__(self, min_workers: int, max_workers: int, wait_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        min_workers: int,
+        max_workers: int,
+        wait_s: float = 30.0,
+        grow_after_s: float | None = None,
+    ) -> None:
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.wait_s = wait_s
+        self.grow_after_s = grow_after_s
+
+    def grow_delay_s(self, failed_grows: int) -> float | None:
+        """Seconds to wait after a resize (or a failed grow) before trying to grow back:
+        ``grow_after_s``, doubled after each consecutive grow whose new worker failed (at most
+        64 times it), so a worker that cannot start does not pause the group over and over.
+        ``None``: never grow."""
+        if self.grow_after_s is None:
+            return None
+        return self.grow_after_s * 2 ** min(max(failed_grows, 0), 6)
+
+    def grow_ranks(self, world_size: int, idle_s: float, failed_grows: int) -> list[int]:
+        """The ranks to start to grow a group of ``world_size`` back to ``max_workers`` now
+        (``[]``: not now).
+
+        Args:
+            world_size: members of the current generation.
+            idle_s: seconds since the last resize or failed grow.
+            failed_grows: consecutive grows whose new workers failed (0 after a success).
+        """
+        delay = self.grow_delay_s(failed_grows)
+        if delay is None or world_size >= self.max_workers or idle_s < delay:
+            return []
+        return list(range(world_size, self.max_workers))
 
     def decide(
         self,

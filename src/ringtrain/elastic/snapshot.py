@@ -9,7 +9,8 @@ one host-memory copy of the state, no serialisation and no storage I/O.
 
 The per-rank payload is also sent to the next rank of the ring (rank ``r`` keeps the payload of
 rank ``r - 1 mod W``), so the RNG streams and data position of a rank that dies are still held by
-a live process: a worker that later joins in its place can take them over.
+a live process. A worker that joins later receives the shared payload and the (global) data
+position by broadcast, and fresh RNG streams (:func:`joiner_rng`).
 """
 
 from __future__ import annotations
@@ -95,11 +96,18 @@ def neighbour_payload(snapshot: Snapshot) -> dict[str, Any] | None:
     return loaded if isinstance(loaded, dict) else None
 
 
-def broadcast(snapshot: Snapshot | None, source: int, rank: int) -> Snapshot:
+def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int = 0) -> Snapshot:
     """Make every rank of the (new) default process group hold ``source``'s snapshot: its shared
-    payload and its data position; each rank keeps its own RNG streams (a rank without a
-    snapshot, a new one, takes the source's). Used after a resize when the members' newest
-    snapshots differ, and for workers that join.
+    payload and its data position (global, re-partitioned over the new world size on restore).
+    Each rank keeps its own RNG streams; a rank without a snapshot (a worker that joins) gets
+    fresh ones from :func:`joiner_rng`. Used after a resize when the members' newest snapshots
+    differ, and when workers join.
+
+    Args:
+        snapshot: this rank's snapshot (``None``: it has none).
+        source: the rank whose snapshot everyone takes.
+        rank: this rank.
+        generation: the group generation being formed (seeds a joiner's RNG streams).
 
     Raises:
         ValueError: if ``source`` itself has no snapshot.
@@ -116,10 +124,43 @@ def broadcast(snapshot: Snapshot | None, source: int, rank: int) -> Snapshot:
     if rank == source:
         assert snapshot is not None
         return snapshot
-    mine = dict(snapshot.rank) if snapshot is not None else dict(source_rank)
+    if snapshot is not None:
+        mine = dict(snapshot.rank)
+    else:
+        mine = dict(source_rank)
+        mine["rng"] = joiner_rng(source_rank.get("rng"), rank, generation)
     mine["data_loader"] = source_rank.get("data_loader")
     mine["step"] = step
     return Snapshot(step=int(step), shared=shared, rank=mine)
+
+
+def joiner_rng(source_rng: Any, rank: int, generation: int) -> dict[str, Any]:
+    """Fresh RNG streams (Python, NumPy, torch, CUDA when in use) for a worker that joins a
+    running group as ``rank``: seeded from a hash of the source rank's torch RNG state, the new
+    rank and the generation, so they follow the run's own seed, differ from every other rank's
+    and are the same when the run is repeated. (A dead rank's streams, held by its ring
+    neighbour, are stale by the time capacity returns and would not map to a new rank number.)
+    """
+    import hashlib
+    import random
+
+    import numpy as np
+
+    from ringtrain.state import capture_rng, restore_rng
+
+    digest = hashlib.sha256(f"ringtrain-join/{rank}/{generation}/".encode())
+    state = source_rng.get("torch") if isinstance(source_rng, dict) else None
+    if isinstance(state, torch.Tensor):
+        digest.update(state.numpy().tobytes())
+    seed = int.from_bytes(digest.digest()[:8], "little") >> 1
+    saved = capture_rng()
+    try:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)  # also seeds every CUDA device
+        return capture_rng()
+    finally:
+        restore_rng(saved)
 
 
 class SnapshotCheckpoint(Checkpoint):

@@ -13,6 +13,17 @@ train function again in the same process, with the newest in-memory snapshot as 
 re-enters ``hvd.elastic.run`` (horovod/common/elastic.py); unlike Horovod, the state rolled back
 to is also held by a peer.
 
+Growing back works the same way in the other direction. When workers wait to join, the driver
+sends each member a :class:`~ringtrain.channel.GrowRequest`. At every snapshot boundary of a
+group below ``max``, the members allreduce (MAX) a "grow requested" flag, as Horovod elastic's
+``state.commit()`` checks for host updates, so they all agree on the same step; the next batch
+fetch from a prepared loader (or, in a loop without one, the next step boundary) raises
+:class:`GrowPause` out of the train function, and each member says ``Interrupted(grow=True)``
+and waits for its Resize exactly as after a lost peer, but without rolling back. A joining
+worker (started with :func:`joiner_env`) skips the first process-group start: it waits for its
+Resize, receives the snapshot by broadcast, and enters the train function with
+``get_checkpoint()`` returning it.
+
 Any other exception (a bug in the train function, a hang, a timeout) is not handled here: it
 ends the worker as in a non-elastic run and the driver restarts the group from disk.
 """
@@ -25,10 +36,11 @@ import logging
 import os
 import re
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from ringtrain.channel import Interrupted, Resize, Resumed
+from ringtrain.channel import GrowRequest, Interrupted, JoinReady, Resize, Resumed
 from ringtrain.distributed import collective_timeout_s, init_process_group
 from ringtrain.elastic import snapshot as snapshots
 from ringtrain.env import ENV_ELASTIC, DistributedContext
@@ -46,21 +58,63 @@ PEER_LOST = re.compile(
 )
 
 
+class GrowPause(BaseException):
+    """Raised out of the train function at the step boundary where the group pauses to grow
+    (internal; a BaseException so that a train function's ``except Exception`` lets it pass)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticSettings:
-    """``RINGTRAIN_ELASTIC`` = ``"min,max,snapshot_interval_steps"``, as the driver sets it."""
+    """``RINGTRAIN_ELASTIC`` = ``"min,max,snapshot_interval_steps,grow,joining"``, as the driver
+    sets it (``grow``: 1 when the group may grow back to ``max``; ``joining``: 1 in a worker
+    started to join a running group, see :func:`joiner_env`)."""
 
     min_workers: int
     max_workers: int
     snapshot_interval_steps: int
+    grow: bool = False
+    joining: bool = False
 
     @classmethod
     def parse(cls, text: str) -> ElasticSettings:
-        lo, hi, every = (int(part) for part in text.split(","))
-        return cls(lo, hi, every)
+        parts = [int(part) for part in text.split(",")]
+        lo, hi, every = parts[:3]
+        grow, joining = [*parts[3:5], 0, 0][:2]
+        return cls(lo, hi, every, bool(grow), bool(joining))
 
     def to_env(self) -> str:
-        return f"{self.min_workers},{self.max_workers},{self.snapshot_interval_steps}"
+        return (
+            f"{self.min_workers},{self.max_workers},{self.snapshot_interval_steps},"
+            f"{int(self.grow)},{int(self.joining)}"
+        )
+
+
+def joiner_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a worker started to join a running elastic group (a launcher's
+    ``grow``): ``env`` (the attempt's ``WorkerSpec.env``) with ``RINGTRAIN_ELASTIC`` marked as
+    joining. The launcher adds the usual per-worker variables (rank, world size, driver
+    address) on top.
+
+    Raises:
+        ValueError: if ``env`` is not an elastic run's.
+    """
+    text = env.get(ENV_ELASTIC)
+    if not text:
+        raise ValueError(f"joiner_env: {ENV_ELASTIC} is not set; the run is not elastic")
+    settings = dataclasses.replace(ElasticSettings.parse(text), joining=True)
+    return {**env, ENV_ELASTIC: settings.to_env()}
+
+
+def at_batch_boundary() -> None:
+    """Called by a prepared data loader before it fetches each batch: leaves the train function
+    with :class:`GrowPause` once the members agreed to pause for a grow (the step they agreed on
+    is complete and snapshotted; the user code after it has run)."""
+    from ringtrain import session
+
+    current = session._session
+    runtime = current.elastic if current is not None else None
+    if runtime is not None and runtime.pause_at is not None:
+        raise GrowPause(f"pausing after step {runtime.pause_at} to grow the group")
 
 
 def settings_of(ctx: DistributedContext) -> ElasticSettings | None:
@@ -136,13 +190,21 @@ class ElasticRuntime:
         self.snapshot: snapshots.Snapshot | None = None
         self.generation = 0
         self.resume_pending = False
+        self.grow_requested = False  # a GrowRequest of this generation arrived
+        self.pause_at: int | None = None  # the step every member agreed to pause after
+        self._inbox: list[Any] = []  # driver messages read while polling for a GrowRequest
         self._warned_sharded = False
         self._store: Any = None
 
     # ------------------------------------------------------------------ step boundaries
     def on_step(self, state: Any) -> None:
-        """Called by ``TrainState.step``'s setter: report the first step after a resize, and
-        snapshot every ``snapshot_interval_steps`` steps."""
+        """Called by ``TrainState.step``'s setter: report the first step after a resize,
+        snapshot every ``snapshot_interval_steps`` steps, and agree on pausing for a grow.
+
+        Raises:
+            GrowPause: when the members agreed to pause at the previous snapshot and no batch
+                was fetched from a prepared loader since (this step is snapshotted first).
+        """
         ctx = self.session.context
         if self.resume_pending and self.session.channel is not None:
             self.resume_pending = False
@@ -154,6 +216,11 @@ class ElasticRuntime:
                     step=int(state.step),
                 )
             )
+        if self.pause_at is not None:  # a loop without a prepared loader: pause here
+            self.snapshot = snapshots.take(state, self.snapshot)
+            snapshots.replicate_to_neighbour(self.snapshot, ctx.world_rank, ctx.world_size)
+            self.pause_at = self.snapshot.step
+            raise GrowPause(f"pausing after step {self.pause_at} to grow the group")
         if state.step % self.settings.snapshot_interval_steps:
             return
         if state._sharded:
@@ -167,38 +234,118 @@ class ElasticRuntime:
         snap = snapshots.take(state, self.snapshot)
         self.snapshot = snap
         snapshots.replicate_to_neighbour(snap, ctx.world_rank, ctx.world_size)
+        if self._grow_agreed(ctx):
+            self.pause_at = snap.step
+
+    def _grow_agreed(self, ctx: DistributedContext) -> bool:
+        """Whether any member has a GrowRequest (an allreduce MAX of the flag, so that every
+        member pauses after the same step). Only while the group is below ``max``."""
+        if not self.settings.grow or ctx.world_size >= self.settings.max_workers:
+            return False
+        self._poll_driver()
+        flag = self.grow_requested
+        if ctx.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            device = ctx.device if ctx.use_gpu else torch.device("cpu")
+            box = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            flag = bool(box.item())
+        return flag
+
+    def _poll_driver(self) -> None:
+        """Read the driver messages waiting on the channel without blocking."""
+        channel = self.session.channel
+        if channel is None:
+            return
+        while channel.conn.poll(0):
+            message = channel.recv()
+            if isinstance(message, GrowRequest):
+                if message.generation == self.generation:
+                    self.grow_requested = True
+            else:
+                self._inbox.append(message)
+
+    def next_resize(self) -> Resize:
+        """Wait for the driver's next :class:`~ringtrain.channel.Resize` (GrowRequests that
+        arrive meanwhile are stale and skipped).
+
+        Raises:
+            RuntimeError: if the driver sends something else.
+        """
+        channel = self.session.channel
+        assert channel is not None
+        while True:
+            # The driver stops this process instead if it restarts the group.
+            message = self._inbox.pop(0) if self._inbox else channel.recv()
+            if isinstance(message, Resize):
+                return message
+            if not isinstance(message, GrowRequest):
+                raise RuntimeError(f"elastic: expected a Resize from the driver, got {message!r}")
 
     # ------------------------------------------------------------------ resizing
-    def recover(self, exc_type: str, message: str) -> None:
-        """Tear down the broken group, tell the driver, wait for the new membership, re-form
-        the group and install the snapshot to resume from.
+    def recover(
+        self, exc_type: str, message: str, grow: bool = False, left_at: float | None = None
+    ) -> None:
+        """Tear down the group, tell the driver, wait for the new membership, re-form the group
+        and install the snapshot to resume from (``grow``: the group paused to grow, nothing
+        broke; ``left_at``: when it left the train function, Unix time). A peer lost while
+        re-forming (a joining worker died) starts over.
 
         Raises:
             RuntimeError: if the driver answers with something other than a Resize.
         """
         session = self.session
-        _destroy_process_group()
-        session.wait_for_checkpoint(FINISH_WRITE_TIMEOUT_S)
-        channel = session.channel
-        assert channel is not None
-        channel.send(
-            Interrupted(
-                rank=session.context.world_rank,
-                time=time.time(),
-                exc_type=exc_type,
-                message=message[:2000],
-                snapshot_step=self.snapshot.step if self.snapshot is not None else None,
-                step=session.last_step,
+        while True:
+            _destroy_process_group()
+            session.wait_for_checkpoint(FINISH_WRITE_TIMEOUT_S)
+            channel = session.channel
+            assert channel is not None
+            channel.send(
+                Interrupted(
+                    rank=session.context.world_rank,
+                    time=left_at if left_at is not None else time.time(),
+                    exc_type=exc_type,
+                    message=message[:2000],
+                    snapshot_step=self.snapshot.step if self.snapshot is not None else None,
+                    step=session.last_step,
+                    generation=self.generation,
+                    grow=grow,
+                )
             )
-        )
-        session.progressed = False  # re-forming the group is start-up, not a hang
-        order = channel.recv()  # the driver stops this process instead if it restarts the group
-        if not isinstance(order, Resize):
-            raise RuntimeError(f"elastic: expected a Resize from the driver, got {order!r}")
-        self.join(order)
+            session.progressed = False  # re-forming the group is start-up, not a hang
+            if self._join_or_lost(self.next_resize()):
+                return
+            exc_type, message, grow, left_at = "PeerLost", "a peer lost while joining", False, None
+
+    def start_joining(self) -> None:
+        """A worker started to join a running group: warm up, tell the driver it is ready,
+        wait for its Resize, then join (the snapshot comes by broadcast from a member)."""
+        session = self.session
+        assert session.channel is not None
+        warm_up(session.context)
+        session.progressed = False
+        session.channel.send(JoinReady(rank=session.context.world_rank, time=time.time()))
+        if not self._join_or_lost(self.next_resize()):
+            self.recover("PeerLost", "a peer was lost while joining")
+
+    def _join_or_lost(self, order: Resize) -> bool:
+        """:meth:`join`; ``False`` (group torn down) if a peer was lost meanwhile."""
+        try:
+            self.join(order)
+            return True
+        except Exception as exc:
+            if not is_peer_lost(exc):
+                raise
+            self.generation = order.generation
+            logger.warning("elastic: a peer was lost while re-forming the group (%s)", exc)
+            return False
 
     def join(self, order: Resize) -> None:
         """Become rank ``order.rank`` of ``order.world_size`` in generation ``order.generation``."""
+        self.grow_requested = False
+        self.pause_at = None
         session = self.session
         ctx = session.context
         new_ctx = dataclasses.replace(
@@ -220,7 +367,9 @@ class ElasticRuntime:
         self.generation = order.generation
         self._init_group(new_ctx, order.store_prefix)
         if order.source_rank is not None:
-            self.snapshot = snapshots.broadcast(self.snapshot, order.source_rank, order.rank)
+            self.snapshot = snapshots.broadcast(
+                self.snapshot, order.source_rank, order.rank, order.generation
+            )
         if self.snapshot is None:
             raise RuntimeError("elastic: no in-memory snapshot to resume from")
         session.latest_checkpoint = snapshots.SnapshotCheckpoint(self.snapshot, order.rank)
@@ -250,6 +399,33 @@ class ElasticRuntime:
         )
 
 
+def warm_up(ctx: DistributedContext) -> None:
+    """Pay, before the members pause for this worker to join, the one-time costs a fresh
+    process has at its first training step (the CUDA context, lazy imports of DDP and of the
+    optimizers' step machinery: about 1 s on CPU), which would otherwise stall the whole group.
+    Draws from the torch RNG, which the snapshot's RNG state replaces on restore."""
+    import importlib
+
+    import torch
+
+    for module in ("torch.distributed", "torch.nn.parallel", "ringtrain.prepare"):
+        importlib.import_module(module)
+    device = ctx.device
+    if ctx.use_gpu:
+        torch.cuda.set_device(device)
+    layer = torch.nn.Linear(4, 1).to(device)
+    optimizers = [
+        torch.optim.SGD(layer.parameters(), lr=0.0, momentum=0.9),
+        torch.optim.AdamW(layer.parameters(), lr=0.0),
+    ]
+    for optimizer in optimizers:
+        layer(torch.zeros(2, 4, device=device)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if ctx.use_gpu:
+        torch.cuda.synchronize(device)
+
+
 def run_elastic(train_fn: Any, config: Any, takes_config: bool, session: Any) -> None:
     """Call ``train_fn`` until it returns, re-entering it in place after each resize.
 
@@ -261,14 +437,21 @@ def run_elastic(train_fn: Any, config: Any, takes_config: bool, session: Any) ->
     assert settings is not None
     runtime = ElasticRuntime(session, settings)
     session.elastic = runtime
-    init_process_group(session.context)
+    if settings.joining and session.channel is not None:
+        runtime.start_joining()  # the state comes from a member, by broadcast
+    else:
+        init_process_group(session.context)
     while True:
+        grow, left_at = False, None
         try:
             if takes_config:
                 train_fn(config if config is not None else {})
             else:
                 train_fn()
             return
+        except GrowPause as pause:
+            exc_type, message, grow = "GrowPause", str(pause), True
+            left_at = time.time()
         except Exception as exc:
             if not is_peer_lost(exc) or session.channel is None:
                 raise
@@ -277,7 +460,7 @@ def run_elastic(train_fn: Any, config: Any, takes_config: bool, session: Any) ->
                 "elastic: rank %d lost a peer (%s)", session.context.world_rank, exc_type
             )
         gc.collect()  # the failed call's model, DDP reducer and loader iterators
-        runtime.recover(exc_type, message)
+        runtime.recover(exc_type, message, grow=grow, left_at=left_at)
 
 
 def _destroy_process_group() -> None:

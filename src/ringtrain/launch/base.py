@@ -12,7 +12,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Protocol
+from typing import Any, Protocol
 
 from ringtrain.channel import Event, Hello, Start
 
@@ -64,6 +64,36 @@ class WorkerGroup(Protocol):
         ...
 
 
+class GrowableGroup(WorkerGroup, Protocol):
+    """A worker group an elastic run can resize in place and grow back (the controller checks
+    ``callable(getattr(group, "grow", None))``; docs/elastic.md). ``send`` comes with
+    :class:`ChannelGroup`."""
+
+    def resize(self, assignment: dict[int, int], orders: dict[int, Any]) -> None:
+        """Worker ``old`` becomes rank ``assignment[old]`` and is sent ``orders[old]`` (a
+        :class:`~ringtrain.channel.Resize`); joining workers may be included (``r -> r``) and
+        become members; processes in neither are stopped. ``world_size`` becomes
+        ``len(assignment)``. Raises ``OSError`` if a connection is gone."""
+        ...
+
+    def grow(self, ranks: list[int]) -> list[int]:
+        """Start one joining worker per rank in ``ranks`` (consecutive from ``world_size``),
+        with the spec's env passed through :func:`ringtrain.elastic.worker.joiner_env`. Each
+        says Hello with its rank and waits for a Resize; its events come through ``poll``;
+        ``world_size`` is unchanged. Returns the ranks started (a prefix of ``ranks``; ``[]``:
+        no capacity now). Raises ``OSError``/``RuntimeError`` if starting failed (nothing of
+        the call left running)."""
+        ...
+
+    def discard(self, ranks: list[int]) -> None:
+        """Stop joining workers that were never made members, and forget them. Idempotent."""
+        ...
+
+    def send(self, rank: int, message: Any) -> None:
+        """Send a driver -> worker message on ``rank``'s connection (``OSError``: gone)."""
+        ...
+
+
 class Launcher(Protocol):
     def start(self, spec: WorkerSpec) -> WorkerGroup: ...
 
@@ -87,7 +117,11 @@ class ChannelGroup:
         closes."""
         try:
             hello = conn.recv()
-            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world_size:
+            # A worker started by an elastic grow says Hello with its future rank (>= world_size).
+            joining = getattr(self, "_joining", ())
+            if not isinstance(hello, Hello) or not (
+                0 <= hello.rank < self.world_size or hello.rank in joining
+            ):
                 conn.close()
                 return
             with self._lock:
@@ -106,6 +140,19 @@ class ChannelGroup:
         finally:
             with contextlib.suppress(OSError):
                 conn.close()
+
+    def send(self, rank: int, message: Any) -> None:
+        """Send a driver -> worker message (e.g. :class:`~ringtrain.channel.GrowRequest`) on
+        ``rank``'s channel connection.
+
+        Raises:
+            OSError: if the rank has no open connection.
+        """
+        with self._lock:
+            conn = self._conns.get(rank)
+        if conn is None:
+            raise OSError(f"rank {rank} has no channel connection")
+        conn.send(message)
 
     def poll(self, timeout_s: float) -> list[Event]:
         """Events that arrived, waiting up to ``timeout_s`` seconds for the first one."""

@@ -59,15 +59,17 @@ class LocalWorkerGroup(ChannelGroup):
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._retired: list[subprocess.Popen[bytes]] = []  # lost in an elastic resize
         self._rank_of: dict[int, int] = {}  # pid -> current rank (renumbered by resize)
+        self._joining: set[int] = set()  # ranks started by grow, not members yet
+        self._quiet: set[int] = set()  # pids stopped as joiners left out: no Exited event
         self._stopped = False
         self._lock = threading.Lock()
-        authkey = new_authkey()
-        self._listener = DriverListener(authkey, self._on_connection)
+        self._forward_output = forward_output
+        self._authkey = new_authkey()
+        self._listener = DriverListener(self._authkey, self._on_connection)
         # The rendezvous store lives in the driver for the attempt's lifetime.
         self._store = dist.TCPStore(
             "127.0.0.1", 0, spec.world_size, is_master=True, wait_for_workers=False
         )
-        store_port = self._store.port
         base_env = dict(os.environ)
         base_env["PYTHONPATH"] = os.pathsep.join(
             [p for p in sys.path if p]
@@ -75,44 +77,50 @@ class LocalWorkerGroup(ChannelGroup):
         )
         base_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         base_env.update(spec.env)
-        cmd = [sys.executable, "-m", "ringtrain.launch.worker"]
+        self._base_env = base_env
+        self._cmd = [sys.executable, "-m", "ringtrain.launch.worker"]
         if spec.script is not None:
-            cmd += ["--script", spec.script, *spec.script_args]
+            self._cmd += ["--script", spec.script, *spec.script_args]
         try:
             for rank in range(spec.world_size):
-                env = dict(base_env)
-                env.update(
-                    worker_environment(
-                        rank=rank,
-                        world_size=spec.world_size,
-                        local_rank=rank,
-                        local_world_size=spec.world_size,
-                        node_rank=0,
-                        master_addr="127.0.0.1",
-                        master_port=store_port,
-                        threads=spec.threads,
-                        use_gpu=spec.use_gpu,
-                        attempt=spec.attempt,
-                        run_dir=spec.run_dir,
-                        driver_addr=self._listener.address,
-                        authkey_hex=authkey.hex(),
-                        start_round=spec.start_round,
-                    )
-                )
-                pipe = subprocess.PIPE if forward_output else None
-                proc = subprocess.Popen(
-                    cmd, env=env, stdout=pipe, stderr=pipe, start_new_session=True
-                )
-                self._procs[rank] = proc
-                self._rank_of[proc.pid] = rank
-                self._spawn(self._wait_exit, rank, proc)
-                if forward_output:
-                    assert proc.stdout is not None and proc.stderr is not None
-                    self._spawn(_forward, rank, proc.stdout, "stdout")
-                    self._spawn(_forward, rank, proc.stderr, "stderr")
+                self._start_worker(rank, spec.world_size, base_env)
         except BaseException:
             self.stop(grace_s=0)
             raise
+
+    def _start_worker(self, rank: int, world_size: int, base_env: dict[str, str]) -> None:
+        spec = self.spec
+        env = dict(base_env)
+        env.update(
+            worker_environment(
+                rank=rank,
+                world_size=world_size,
+                local_rank=rank,
+                local_world_size=world_size,
+                node_rank=0,
+                master_addr="127.0.0.1",
+                master_port=self._store.port,
+                threads=spec.threads,
+                use_gpu=spec.use_gpu,
+                attempt=spec.attempt,
+                run_dir=spec.run_dir,
+                driver_addr=self._listener.address,
+                authkey_hex=self._authkey.hex(),
+                start_round=spec.start_round,
+            )
+        )
+        pipe = subprocess.PIPE if self._forward_output else None
+        proc = subprocess.Popen(
+            self._cmd, env=env, stdout=pipe, stderr=pipe, start_new_session=True
+        )
+        with self._lock:
+            self._procs[rank] = proc
+            self._rank_of[proc.pid] = rank
+        self._spawn(self._wait_exit, rank, proc)
+        if self._forward_output:
+            assert proc.stdout is not None and proc.stderr is not None
+            self._spawn(_forward, rank, proc.stdout, "stdout")
+            self._spawn(_forward, rank, proc.stderr, "stderr")
 
     # ------------------------------------------------------------------ threads
     def _spawn(self, target: Any, *args: Any) -> None:
@@ -125,6 +133,8 @@ class LocalWorkerGroup(ChannelGroup):
     def _wait_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         with self._lock:
+            if proc.pid in self._quiet:
+                return
             rank = self._rank_of.get(proc.pid, rank)
         self._events.put(Exited(rank=rank, time=time.time(), returncode=code))
 
@@ -133,21 +143,86 @@ class LocalWorkerGroup(ChannelGroup):
 
     def resize(self, assignment: dict[int, int], orders: dict[int, Any]) -> None:
         """Elastic resize in place: worker ``old`` becomes rank ``assignment[old]`` and is sent
-        ``orders[old]`` (a :class:`~ringtrain.channel.Resize`) on its channel connection; the
-        processes not in ``assignment`` (already exited) are retired.
+        ``orders[old]`` (a :class:`~ringtrain.channel.Resize`) on its channel connection.
+        Joining workers (started by :meth:`grow`) in ``assignment`` become members; the
+        processes not in it (exited members, joiners left out) are retired, and stopped if
+        still alive.
 
         Raises:
             OSError: if a worker's connection is gone (the caller restarts the group instead).
         """
         with self._lock:
+            missing = [old for old in assignment if old not in self._conns]
+            if missing:
+                raise OSError(f"ranks {missing} have no channel connection")
             procs = {new: self._procs[old] for old, new in assignment.items()}
             conns = {new: self._conns[old] for old, new in assignment.items()}
-            self._retired += [p for r, p in self._procs.items() if r not in assignment]
+            left = [p for r, p in self._procs.items() if r not in assignment]
+            self._retired += left
             self._procs, self._conns = procs, conns
             self._rank_of = {p.pid: r for r, p in procs.items()}
+            self._joining.clear()
             self.world_size = len(assignment)
+            alive = [p for p in left if p.poll() is None]
+            self._quiet.update(p.pid for p in alive)
+        for proc in alive:
+            _signal_group(proc, signal.SIGKILL)
         for old, new in assignment.items():
             conns[new].send(orders[old])
+
+    def grow(self, ranks: list[int]) -> list[int]:
+        """Start a joining worker for each of ``ranks`` (consecutive from ``world_size``): the
+        attempt's worker with :func:`~ringtrain.elastic.worker.joiner_env`, which says Hello
+        with its rank and waits for a Resize (see :meth:`resize`). On this machine a process
+        can always be started, so every rank is.
+
+        Returns:
+            ``ranks``.
+
+        Raises:
+            OSError: if a process cannot be started (those of this call are stopped again).
+            ValueError: if ``ranks`` do not follow the current members, or the run is not
+                elastic.
+        """
+        from ringtrain.elastic.worker import joiner_env
+
+        with self._lock:
+            expected = list(range(self.world_size, self.world_size + len(ranks)))
+            if list(ranks) != expected or self._joining or self._stopped:
+                raise ValueError(
+                    f"grow: ranks {list(ranks)} do not follow the {self.world_size} members "
+                    f"(expected {expected}; joining now: {sorted(self._joining)})"
+                )
+            self._joining.update(ranks)
+        env = joiner_env(self._base_env)
+        try:
+            for rank in ranks:
+                self._start_worker(rank, self.world_size + len(ranks), env)
+        except BaseException:
+            self.discard(ranks)
+            raise
+        return list(ranks)
+
+    def discard(self, ranks: list[int]) -> None:
+        """Stop joining workers that were never made members (SIGKILL) and forget them; their
+        Exited events may still arrive. Idempotent; members and unknown ranks are ignored."""
+        gone: list[subprocess.Popen[bytes]] = []
+        with self._lock:
+            for rank in ranks:
+                if rank not in self._joining:
+                    continue
+                self._joining.discard(rank)
+                proc = self._procs.pop(rank, None)
+                conn = self._conns.pop(rank, None)
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        conn.close()
+                if proc is not None:
+                    self._retired.append(proc)
+                    self._quiet.add(proc.pid)
+                    gone.append(proc)
+        for proc in gone:
+            _signal_group(proc, signal.SIGKILL)
 
     # ------------------------------------------------------------------ contract
     def pids(self) -> dict[int, int]:
