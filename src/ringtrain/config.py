@@ -52,7 +52,7 @@ class ScalingConfig:
 
     Attributes:
         num_workers: world size, the number of data-parallel worker processes (>= 1); or a
-            ``(min, max)`` pair for elastic training (``backend="local"``): the run starts with
+            ``(min, max)`` pair for elastic training (either backend): the run starts with
             ``max`` workers and, when workers die, continues in place with the survivors while
             at least ``min`` remain (docs/elastic.md).
         use_gpu: give each worker one CUDA device and use NCCL; otherwise CPU and gloo.
@@ -81,6 +81,11 @@ class ScalingConfig:
             of at most ``b`` (memory of ``max`` workers); ``"scale_lr"`` keeps ``b`` per worker
             and scales every optimizer's learning rate by ``W / max`` (Goyal et al. 2017). See
             docs/elastic.md.
+        elastic_grow_after_s: elastic runs only: after the group shrank below ``max``, start
+            new workers this many seconds later (doubled after each grow whose new worker
+            failed) and grow the group back to ``max`` at the next step boundary, the new
+            workers receiving the state from a peer (seconds, >= 0; ``None``: never grow back).
+            Ignored with an int ``num_workers``. See docs/elastic.md.
     """
 
     num_workers: int | tuple[int, int] = 1
@@ -91,10 +96,20 @@ class ScalingConfig:
     ray_address: str | None = None
     placement_timeout_s: float = 60.0
     elastic_batch_policy: str = "resize_batch"
+    elastic_grow_after_s: float | None = 10.0
 
     def __post_init__(self) -> None:
         self._check_num_workers()
         self._check_elastic_batch_policy()
+        grow = self.elastic_grow_after_s
+        if grow is not None and (
+            isinstance(grow, bool) or not isinstance(grow, (int, float)) or not grow >= 0
+        ):
+            raise ValueError(
+                "ScalingConfig.elastic_grow_after_s must be a number of seconds >= 0 or None, "
+                f"got {grow!r} (use e.g. 10.0 to grow back to max workers 10 s after a shrink, "
+                "None to keep the smaller group)"
+            )
         if not isinstance(self.use_gpu, bool):
             raise TypeError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}")
         if self.backend not in BACKENDS:
@@ -147,10 +162,10 @@ class ScalingConfig:
                 raise ValueError(
                     f"ScalingConfig.num_workers=({n[0]}, {n[1]}): min must be <= max ({fix})"
                 )
-            if self.backend != "local":
+            if self.backend not in ("local", "ray"):
                 raise ValueError(
                     f"ScalingConfig.num_workers={tuple(n)!r} (elastic) needs backend='local' "
-                    f"for now, got backend={self.backend!r} (use an int num_workers with Ray)"
+                    f"or backend='ray', got backend={self.backend!r}"
                 )
             # JSON gives back a list (config.json); keep a hashable tuple.
             object.__setattr__(self, "num_workers", (int(n[0]), int(n[1])))
