@@ -718,19 +718,9 @@ class Controller:
         for round_ in sorted(set(attempt.writing) | set(attempt.pending)):
             self.checkpoints.discard_staging(round_)
         start_round = self.next_round
-        assignment = {old: new for new, old in enumerate(decision.survivors)}
-        orders = {
-            old: Resize(
-                generation=self.generation,
-                world_size=new_world,
-                rank=new,
-                store_prefix=f"ringtrain/elastic/{attempt.number}/{self.generation}/",
-                source_rank=decision.source,
-                start_round=start_round,
-                snapshot_step=decision.snapshot_step,
-            )
-            for old, new in assignment.items()
-        }
+        assignment, orders = self._resize_orders(
+            attempt, decision.survivors, decision.source, start_round, decision.snapshot_step
+        )
         reached = [i.step for i in attempt.interrupted.values() if i.step is not None]
         reached += [s for s in attempt.last_step.values() if s is not None]
         rolled_back = max(0, max(reached, default=decision.snapshot_step) - decision.snapshot_step)
@@ -760,6 +750,31 @@ class Controller:
             self.progress.worker_state(rank, "stopped")
         for rank in range(new_world):
             self.progress.worker_state(rank, "running")
+
+    def _resize_orders(
+        self,
+        attempt: _Attempt,
+        order: Sequence[int],
+        source: int | None,
+        start_round: int,
+        snapshot_step: int,
+    ) -> tuple[dict[int, int], dict[int, Resize]]:
+        """The next generation's membership: old rank -> new rank (``order`` lists the old
+        ranks in new-rank order) and the :class:`Resize` each member is sent."""
+        assignment = {old: new for new, old in enumerate(order)}
+        orders = {
+            old: Resize(
+                generation=self.generation,
+                world_size=len(order),
+                rank=new,
+                store_prefix=f"ringtrain/elastic/{attempt.number}/{self.generation}/",
+                source_rank=source,
+                start_round=start_round,
+                snapshot_step=snapshot_step,
+            )
+            for old, new in assignment.items()
+        }
+        return assignment, orders
 
     def _on_resumed(self, attempt: _Attempt, event: Resumed) -> None:
         if attempt.resize is None:
@@ -934,19 +949,9 @@ class Controller:
             self.checkpoints.discard_staging(round_)
         order = members + joiners
         new_world = len(order)
-        assignment = {old: new for new, old in enumerate(order)}
-        orders = {
-            old: Resize(
-                generation=self.generation,
-                world_size=new_world,
-                rank=new,
-                store_prefix=f"ringtrain/elastic/{attempt.number}/{self.generation}/",
-                source_rank=source,
-                start_round=self.next_round,
-                snapshot_step=newest if newest is not None else -1,
-            )
-            for old, new in assignment.items()
-        }
+        assignment, orders = self._resize_orders(
+            attempt, order, source, self.next_round, newest if newest is not None else -1
+        )
         reached = [i.step for i in attempt.interrupted.values() if i.step is not None]
         rolled_back = max(0, max(reached, default=newest or 0) - (newest or 0))
         pauses = [attempt.interrupted[r].time for r in members if attempt.interrupted[r].grow]
