@@ -303,6 +303,8 @@ class Controller:
             while not attempt.all_exited:
                 for event in self.group.poll(self.poll_interval_s):
                     self._handle(event)
+                    if self._stop_requested():
+                        break  # the reports still queued belong to rounds after the stop
                 if self._stop_requested():
                     self.run_dir.event("stop_requested", round=self.next_round - 1)
                     return None  # the finally below stops the group
