@@ -11,8 +11,6 @@ step on the local backend, saved to disk, then 2 workers (6 samples each) resume
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -24,6 +22,7 @@ pytest.importorskip("ray.util.state", reason="the Ray state API needs ray[defaul
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from test_elastic import _events, _records  # noqa: E402
 from test_ray import assert_torn_down  # noqa: E402
 
 EPOCHS = 2  # 120 samples, global batch 12 (3 x 4, then 2 x 6): 10 steps per epoch
@@ -44,16 +43,6 @@ def cluster():
     yield c
     ray.shutdown()
     c.shutdown()
-
-
-def _records(log_dir):
-    return [json.loads(line) for f in sorted(log_dir.glob("*.jsonl")) for line in f.open()]
-
-
-def _events(run_path, kind=None):
-    with open(f"{run_path}/events.jsonl") as f:
-        events = [json.loads(line) for line in f]
-    return [e for e in events if kind is None or e["type"] == kind]
 
 
 def _fit(

@@ -58,3 +58,15 @@ def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) 
         timeout=timedelta(seconds=timeout_s or collective_timeout_s(ctx.worker_timeout_s)),
         **kwargs,
     )
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group if there is one; never raises (a group broken by a
+    dead peer may fail to tear down cleanly, and the caller is exiting or re-forming it)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass

@@ -41,7 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 from ringtrain.channel import GrowRequest, Interrupted, JoinReady, Resize, Resumed
-from ringtrain.distributed import collective_timeout_s, init_process_group
+from ringtrain.distributed import collective_timeout_s, destroy_process_group, init_process_group
 from ringtrain.elastic import snapshot as snapshots
 from ringtrain.env import ENV_ELASTIC, DistributedContext
 
@@ -298,7 +298,7 @@ class ElasticRuntime:
         """
         session = self.session
         while True:
-            _destroy_process_group()
+            destroy_process_group()
             session.wait_for_checkpoint(FINISH_WRITE_TIMEOUT_S)
             channel = session.channel
             assert channel is not None
@@ -461,13 +461,3 @@ def run_elastic(train_fn: Any, config: Any, takes_config: bool, session: Any) ->
             )
         gc.collect()  # the failed call's model, DDP reducer and loader iterators
         runtime.recover(exc_type, message, grow=grow, left_at=left_at)
-
-
-def _destroy_process_group() -> None:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass

@@ -28,7 +28,7 @@ import traceback
 from typing import Any
 
 from ringtrain.channel import Done, Hello, Start, WorkerChannel, WorkerError
-from ringtrain.distributed import init_process_group
+from ringtrain.distributed import destroy_process_group, init_process_group
 from ringtrain.env import (
     ENV_ASYNC_CHECKPOINT,
     ENV_AUTHKEY,
@@ -66,16 +66,6 @@ def die_with_parent() -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="ringtrain-parent-watchdog", daemon=True).start()
-
-
-def _destroy_process_group() -> None:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         traceback.print_exc()
     finally:
-        _destroy_process_group()
+        destroy_process_group()
         channel.close()
     return code
 
