@@ -132,6 +132,30 @@ def test_parameters_match_a_run_at_the_new_size_from_the_same_state(shrunk, tmp_
         assert torch.equal(value, elastic_final["model"][key]), f"{key} differs"
 
 
+def test_losing_rank_0_shrinks_in_place_without_waiting_for_the_timeout(tmp_path):
+    # Rank 0 dying used to leave rank 1 blocked in gloo's ring allreduce, waiting for data from
+    # rank 2 (alive, but already out of the collective), until the driver gave up after 30 s
+    # and restarted from disk. Rank 2 now shuts its gloo connections down when its collective
+    # fails, which wakes rank 1 at once (ringtrain/elastic/sockets.py).
+    result, records, final = _fit(
+        tmp_path,
+        "rank0",
+        (2, 3),
+        kill_ranks=[0],
+        kill_step=KILL_STEP,
+        scaling={"elastic_grow_after_s": None},
+    )
+    assert result.error is None
+    assert _events(result.path, "resize_fallback") == []
+    (resize,) = _events(result.path, "resize")
+    assert resize["cause"] == "rank 0 was killed by SIGKILL"
+    assert [e["attempt"] for e in _events(result.path, "run_start")] == [0]
+    before = {r["rank"]: r["pid"] for r in records if r["world"] == 3}
+    after = {r["rank"]: r["pid"] for r in records if r["world"] == 2}
+    assert after == {0: before[1], 1: before[2]}
+    assert final["step"] == 10 * EPOCHS
+
+
 def test_below_min_falls_back_to_a_full_restart_from_disk(tmp_path):
     result, records, final = _fit(tmp_path, "fallback", (2, 3), kill_ranks=[1, 2], kill_step=7)
     assert result.error is None and final["step"] == 10 * EPOCHS

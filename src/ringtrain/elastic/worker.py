@@ -1,17 +1,17 @@
 """The worker side of elastic training: snapshots, and re-entering the train function in place.
 
-``run_elastic`` calls the user's train function. When a collective fails because a peer process
-was lost (gloo raises ``Connection closed/reset by peer`` once the peer's sockets close), the
-exception propagates out of the train function; ``run_elastic`` catches it, tears down the process
-group (which makes every other survivor's pending collective fail too), finishes any background
+``run_elastic`` calls the user's train function. When a collective fails because a peer process was
+lost (gloo raises ``Connection closed/reset by peer`` once the peer's sockets close), the exception
+propagates out of the train function; ``run_elastic`` catches it, shuts down its gloo connections
+and tears down the process group (which makes every other survivor's pending collective fail too,
+even one waiting on a live peer: :mod:`ringtrain.elastic.sockets`), finishes any background
 checkpoint write, tells the driver :class:`~ringtrain.channel.Interrupted` and waits for its
-:class:`~ringtrain.channel.Resize`: the new world size, this worker's new rank and a new
-rendezvous generation (a fresh key prefix in the driver's TCPStore, so no port is picked and
-nothing of the old group's keys is reused). It then re-forms the process group and calls the
-train function again in the same process, with the newest in-memory snapshot as what
-``get_checkpoint()`` returns and ``TrainState.restore()`` loads. This is how Horovod elastic
-re-enters ``hvd.elastic.run`` (horovod/common/elastic.py); unlike Horovod, the state rolled back
-to is also held by a peer.
+:class:`~ringtrain.channel.Resize`: the new world size, this worker's new rank and a new rendezvous
+generation (a fresh key prefix in the driver's TCPStore, so no port is picked and nothing of the old
+group's keys is reused). It then re-forms the process group and calls the train function again in
+the same process, with the newest in-memory snapshot as what ``get_checkpoint()`` returns and
+``TrainState.restore()`` loads. This is how Horovod elastic re-enters ``hvd.elastic.run``
+(horovod/common/elastic.py); unlike Horovod, the state rolled back to is also held by a peer.
 
 Growing back works the same way in the other direction. When workers wait to join, the driver
 sends each member a :class:`~ringtrain.channel.GrowRequest`. At every snapshot boundary of a
@@ -43,6 +43,7 @@ from typing import Any
 from ringtrain.channel import GrowRequest, Interrupted, JoinReady, Resize, Resumed
 from ringtrain.distributed import collective_timeout_s, destroy_process_group, init_process_group
 from ringtrain.elastic import snapshot as snapshots
+from ringtrain.elastic.sockets import GroupSockets
 from ringtrain.env import ENV_ELASTIC, DistributedContext
 
 logger = logging.getLogger("ringtrain")
@@ -195,6 +196,27 @@ class ElasticRuntime:
         self._inbox: list[Any] = []  # driver messages read while polling for a GrowRequest
         self._warned_sharded = False
         self._store: Any = None
+        self.group_sockets = GroupSockets()  # the current gloo group's connections
+
+    def init_first_group(self) -> None:
+        """Form the first generation's process group (``env://`` rendezvous), noting its gloo
+        connections."""
+        ctx = self.session.context
+        if ctx.use_gpu:
+            init_process_group(ctx)
+            return
+        _, self.group_sockets = GroupSockets.opened_by(
+            lambda: init_process_group(ctx), store_port=ctx.master_port
+        )
+
+    def break_group(self) -> None:
+        """End this rank's connections of the current group before tearing it down, so that
+        every peer still blocked in a collective with this rank fails at once instead of waiting
+        for the collective timeout (:mod:`ringtrain.elastic.sockets`), then destroy the group."""
+        closed = self.group_sockets.shutdown()
+        if closed:
+            logger.debug("elastic: shut down %d gloo connections", closed)
+        destroy_process_group()
 
     # ------------------------------------------------------------------ step boundaries
     def on_step(self, state: Any) -> None:
@@ -288,17 +310,17 @@ class ElasticRuntime:
     def recover(
         self, exc_type: str, message: str, grow: bool = False, left_at: float | None = None
     ) -> None:
-        """Tear down the group, tell the driver, wait for the new membership, re-form the group
-        and install the snapshot to resume from (``grow``: the group paused to grow, nothing
-        broke; ``left_at``: when it left the train function, Unix time). A peer lost while
-        re-forming (a joining worker died) starts over.
+        """Tear down the group (ending its connections first, see :meth:`break_group`), tell the
+        driver, wait for the new membership, re-form the group and install the snapshot to resume
+        from (``grow``: the group paused to grow, nothing broke; ``left_at``: when it left the train
+        function, Unix time). A peer lost while re-forming (a joining worker died) starts over.
 
         Raises:
             RuntimeError: if the driver answers with something other than a Resize.
         """
         session = self.session
         while True:
-            destroy_process_group()
+            self.break_group()
             session.wait_for_checkpoint(FINISH_WRITE_TIMEOUT_S)
             channel = session.channel
             assert channel is not None
@@ -390,13 +412,20 @@ class ElasticRuntime:
         if ctx.use_gpu:
             torch.cuda.set_device(ctx.local_rank)
             backend = "nccl"
-        dist.init_process_group(
-            backend=backend,
-            store=dist.PrefixStore(prefix, self._store),
-            rank=ctx.world_rank,
-            world_size=ctx.world_size,
-            timeout=timeout,
-        )
+
+        def create() -> None:
+            dist.init_process_group(
+                backend=backend,
+                store=dist.PrefixStore(prefix, self._store),
+                rank=ctx.world_rank,
+                world_size=ctx.world_size,
+                timeout=timeout,
+            )
+
+        if ctx.use_gpu:
+            create()
+        else:
+            _, self.group_sockets = GroupSockets.opened_by(create, store_port=ctx.master_port)
 
 
 def warm_up(ctx: DistributedContext) -> None:
@@ -440,7 +469,7 @@ def run_elastic(train_fn: Any, config: Any, takes_config: bool, session: Any) ->
     if settings.joining and session.channel is not None:
         runtime.start_joining()  # the state comes from a member, by broadcast
     else:
-        init_process_group(session.context)
+        runtime.init_first_group()
     while True:
         grow, left_at = False, None
         try:
