@@ -369,19 +369,25 @@ def elastic_fn(config):
     loss}`` to ``{config["log"]}/{pid}.jsonl``. On attempt 0 at the first world size, the ranks
     in ``config["kill_ranks"]`` SIGKILL themselves right after step ``config["kill_step"]``.
     ``stop_at``: return after that step's report. Rank 0 saves the final parameters to
-    ``config["out"]``."""
+    ``config["out"]`` (every rank to ``{out}.rank{r}`` with ``save_every_rank``).
+    ``unrestored_reentry``: after a resize, build the model with a per-rank seed and skip
+    ``restore()``."""
     import json
 
     ctx = rt.get_context()
-    torch.manual_seed(0)
+    first_world = ctx.attempt == 0 and ctx.world_size == config.get("first_world", 3)
+    # "unrestored_reentry": after a resize, build a different model on every rank and skip
+    # restore(), so that DDP's deferred initial sync must broadcast rank 0's parameters.
+    unrestored = config.get("unrestored_reentry") and ctx.attempt == 0 and not first_world
+    torch.manual_seed(1000 + ctx.world_rank if unrestored else 0)
     model = rt.prepare_model(torch.nn.Linear(6, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = rt.prepare_data_loader(
         DataLoader(IndexedDataset(), batch_size=config.get("batch_size", 4), shuffle=True)
     )
     state = rt.TrainState(model=model, optimizer=optimizer, data_loader=loader)
-    state.restore()
-    first_world = ctx.attempt == 0 and ctx.world_size == config.get("first_world", 3)
+    if not unrestored:
+        state.restore()
     log = os.path.join(config["log"], f"{os.getpid()}.jsonl")
     every = config.get("every", 5)
     for epoch in state.epochs(config["epochs"]):
@@ -413,9 +419,12 @@ def elastic_fn(config):
                 break
         if state.step == config.get("stop_at"):
             break
+    module = model.module if hasattr(model, "module") else model
     if rt.get_context().world_rank == 0:
-        module = model.module if hasattr(model, "module") else model
         torch.save({"model": module.state_dict(), "step": state.step}, config["out"])
+    if config.get("save_every_rank"):
+        out = f"{config['out']}.rank{rt.get_context().world_rank}"
+        torch.save({"model": module.state_dict(), "step": state.step}, out)
 
 
 def _elastic_grow_hooks(config) -> None:

@@ -119,6 +119,8 @@ def prepare_model(
     module = model
     apply_precision(module, precision, ctx.device)
     if parallel_strategy == "ddp" and ctx.world_size > 1:
+        from ringtrain.elastic.worker import deferred_sync_generation
+
         init_process_group(ctx)
         model = wrap_ddp(
             model,
@@ -128,6 +130,7 @@ def prepare_model(
             comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
             loss_scaling=precision == "16-mixed",
+            defer_sync_generation=deferred_sync_generation(),
         )
     if timer is not None:
         instrument_model(timer, model, module)

@@ -477,6 +477,10 @@ class TrainState:
             if name == "data_loader" or name in self._sharded:
                 continue
             (_unwrap(obj) if name == "model" else obj).load_state_dict(saved[name])
+        if "model" in self._objects and "model" not in self._sharded:
+            from ringtrain.elastic.worker import mark_restored
+
+            mark_restored(_unwrap(self._objects["model"]), ckpt)
         if self._sharded:
             from ringtrain.checkpoint.sharded import restore_objects
 

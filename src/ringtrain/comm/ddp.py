@@ -19,6 +19,7 @@ each rank's file, so that an exact resume continues PowerSGD where it was.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -353,6 +354,43 @@ def _single_bucket_mb(model: torch.nn.Module, requested: float | None) -> float:
     return max(needed, requested or 0.0)
 
 
+def sync_unless_restored(ddp: torch.nn.Module, generation: int) -> None:
+    """Stand in for the initial broadcast of a DDP built with ``init_sync=False`` on re-entering
+    the train function after an elastic resize (:func:`ringtrain.elastic.worker.
+    deferred_sync_generation`). At the first forward, the ranks agree (one allreduce MIN of a
+    flag) on whether every one of them loaded generation ``generation``'s snapshot into the
+    module (``TrainState.restore()``): then the parameters already agree and only the buffers
+    are broadcast from rank 0 (they may differ per rank under ``broadcast_buffers=False``, as
+    after a restart from disk they would not); otherwise every parameter and buffer is, as DDP's
+    constructor would have done.
+    """
+    import torch.distributed as dist
+
+    from ringtrain.elastic.worker import RESTORED_ATTR
+
+    module = ddp.module
+    device = next(iter(module.parameters()), torch.empty(0)).device
+    handle: Any = None
+
+    def first_forward(_ddp: Any, _args: Any) -> None:
+        handle.remove()
+        restored = module.__dict__.get(RESTORED_ATTR) == generation
+        flag = torch.tensor([int(restored)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        tensors = list(module.buffers())
+        if not bool(flag.item()):
+            logger.info(
+                "elastic: the model was not restored from the snapshot on every rank; "
+                "broadcasting rank 0's parameters as DDP does on construction"
+            )
+            tensors = list(module.parameters()) + tensors
+        with torch.no_grad():
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0)
+
+    handle = ddp.register_forward_pre_hook(first_forward)
+
+
 def wrap_ddp(
     model: torch.nn.Module,
     ctx: DistributedContext,
@@ -362,6 +400,7 @@ def wrap_ddp(
     comm_hook: str | None = None,
     comm_hook_options: Mapping[str, Any] | None = None,
     loss_scaling: bool = False,
+    defer_sync_generation: int | None = None,
 ) -> torch.nn.Module:
     """Wrap ``model`` (already on ``ctx.device``) in DDP; the process group must be initialised.
 
@@ -375,6 +414,10 @@ def wrap_ddp(
         comm_hook_options: PowerSGD options (see :data:`POWERSGD_DEFAULTS`).
         loss_scaling: the loop uses fp16 loss scaling (``precision="16-mixed"``): PowerSGD is
             then :func:`overflow_guarded`.
+        defer_sync_generation: re-entering after an elastic resize with this generation's
+            snapshot: skip DDP's initial broadcast and check at the first forward instead
+            (:func:`sync_unless_restored`). Ignored when ``ddp_kwargs`` sets ``init_sync`` or
+            this torch's DDP has no ``init_sync``.
 
     Step timing: without a hook, ``comm_timing="hook"`` (``"auto"`` on CUDA) registers a timed
     allreduce hook, and ``"wait"`` (``"auto"`` on CPU) measures the step's wait for DDP's built-in
@@ -391,7 +434,17 @@ def wrap_ddp(
     kwargs = dict(ddp_kwargs or {})
     if comm_hook == "powersgd" and device.type != "cuda":
         kwargs["bucket_cap_mb"] = _single_bucket_mb(model, kwargs.get("bucket_cap_mb"))
+    defer = (
+        defer_sync_generation is not None
+        and "init_sync" not in kwargs
+        and "init_sync" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    )
+    if defer:
+        kwargs["init_sync"] = False
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    if defer:
+        assert defer_sync_generation is not None
+        sync_unless_restored(ddp, defer_sync_generation)
     grads = [p for p in module.parameters() if p.requires_grad]
     if comm_hook is not None:
         hook, state = make_hook(comm_hook, comm_hook_options)
