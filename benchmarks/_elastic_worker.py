@@ -17,7 +17,9 @@ def train_fn(config):
     """``layers`` x ``nn.Linear(width, width)`` regression, momentum SGD, a TrainState reported
     with a checkpoint every ``every`` steps. On attempt 0 at the first world size, rank 1 writes
     ``time.time()`` to ``{log}/kill`` and SIGKILLs itself right after step ``kill_step`` (after
-    the checkpoint of that step is on storage). Every rank logs ``(step, time)`` per step.
+    the checkpoint of that step is on storage). Every rank logs, per step, ``time``: when
+    ``optimizer.step()`` returned (the step is complete), and ``snapshot_s``: how long the
+    ``state.step`` increment took after it (in an elastic run: the in-memory snapshot).
     ``slow_s``: sleep that long after each step at 2 workers (the grow benchmark)."""
     ctx = rt.get_context()
     torch.manual_seed(0)
@@ -38,13 +40,15 @@ def train_fn(config):
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            state.step += 1
+            done = time.time()  # the step's update is applied: the step is complete
+            state.step += 1  # (elastic: takes the in-memory snapshot of this step)
             with open(log, "a") as f:
                 f.write(
                     json.dumps(
                         {
                             "step": state.step,
-                            "time": time.time(),
+                            "time": done,
+                            "snapshot_s": time.time() - done,
                             "attempt": ctx.attempt,
                             "world": rt.get_context().world_size,
                         }

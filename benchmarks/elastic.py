@@ -6,7 +6,9 @@ Each run: 3 local workers (gloo, ``resources_per_worker={"CPU": 1}``), ``_elasti
 steps, asynchronously); rank 1 SIGKILLs itself right after step ``kill_step`` (after waiting
 ``settle_s`` so that the checkpoint of that step is on storage: both modes then resume from
 the same step). Recovery = (first step after the kill completed by every rank of the new
-group) - (the kill's ``time.time()``).
+group: its ``optimizer.step()`` returned) - (the kill's ``time.time()``). Also printed: what the
+``state.step`` increment costs per step (in place: the in-memory snapshot taken there) and the
+step period, from the steps without a failure in between.
 
 - in place: ``ScalingConfig(num_workers=(2, 3))``, ``FailureConfig(snapshot_interval_steps=1)``:
   the two survivors re-form the group and continue from their in-memory snapshot.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import statistics
@@ -75,13 +78,29 @@ def one_run(mode: str, args: argparse.Namespace) -> float:
         assert len(result.failures) == 1, result.failures
         with open(os.path.join(tmp, "kill")) as f:
             killed = float(f.read())
-        after = []
+        logs = []
         for path in glob.glob(os.path.join(tmp, "*.jsonl")):
             with open(path) as f:
-                after += [json.loads(line) for line in f]
-        after = [r for r in after if r["time"] > killed]
+                logs.append([json.loads(line) for line in f])
+        STEP_COSTS.setdefault(mode, []).extend(_step_costs(logs))
+        after = [r for records in logs for r in records if r["time"] > killed]
         first = min(r["step"] for r in after)
         return max(r["time"] for r in after if r["step"] == first) - killed
+
+
+# mode -> [(snapshot_s, step period s)] of the steps run without a failure in between
+STEP_COSTS: dict[str, list[tuple[float, float]]] = {}
+
+
+def _step_costs(logs: list[list[dict]]) -> list[tuple[float, float]]:
+    """Per process, each step's ``snapshot_s`` and the time since its previous step at the
+    same world size."""
+    costs = []
+    for records in logs:
+        for prev, rec in itertools.pairwise(records):
+            if rec["world"] == prev["world"] and rec["step"] == prev["step"] + 1:
+                costs.append((rec["snapshot_s"], rec["time"] - prev["time"]))
+    return costs
 
 
 def grow_run(args: argparse.Namespace) -> tuple[float, float]:
@@ -160,7 +179,16 @@ def main() -> None:
             f"{mode:9s} death -> next step: median {statistics.median(out[mode]):.2f} s ({times})"
         )
     ratio = statistics.median(out["restart"]) / statistics.median(out["in_place"])
-    print(f"in place is {ratio:.1f}x faster than the full restart")
+    print(f"in place is {ratio:.2f}x faster than the full restart")
+    for mode, costs in STEP_COSTS.items():
+        if costs:
+            snap = statistics.median(c for c, _ in costs)
+            period = statistics.median(p for _, p in costs)
+            print(
+                f"{mode:9s} per step: state.step increment (elastic: the in-memory snapshot) "
+                f"median {snap * 1000:.0f} ms; a step (optimizer step to optimizer step) "
+                f"median {period:.2f} s"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": params, "seconds": out, "ratio": ratio}, f, indent=1)
