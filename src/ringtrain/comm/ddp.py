@@ -368,7 +368,7 @@ def sync_unless_restored(ddp: torch.nn.Module, generation: int) -> None:
 
     from ringtrain.elastic.worker import RESTORED_ATTR
 
-    module = ddp.module
+    module: Any = ddp.module
     device = next(iter(module.parameters()), torch.empty(0)).device
     handle: Any = None
 

@@ -445,9 +445,11 @@ def deferred_sync_generation() -> int | None:
     from ringtrain import session
 
     current = session._session
-    runtime = current.elastic if current is not None else None
-    if runtime is None or not isinstance(current.latest_checkpoint, snapshots.SnapshotCheckpoint):
+    if current is None or current.elastic is None:
         return None
+    if not isinstance(current.latest_checkpoint, snapshots.SnapshotCheckpoint):
+        return None
+    runtime = current.elastic
     return int(runtime.generation)
 
 
