@@ -287,10 +287,7 @@ class Controller:
                 self.progress.message(f"resuming from {latest.checkpoint.uri}")
         spec = self.make_spec(number, self.next_round, resume_from)
         self._attempt = attempt = _Attempt(number, spec.world_size)
-        if self.stragglers is not None:
-            for rank in sorted(self.stragglers.flagged):
-                self.progress.straggler(rank, False)
-            self.stragglers.reset()  # a new group: its ranks start with a clean slate
+        self._reset_stragglers()
         self.run_dir.event("run_start", world_size=spec.world_size, attempt=number)
         for rank in range(spec.world_size):
             self.progress.worker_state(rank, "starting")
@@ -735,10 +732,7 @@ class Controller:
             "steps_rolled_back": rolled_back,
             "failure_time": failure.time,
         }
-        new = _Attempt(attempt.number, new_world)
-        new.resize = info
-        self._attempt = new
-        self.world_size = new_world
+        self._next_generation(attempt, new_world, info)
         if self._grow is not None:  # workers waiting to join a group that just lost one
             self._grow_failed(self._grow, f"a member was lost ({failure.message})", backoff=False)
         self.group.resize(assignment, orders)  # type: ignore[attr-defined]
@@ -752,6 +746,24 @@ class Controller:
             self.progress.worker_state(rank, "stopped")
         for rank in range(new_world):
             self.progress.worker_state(rank, "running")
+
+    def _reset_stragglers(self) -> None:
+        """A new group (restart or resize): clear every straggler flag, since ranks are
+        renumbered and their timing windows describe the old group."""
+        if self.stragglers is not None:
+            for rank in sorted(self.stragglers.flagged):
+                self.progress.straggler(rank, False)
+            self.stragglers.reset()
+
+    def _next_generation(self, attempt: _Attempt, new_world: int, info: dict[str, Any]) -> _Attempt:
+        """Make the resized group of ``new_world`` workers the current attempt (same attempt
+        number; ``info`` is its pending ``resize`` event)."""
+        new = _Attempt(attempt.number, new_world)
+        new.resize = info
+        self._attempt = new
+        self.world_size = new_world
+        self._reset_stragglers()
+        return new
 
     def _resize_orders(
         self,
@@ -967,10 +979,7 @@ class Controller:
             "failure_time": grow.capacity_time if grow is not None else time.time(),
             "pause_time": min(pauses, default=time.time()),
         }
-        new = _Attempt(attempt.number, new_world)
-        new.resize = info
-        self._attempt = new
-        self.world_size = new_world
+        new = self._next_generation(attempt, new_world, info)
         self._grow = None
         try:
             self.group.resize(assignment, orders)  # type: ignore[attr-defined]
