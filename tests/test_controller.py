@@ -658,7 +658,7 @@ def test_a_live_ranks_inflight_write_lands_before_the_group_is_stopped(tmp_path)
 def test_a_resize_clears_the_straggler_flags_of_the_old_group(tmp_path):
     # Ranks are renumbered by a resize (old rank 2 becomes rank 1 of 2): the old group's timing
     # windows and flags would otherwise be compared against, and shown for, the wrong ranks.
-    from ringtrain.controller.controller import _Attempt
+    from ringtrain.controller.attempt import Attempt
     from ringtrain.monitor.straggler import StragglerDetector
 
     class Progress:
@@ -675,7 +675,7 @@ def test_a_resize_clears_the_straggler_flags_of_the_old_group(tmp_path):
     for rank in range(3):
         detector.update(rank, window)
     detector.flagged.add(2)
-    new = ctl._next_generation(_Attempt(0, 3), 2, {"old_world_size": 3})
+    new = ctl._next_generation(Attempt(0, 3), 2, {"old_world_size": 3})
     assert (new.world_size, ctl.world_size, new.resize) == (2, 2, {"old_world_size": 3})
     assert ctl.progress.cleared == [(2, False)]
     assert detector.flagged == set() and detector.latest == {}

@@ -18,6 +18,11 @@ have reported a round, its checkpoint files (if any rank attached some) are publ
 applied. On the first failure the controller keeps collecting events for ``failure_grace_s`` (the
 peers of a crashed rank usually fail a moment later with a connection error, and the real cause
 must win), stops the group, and asks the FailurePolicy what to do.
+
+Elastic runs (``ScalingConfig(num_workers=(min, max))``) may instead resize the group in place
+(the ``RESIZING`` path) and grow it back: that side is :class:`~ringtrain.controller.elastic.
+ElasticControl`, mixed in here. The per-group book-keeping is in :mod:`ringtrain.controller.
+attempt`.
 """
 
 from __future__ import annotations
@@ -25,8 +30,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import re
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,20 +40,25 @@ from ringtrain.channel import (
     Done,
     Event,
     Exited,
-    GrowRequest,
     Heartbeat,
     Hello,
     Interrupted,
-    JoinReady,
     Report,
-    Resize,
     Resumed,
     Timing,
     WorkerError,
 )
 from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.controller.attempt import (
+    HELLO_TIMEOUT_S,
+    Attempt,
+    Grow,
+    root_cause,
+    signal_name,
+)
+from ringtrain.controller.elastic import ElasticControl
 from ringtrain.controller.policy import Decision, FailurePolicy
-from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
+from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
 from ringtrain.launch.base import Launcher, WorkerGroup, WorkerSpec
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.monitor.straggler import StragglerDetector
@@ -58,19 +66,6 @@ from ringtrain.result import Result, TrainingFailedError, WorkerFailure
 from ringtrain.rundir import RunDirectory
 
 logger = logging.getLogger("ringtrain")
-
-# Errors a rank raises because a *peer* died: never the root cause when another failure exists.
-_PEER_ERROR = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
-    r"failed to recv|Socket Timeout|NCCL communicator was aborted|"
-    r"DistBackendError|DistNetworkError|ProcessGroupGloo|Gloo|remote process exited",
-    re.IGNORECASE,
-)
-
-
-HELLO_TIMEOUT_S = 60.0
-"""A worker process that has not connected after this long (or ``worker_timeout_s`` if longer)
-is failed as hung."""
 
 
 class RunState(enum.Enum):
@@ -87,61 +82,7 @@ SpecFactory = Callable[[int, int, "str | None"], WorkerSpec]
 """(attempt, start_round, latest checkpoint URI) -> the spec of that attempt's workers."""
 
 
-class _Attempt:
-    """Book-keeping of one worker group."""
-
-    def __init__(self, number: int, world_size: int) -> None:
-        self.number = number
-        self.world_size = world_size
-        self.pending: dict[int, dict[int, Report]] = {}  # round -> rank -> report
-        self.last_round: dict[int, int] = {}  # rank -> last round it reported
-        self.exited: dict[int, int] = {}  # rank -> return code
-        self.done: set[int] = set()
-        self.failures: dict[int, WorkerFailure] = {}
-        self.first_failure_at: float | None = None
-        self.started_at = time.monotonic()
-        # Monotonic times of the last progress (absent until the rank's first batch, step or
-        # report) and of the last message of any kind (absent until its Hello).
-        self.last_progress: dict[int, float] = {}
-        self.last_seen: dict[int, float] = {}
-        self.last_step: dict[int, int] = {}
-        self.progress_count: dict[int, int] = {}
-        # Checkpoint writes: round -> rank -> ("files", {...}) | ("error", "why").
-        self.outcomes: dict[int, dict[int, tuple[str, Any]]] = {}
-        # Rounds whose reports are all in but whose files are still being written.
-        self.writing: dict[int, tuple[dict[int, Report], set[int]]] = {}
-        # Elastic runs: ranks waiting for a Resize; whether this generation gave up on resizing
-        # in place; the resize that started this generation (its event is written once the
-        # first step after it completes).
-        self.interrupted: dict[int, Interrupted] = {}
-        self.elastic_fallback = False
-        self.resize: dict[str, Any] | None = None
-
-    @property
-    def all_exited(self) -> bool:
-        return len(self.exited) == self.world_size
-
-    @property
-    def all_failed_or_exited(self) -> bool:
-        return all(r in self.failures or r in self.exited for r in range(self.world_size))
-
-
-class _Grow:
-    """An elastic grow in progress: workers started to join (``ranks``), those ready to join
-    (``ready``: their JoinReady arrived) or failed (``dead``: rank -> why); ``requested``: the
-    members were sent a GrowRequest. ``capacity_time`` (Unix) and ``started_at`` (monotonic):
-    when the workers were started."""
-
-    def __init__(self, ranks: list[int]) -> None:
-        self.ranks = list(ranks)
-        self.ready: set[int] = set()
-        self.dead: dict[int, str] = {}
-        self.requested = False
-        self.capacity_time = time.time()
-        self.started_at = time.monotonic()
-
-
-class Controller:
+class Controller(ElasticControl):
     """Runs a training job to completion through restarts.
 
     Args:
@@ -208,7 +149,7 @@ class Controller:
         self.generation = 0  # elastic: rendezvous generation of the worker group
         # Elastic growth back to max: the grow in progress, consecutive failed grows, and since
         # when (monotonic) the group has been below max without trying (None: it is not).
-        self._grow: _Grow | None = None
+        self._grow: Grow | None = None
         self._grow_failures = 0
         self._grow_idle_since: float | None = None
 
@@ -220,7 +161,7 @@ class Controller:
         self._history: dict[int, dict[str, Any]] = {}  # round -> rank 0's metrics
         self.next_round = checkpoints.next_round
         self.start_time = time.time()
-        self._attempt: _Attempt | None = None
+        self._attempt: Attempt | None = None
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Result:
@@ -286,7 +227,7 @@ class Controller:
             if number == 0:
                 self.progress.message(f"resuming from {latest.checkpoint.uri}")
         spec = self.make_spec(number, self.next_round, resume_from)
-        self._attempt = attempt = _Attempt(number, spec.world_size)
+        self._attempt = attempt = Attempt(number, spec.world_size)
         self._reset_stragglers()
         self.run_dir.event("run_start", world_size=spec.world_size, attempt=number)
         for rank in range(spec.world_size):
@@ -337,7 +278,7 @@ class Controller:
         self._end_attempt(attempt)
         if not attempt.failures:
             return None
-        return _root_cause(list(attempt.failures.values()))
+        return root_cause(list(attempt.failures.values()))
 
     def _stop_requested(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()
@@ -406,7 +347,7 @@ class Controller:
         elif isinstance(event, Exited):
             self._on_exit(attempt, event)
 
-    def _writes_in_flight(self, attempt: _Attempt) -> bool:
+    def _writes_in_flight(self, attempt: Attempt) -> bool:
         """Whether a rank that is still running owes a background checkpoint write of a round
         that can still be published (every report of it is in)."""
         for round_, (_reports, expected) in attempt.writing.items():
@@ -416,7 +357,7 @@ class Controller:
                 return True  # publishable once the live ranks finish
         return False
 
-    def _check_hang(self, attempt: _Attempt) -> None:
+    def _check_hang(self, attempt: Attempt) -> None:
         """Fail a rank that is stuck longer than ``worker_timeout_s``: one that made progress
         once and then none (its peers usually wait on it inside a collective: the one that
         stopped first, by progress count and then time, is blamed), one whose process stopped
@@ -481,7 +422,7 @@ class Controller:
             ),
         )
 
-    def _on_report(self, attempt: _Attempt, report: Report) -> None:
+    def _on_report(self, attempt: Attempt, report: Report) -> None:
         self.metrics_per_rank[report.rank] = report.metrics
         attempt.last_round[report.rank] = report.round
         step = report.metrics.get("step")
@@ -513,7 +454,7 @@ class Controller:
             del attempt.pending[report.round]
             self._complete_round(attempt, report.round, reports)
 
-    def _on_timing(self, attempt: _Attempt, timing: Timing) -> None:
+    def _on_timing(self, attempt: Attempt, timing: Timing) -> None:
         window = timing.window
         self.run_dir.event(
             "timing", time=timing.time, rank=timing.rank, attempt=attempt.number, **window
@@ -543,7 +484,7 @@ class Controller:
                 )
             self._callback("on_straggler", ev)
 
-    def _complete_round(self, attempt: _Attempt, round_: int, reports: dict[int, Report]) -> None:
+    def _complete_round(self, attempt: Attempt, round_: int, reports: dict[int, Report]) -> None:
         metrics = reports[0].metrics if 0 in reports else next(iter(reports.values())).metrics
         self._history[round_] = metrics
         self.next_round = round_ + 1
@@ -558,7 +499,7 @@ class Controller:
             attempt.writing[round_] = (reports, expected)
             self._try_publish(attempt, round_)
 
-    def _try_publish(self, attempt: _Attempt, round_: int) -> None:
+    def _try_publish(self, attempt: Attempt, round_: int) -> None:
         """Publish round ``round_``'s checkpoint once all its reports are in and every rank that
         attached files has finished writing them."""
         if round_ not in attempt.writing:
@@ -605,7 +546,7 @@ class Controller:
         self.checkpoints.deleted.clear()
         self._callback("on_checkpoint", tracked.checkpoint, metrics)
 
-    def _on_failure(self, attempt: _Attempt, failure: WorkerFailure) -> None:
+    def _on_failure(self, attempt: Attempt, failure: WorkerFailure) -> None:
         previous = attempt.failures.get(failure.rank)
         if previous is not None and previous.kind == "exception":
             return  # the exception says more than the exit status that follows it
@@ -623,15 +564,15 @@ class Controller:
             attempt=attempt.number,
         )
 
-    def _on_exit(self, attempt: _Attempt, event: Exited) -> None:
+    def _on_exit(self, attempt: Attempt, event: Exited) -> None:
         attempt.exited[event.rank] = event.returncode
         if event.returncode == 0:
             self.progress.worker_state(event.rank, "finished")
             return
         # Events are only handled before the group is stopped, so a non-zero exit here is a real
-        # failure of this rank (perhaps caused by a peer's: _root_cause sorts that out).
+        # failure of this rank (perhaps caused by a peer's: root_cause sorts that out).
         if event.returncode < 0:
-            kind, what = "signal", f"was killed by {_signal_name(-event.returncode)}"
+            kind, what = "signal", f"was killed by {signal_name(-event.returncode)}"
         else:
             kind, what = "exit", f"exited with status {event.returncode}"
         if event.rank in attempt.failures:
@@ -650,7 +591,7 @@ class Controller:
             ),
         )
 
-    def _end_attempt(self, attempt: _Attempt) -> None:
+    def _end_attempt(self, attempt: Attempt) -> None:
         if attempt.resize is not None:  # no step completed after the resize
             info = {k: v for k, v in attempt.resize.items() if k != "pause_time"}
             self.run_dir.event("resize", **info, resume_s=None)
@@ -663,345 +604,6 @@ class Controller:
             f"({', '.join(f'rank {r}: {n}' for r, n in counts.items())}); "
             f"rounds {sorted(attempt.pending)} never completed and their checkpoints were dropped"
         )
-
-    # ------------------------------------------------------------------ elastic
-    def _elastic(self, attempt: _Attempt) -> ElasticAction:
-        """After a failure in an elastic run: wait for the survivors, resize in place, or give
-        up (the usual restart from the disk checkpoint follows)."""
-        assert self.elastic is not None and attempt.first_failure_at is not None
-        finished = attempt.done | {r for r, code in attempt.exited.items() if code == 0}
-        decision = self.elastic.decide(
-            attempt.world_size,
-            attempt.failures,
-            attempt.interrupted,
-            finished,
-            time.monotonic() - attempt.first_failure_at,
-        )
-        if decision.action is ElasticAction.RESIZE:
-            failure = _root_cause(list(attempt.failures.values()))
-            verdict = self.failure_policy.decide(failure, len(self.failures) + 1)
-            if verdict.decision is Decision.RAISE:
-                decision = ElasticDecision(ElasticAction.FALLBACK, verdict.reason)
-            elif not callable(getattr(self.group, "resize", None)):
-                decision = ElasticDecision(
-                    ElasticAction.FALLBACK,
-                    "not resizing in place: this launcher cannot resize a worker group",
-                )
-            else:
-                try:
-                    self._resize(attempt, decision, failure)
-                    return ElasticAction.RESIZE
-                except OSError as exc:
-                    decision = ElasticDecision(
-                        ElasticAction.FALLBACK, f"resize in place failed ({exc})"
-                    )
-        if decision.action is ElasticAction.FALLBACK:
-            attempt.elastic_fallback = True
-            message = f"{decision.reason}; restarting the group from the disk checkpoint"
-            logger.warning(message)
-            self.progress.message(message)
-            self.run_dir.event("resize_fallback", reason=decision.reason)
-        return decision.action
-
-    def _resize(self, attempt: _Attempt, decision: ElasticDecision, failure: WorkerFailure) -> None:
-        """Turn the survivors into the next generation of the group, ranks renumbered in order,
-        without restarting a process."""
-        assert self.group is not None and decision.snapshot_step is not None
-        self.failures.append(failure)
-        self._callback("on_failure", failure)
-        self.generation += 1
-        old_world, new_world = attempt.world_size, len(decision.survivors)
-        # Rounds some rank never reported are gone; a round whose files the lost rank owed can
-        # never be published: drop its staging directory (survivors finished their writes
-        # before saying Interrupted).
-        for round_ in sorted(set(attempt.writing) | set(attempt.pending)):
-            self.checkpoints.discard_staging(round_)
-        start_round = self.next_round
-        assignment, orders = self._resize_orders(
-            attempt, decision.survivors, decision.source, start_round, decision.snapshot_step
-        )
-        reached = [i.step for i in attempt.interrupted.values() if i.step is not None]
-        reached += [s for s in attempt.last_step.values() if s is not None]
-        rolled_back = max(0, max(reached, default=decision.snapshot_step) - decision.snapshot_step)
-        info = {
-            "old_world_size": old_world,
-            "new_world_size": new_world,
-            "cause": failure.message,
-            "generation": self.generation,
-            "snapshot_step": decision.snapshot_step,
-            "steps_rolled_back": rolled_back,
-            "failure_time": failure.time,
-        }
-        self._next_generation(attempt, new_world, info)
-        if self._grow is not None:  # workers waiting to join a group that just lost one
-            self._grow_failed(self._grow, f"a member was lost ({failure.message})", backoff=False)
-        self.group.resize(assignment, orders)  # type: ignore[attr-defined]
-        message = (
-            f"{decision.reason}: {failure.message}; rolling back to the snapshot of step "
-            f"{decision.snapshot_step} ({rolled_back} steps); failure {len(self.failures)}"
-        )
-        logger.warning(message)
-        self.progress.message(message)
-        for rank in range(new_world, old_world):
-            self.progress.worker_state(rank, "stopped")
-        for rank in range(new_world):
-            self.progress.worker_state(rank, "running")
-
-    def _reset_stragglers(self) -> None:
-        """A new group (restart or resize): clear every straggler flag, since ranks are
-        renumbered and their timing windows describe the old group."""
-        if self.stragglers is not None:
-            for rank in sorted(self.stragglers.flagged):
-                self.progress.straggler(rank, False)
-            self.stragglers.reset()
-
-    def _next_generation(self, attempt: _Attempt, new_world: int, info: dict[str, Any]) -> _Attempt:
-        """Make the resized group of ``new_world`` workers the current attempt (same attempt
-        number; ``info`` is its pending ``resize`` event)."""
-        new = _Attempt(attempt.number, new_world)
-        new.resize = info
-        self._attempt = new
-        self.world_size = new_world
-        self._reset_stragglers()
-        return new
-
-    def _resize_orders(
-        self,
-        attempt: _Attempt,
-        order: Sequence[int],
-        source: int | None,
-        start_round: int,
-        snapshot_step: int,
-    ) -> tuple[dict[int, int], dict[int, Resize]]:
-        """The next generation's membership: old rank -> new rank (``order`` lists the old
-        ranks in new-rank order) and the :class:`Resize` each member is sent."""
-        assignment = {old: new for new, old in enumerate(order)}
-        orders = {
-            old: Resize(
-                generation=self.generation,
-                world_size=len(order),
-                rank=new,
-                store_prefix=f"ringtrain/elastic/{attempt.number}/{self.generation}/",
-                source_rank=source,
-                start_round=start_round,
-                snapshot_step=snapshot_step,
-            )
-            for old, new in assignment.items()
-        }
-        return assignment, orders
-
-    def _on_resumed(self, attempt: _Attempt, event: Resumed) -> None:
-        if attempt.resize is None:
-            return
-        info, attempt.resize = attempt.resize, None
-        resume_s = max(0.0, event.time - info["failure_time"])
-        pause_time = info.pop("pause_time", None)
-        extra = {} if pause_time is None else {"paused_s": max(0.0, event.time - pause_time)}
-        self.run_dir.event("resize", **info, resume_s=resume_s, **extra)
-        grew = info["new_world_size"] > info["old_world_size"]
-        if grew:
-            self._grow_failures = 0
-        # Below max: the next try to grow back is measured from here.
-        self._grow_idle_since = time.monotonic()
-        since = "capacity returned" if grew or pause_time is not None else "the failure"
-        text = (
-            f"resized {info['old_world_size']} -> {info['new_world_size']} workers; training "
-            f"resumed {resume_s:.2f} s after {since}, at step {event.step}"
-        )
-        if "paused_s" in extra:
-            text += f" (paused {extra['paused_s']:.2f} s)"
-        logger.info(text)
-        self.progress.message(text)
-
-    # ------------------------------------------------------------------ elastic: growing back
-    def _grow_tick(self, attempt: _Attempt) -> bool:
-        """Drive a grow back to ``max`` one poll at a time (no failure is in progress): start
-        workers to join once ``elastic_grow_after_s`` has passed below ``max``; when all of them
-        is ready (JoinReady), ask the members to pause at their next step boundary; when all members
-        paused, make one group of members and joiners. Returns whether a new generation was
-        formed (``self._attempt`` replaced)."""
-        assert self.elastic is not None and self.group is not None
-        grow = self._grow
-        paused = [
-            r
-            for r in range(attempt.world_size)
-            if r in attempt.interrupted and attempt.interrupted[r].grow
-        ]
-        if grow is None:
-            if paused:  # a stale request paused the members: re-form them as they were
-                if len(paused) == attempt.world_size:
-                    self._grow_resize(attempt, [], None, "re-formed after a cancelled grow")
-                    return True
-                return False
-            return self._grow_start(attempt)
-        if grow.dead and not grow.requested:
-            self._grow_failed(grow, "; ".join(grow.dead[r] for r in sorted(grow.dead)))
-            return False
-        if not grow.requested:
-            if set(grow.ranks) <= grow.ready:
-                grow.requested = True
-                for rank in range(attempt.world_size):
-                    try:
-                        self.group.send(rank, GrowRequest(self.generation))  # type: ignore[attr-defined]
-                    except OSError:
-                        pass  # that member is gone: its failure follows and cancels the grow
-            elif time.monotonic() - grow.started_at > max(
-                HELLO_TIMEOUT_S, self.worker_timeout_s or 0
-            ):
-                waiting = sorted(set(grow.ranks) - grow.ready)
-                self._grow_failed(grow, f"ranks {waiting} did not get ready to join in time")
-            return False
-        if len(paused) < attempt.world_size:
-            return False
-        joiners = [r for r in grow.ranks if r not in grow.dead]
-        why = "; ".join(grow.dead[r] for r in sorted(grow.dead))
-        if grow.dead:
-            self._grow_failed(grow, why, discard=sorted(grow.dead))
-        self._grow_resize(
-            attempt,
-            joiners,
-            grow,
-            "capacity returned"
-            if joiners
-            else f"re-formed after the joining workers failed ({why})",
-        )
-        return True
-
-    def _grow_start(self, attempt: _Attempt) -> bool:
-        assert self.elastic is not None and self.group is not None
-        if (
-            self._grow_idle_since is None
-            or attempt.resize is not None  # the last resize has not resumed yet
-            or attempt.done
-            or attempt.exited
-            or not callable(getattr(self.group, "grow", None))
-        ):
-            return False
-        ranks = self.elastic.grow_ranks(
-            attempt.world_size, time.monotonic() - self._grow_idle_since, self._grow_failures
-        )
-        if not ranks:
-            return False
-        try:
-            started = list(self.group.grow(ranks))  # type: ignore[attr-defined]
-        except (OSError, RuntimeError, ValueError) as exc:
-            self._grow_failed(_Grow(ranks), f"could not start workers: {exc}", discard=[])
-            return False
-        if not started:  # no capacity now: look again after elastic_grow_after_s
-            self._grow_idle_since = time.monotonic()
-            return False
-        self._grow = _Grow(started)
-        message = (
-            f"growing back: starting {len(started)} worker(s) (ranks {started}) to grow "
-            f"{attempt.world_size} -> {attempt.world_size + len(started)}; the members pause at "
-            "their next step boundary once the new workers are up"
-        )
-        logger.info(message)
-        self.progress.message(message)
-        self.run_dir.event(
-            "grow_start",
-            old_world_size=attempt.world_size,
-            ranks=started,
-            generation=self.generation,
-        )
-        return False
-
-    def _on_joiner_event(self, grow: _Grow, event: Event) -> None:
-        rank = getattr(event, "rank", -1)
-        if isinstance(event, JoinReady):
-            grow.ready.add(rank)
-        elif isinstance(event, WorkerError):
-            grow.dead.setdefault(
-                rank, f"joining rank {rank} raised {event.exc_type}: {event.message}"
-            )
-        elif isinstance(event, Exited):
-            how = (
-                f"was killed by {_signal_name(-event.returncode)}"
-                if event.returncode < 0
-                else f"exited with status {event.returncode}"
-            )
-            grow.dead.setdefault(rank, f"joining rank {rank} {how}")
-
-    def _grow_failed(
-        self, grow: _Grow, reason: str, *, backoff: bool = True, discard: list[int] | None = None
-    ) -> None:
-        """Give up on ``grow`` (or on its ``discard`` ranks only): stop its workers, log why,
-        and try again after ``elastic_grow_after_s`` (doubled per consecutive failure when
-        ``backoff``)."""
-        assert self.elastic is not None
-        ranks = grow.ranks if discard is None else discard
-        if ranks and callable(getattr(self.group, "discard", None)):
-            self.group.discard(ranks)  # type: ignore[union-attr]
-        if discard is None:
-            self._grow = None
-        if backoff:
-            self._grow_failures += 1
-        self._grow_idle_since = time.monotonic()
-        delay = self.elastic.grow_delay_s(self._grow_failures)
-        message = f"growing back failed: {reason}; trying again in {delay:g} s"
-        logger.warning(message)
-        self.progress.message(message)
-        self.run_dir.event("grow_failed", reason=reason, ranks=ranks, retry_s=delay)
-
-    def _grow_resize(
-        self, attempt: _Attempt, joiners: list[int], grow: _Grow | None, cause: str
-    ) -> None:
-        """Make the paused members (ranks kept) and ``joiners`` (numbered after them) the next
-        generation: each member is sent a Resize, the joiners get the newest snapshot by
-        broadcast from a member."""
-        assert self.group is not None
-        old_world = attempt.world_size
-        members = list(range(old_world))
-        steps = {r: attempt.interrupted[r].snapshot_step for r in members}
-        held = [s for s in steps.values() if s is not None]
-        newest = max(held) if held else None
-        source = None
-        if newest is not None and (joiners or len(set(steps.values())) > 1):
-            source = min(r for r in members if steps[r] == newest)
-        self.generation += 1
-        for round_ in sorted(set(attempt.writing) | set(attempt.pending)):
-            self.checkpoints.discard_staging(round_)
-        order = members + joiners
-        new_world = len(order)
-        assignment, orders = self._resize_orders(
-            attempt, order, source, self.next_round, newest if newest is not None else -1
-        )
-        reached = [i.step for i in attempt.interrupted.values() if i.step is not None]
-        rolled_back = max(0, max(reached, default=newest or 0) - (newest or 0))
-        pauses = [attempt.interrupted[r].time for r in members if attempt.interrupted[r].grow]
-        info = {
-            "old_world_size": old_world,
-            "new_world_size": new_world,
-            "cause": cause,
-            "generation": self.generation,
-            "snapshot_step": newest,
-            "steps_rolled_back": rolled_back,
-            "failure_time": grow.capacity_time if grow is not None else time.time(),
-            "pause_time": min(pauses, default=time.time()),
-        }
-        new = self._next_generation(attempt, new_world, info)
-        self._grow = None
-        try:
-            self.group.resize(assignment, orders)  # type: ignore[attr-defined]
-        except OSError as exc:  # a connection went away just now: restart from disk
-            reason = f"growing back failed while re-forming the group ({exc})"
-            new.elastic_fallback = True
-            self._on_failure(
-                new,
-                WorkerFailure(
-                    rank=0, kind="exit", message=reason, attempt=attempt.number, time=time.time()
-                ),
-            )
-            self.run_dir.event("resize_fallback", reason=reason)
-            return
-        message = (
-            f"{'growing back' if new_world > old_world else 'resizing'} in place: {old_world} -> "
-            f"{new_world} workers ({cause}); joining at the snapshot of step {newest}"
-        )
-        logger.info(message)
-        self.progress.message(message)
-        for rank in range(new_world):
-            self.progress.worker_state(rank, "running")
 
     # ------------------------------------------------------------------ outputs
     def result(self) -> Result:
@@ -1061,23 +663,6 @@ class Controller:
                 logger.exception(
                     "callback %s.%s raised; the run continues", type(cb).__name__, hook
                 )
-
-
-def _root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
-    """The failure that explains the others: a non-peer error first, then the earliest."""
-
-    def secondary(f: WorkerFailure) -> bool:
-        return f.kind == "exception" and bool(_PEER_ERROR.search(f"{f.exc_type} {f.message}"))
-
-    primaries = [f for f in failures if not secondary(f)] or failures
-    return min(primaries, key=lambda f: (f.time, f.rank))
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def _digest_on_storage(checkpoints: CheckpointManager, round_: int, rel: str) -> dict[str, Any]:
