@@ -15,7 +15,8 @@ import ringtrain as rt
 
 def train_fn(config):
     """``layers`` x ``nn.Linear(width, width)`` regression, momentum SGD, a TrainState reported
-    with a checkpoint every ``every`` steps. On attempt 0 at the first world size, rank 1 writes
+    with a checkpoint every ``every`` steps. On attempt 0 at the first world size, rank
+    ``kill_rank`` (default 1) writes
     ``time.time()`` to ``{log}/kill`` and SIGKILLs itself right after step ``kill_step`` (after
     the checkpoint of that step is on storage). Every rank logs, per step, ``time``: when
     ``optimizer.step()`` returned (the step is complete), and ``snapshot_s``: how long the
@@ -32,7 +33,9 @@ def train_fn(config):
     loader = rt.prepare_data_loader(DataLoader(data, batch_size=config["batch"], shuffle=True))
     state = rt.TrainState(model=model, optimizer=optimizer, data_loader=loader)
     state.restore()
-    killer = ctx.attempt == 0 and ctx.world_size == 3 and ctx.world_rank == 1
+    killer = (
+        ctx.attempt == 0 and ctx.world_size == 3 and ctx.world_rank == config.get("kill_rank", 1)
+    )
     log = os.path.join(config["log"], f"{os.getpid()}.jsonl")
     for _epoch in state.epochs(1):
         for x, y in loader:

@@ -3,12 +3,12 @@ resize in place vs full restart from the disk checkpoint.
 
 Each run: 3 local workers (gloo, ``resources_per_worker={"CPU": 1}``), ``_elastic_worker.train_fn``
 (``layers`` x ``Linear(width, width)``, momentum SGD, a TrainState checkpointed every ``every``
-steps, asynchronously); rank 1 SIGKILLs itself right after step ``kill_step`` (after waiting
-``settle_s`` so that the checkpoint of that step is on storage: both modes then resume from
-the same step). Recovery = (first step after the kill completed by every rank of the new
-group: its ``optimizer.step()`` returned) - (the kill's ``time.time()``). Also printed: what the
-``state.step`` increment costs per step (in place: the in-memory snapshot taken there) and the
-step period, from the steps without a failure in between.
+steps, asynchronously); rank ``--kill-rank`` (default 1) SIGKILLs itself right after step
+``kill_step`` (after waiting ``settle_s`` so that the checkpoint of that step is on storage: both
+modes then resume from the same step). Recovery = (first step after the kill completed by every rank
+of the new group: its ``optimizer.step()`` returned) - (the kill's ``time.time()``). Also printed:
+what the ``state.step`` increment costs per step (in place: the in-memory snapshot taken there) and
+the step period, from the steps without a failure in between.
 
 - in place: ``ScalingConfig(num_workers=(2, 3))``, ``FailureConfig(snapshot_interval_steps=1)``:
   the two survivors re-form the group and continue from their in-memory snapshot.
@@ -27,6 +27,7 @@ Usage::
     python benchmarks/elastic.py --runs 3 --width 4096 --layers 6 --batch 2 \
         --kill-step 2 --settle-s 6                              # 100.7 M params
     python benchmarks/elastic.py --runs 3 --grow                # growing back 2 -> 3
+    python benchmarks/elastic.py --runs 3 --kill-rank 0         # losing rank 0
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def one_run(mode: str, args: argparse.Namespace) -> float:
             "steps": args.kill_step + 3,
             "every": args.kill_step,
             "kill_step": args.kill_step,
+            "kill_rank": args.kill_rank,
             "settle_s": args.settle_s,
             "log": tmp,
         }
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="per worker at 3 workers")
     parser.add_argument("--kill-step", type=int, default=4)
+    parser.add_argument("--kill-rank", type=int, default=1, choices=(0, 1, 2))
     parser.add_argument("--settle-s", type=float, default=2.0)
     parser.add_argument("--json", help="write the numbers to this file")
     parser.add_argument("--grow", action="store_true", help="measure growing back 2 -> 3")
