@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ringtrain.channel import Event, Exited, GrowRequest, JoinReady, Resize, Resumed, WorkerError
@@ -52,11 +52,9 @@ class ElasticControl:
     _grow_failures: int
     _grow_idle_since: float | None
 
-    def _on_failure(self, attempt: Attempt, failure: WorkerFailure) -> None:
-        raise NotImplementedError  # the controller's
-
-    def _callback(self, hook: str, *args: Any) -> None:
-        raise NotImplementedError  # the controller's
+    # The controller's methods this side calls.
+    _on_failure: Callable[[Attempt, WorkerFailure], None]
+    _callback: Callable[..., None]
 
     def _elastic(self, attempt: Attempt) -> ElasticAction:
         """After a failure in an elastic run: wait for the survivors, resize in place, or give

@@ -22,13 +22,10 @@ the collective timeout as before.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from collections.abc import Callable
-from typing import Any, TypeVar
-
-logger = logging.getLogger("ringtrain")
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -86,10 +83,15 @@ class GroupSockets:
         self.fds = dict(fds or {})
 
     @classmethod
-    def opened_by(cls, create: Callable[[], T], store_port: int | None = None) -> tuple[T, Any]:
+    def opened_by(
+        cls, create: Callable[[], T], store_port: int | None = None
+    ) -> tuple[T, GroupSockets]:
         """Call ``create()`` (which builds a gloo group) and note the TCP sockets it opened,
         leaving out connections to or from the rendezvous store at ``store_port`` (those must
-        outlive the group: the next generation rendezvouses through the same store).
+        outlive the group: the next generation rendezvouses through the same store). A TCP
+        connection another thread of this process opens meanwhile is noted too (in a Ray actor,
+        say, a gRPC channel to the raylet, which gRPC re-opens if it is later shut down); the
+        window is the group's rendezvous, milliseconds.
 
         Returns:
             ``(create's result, GroupSockets)``.

@@ -455,9 +455,13 @@ def deferred_sync_generation() -> int | None:
 
 def mark_restored(module: Any, checkpoint: Any) -> None:
     """Note on ``module`` (unwrapped) that ``checkpoint``, when it is this generation's elastic
-    snapshot, was just loaded into it (read by ``sync_unless_restored``)."""
+    snapshot (what ``get_checkpoint()`` returns now), was just loaded into it (read by
+    ``sync_unless_restored``)."""
+    from ringtrain import session
+
     generation = deferred_sync_generation()
-    if generation is not None and isinstance(checkpoint, snapshots.SnapshotCheckpoint):
+    current = session._session
+    if generation is not None and current is not None and checkpoint is current.latest_checkpoint:
         module.__dict__[RESTORED_ATTR] = generation
 
 
