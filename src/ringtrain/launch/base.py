@@ -141,6 +141,30 @@ class ChannelGroup:
             with contextlib.suppress(OSError):
                 conn.close()
 
+    def _pop_joiners(self, ranks: list[int], members: dict[int, Any]) -> list[Any]:
+        """Forget the joining workers among ``ranks`` (an elastic grow's, never made members):
+        drop them from ``_joining``, pop their entries from ``members`` (the subclass's rank ->
+        worker map) and close their channel connections. Members and unknown ranks are
+        ignored. Call with ``_lock`` held.
+
+        Returns:
+            the popped workers, for the subclass to stop.
+        """
+        joining: set[int] = getattr(self, "_joining", set())
+        gone = []
+        for rank in ranks:
+            if rank not in joining:
+                continue
+            joining.discard(rank)
+            worker = members.pop(rank, None)
+            conn = self._conns.pop(rank, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.close()
+            if worker is not None:
+                gone.append(worker)
+        return gone
+
     def send(self, rank: int, message: Any) -> None:
         """Send a driver -> worker message (e.g. :class:`~ringtrain.channel.GrowRequest`) on
         ``rank``'s channel connection.

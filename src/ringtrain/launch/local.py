@@ -206,21 +206,10 @@ class LocalWorkerGroup(ChannelGroup):
     def discard(self, ranks: list[int]) -> None:
         """Stop joining workers that were never made members (SIGKILL) and forget them; their
         Exited events may still arrive. Idempotent; members and unknown ranks are ignored."""
-        gone: list[subprocess.Popen[bytes]] = []
         with self._lock:
-            for rank in ranks:
-                if rank not in self._joining:
-                    continue
-                self._joining.discard(rank)
-                proc = self._procs.pop(rank, None)
-                conn = self._conns.pop(rank, None)
-                if conn is not None:
-                    with contextlib.suppress(OSError):
-                        conn.close()
-                if proc is not None:
-                    self._retired.append(proc)
-                    self._quiet.add(proc.pid)
-                    gone.append(proc)
+            gone: list[subprocess.Popen[bytes]] = self._pop_joiners(ranks, self._procs)
+            self._retired += gone
+            self._quiet.update(proc.pid for proc in gone)
         for proc in gone:
             _signal_group(proc, signal.SIGKILL)
 

@@ -744,20 +744,10 @@ class RayWorkerGroup(ChannelGroup):
         """Stop joining workers that were never made members (SIGKILL, actor killed) and forget
         them; nothing they do is an event any more. Idempotent; members and unknown ranks are
         ignored."""
-        gone: list[_Worker] = []
         with self._lock:
-            for rank in ranks:
-                if rank not in self._joining:
-                    continue
-                self._joining.discard(rank)
-                worker = self._members.pop(rank, None)
-                conn = self._conns.pop(rank, None)
-                if conn is not None:
-                    with contextlib.suppress(OSError):
-                        conn.close()
-                if worker is not None:
-                    worker.retired = True
-                    gone.append(worker)
+            gone: list[_Worker] = self._pop_joiners(ranks, self._members)
+            for worker in gone:
+                worker.retired = True
         self._retire(gone)
 
     # ------------------------------------------------------------------ contract
