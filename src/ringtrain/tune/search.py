@@ -18,6 +18,7 @@ compare equal (``[1, 1.0, True]``), are stored as their index and decoded back.
 
 from __future__ import annotations
 
+import abc
 import importlib.util
 import itertools
 import json
@@ -41,12 +42,12 @@ _PRIMITIVE = (type(None), bool, int, float, str)
 _GRID_FIX = "use search_alg='random' or 'tpe', or grid_search([...]) with the values to visit"
 
 
-class Domain:
+class Domain(abc.ABC):
     """A searched dimension of a space, made by :func:`uniform`, :func:`choice`, ... ."""
 
-    def distribution(self) -> BaseDistribution:  # pragma: no cover - overridden
+    @abc.abstractmethod
+    def distribution(self) -> BaseDistribution:
         """The Optuna distribution the sampler draws from (categories encoded)."""
-        raise NotImplementedError
 
     def encode(self, value: Any) -> Any:
         """``value`` as Optuna stores it (the index of a non-primitive category)."""
