@@ -1,8 +1,9 @@
 """The authenticated channel between workers and the driver, and the messages it carries.
 
-Built on :mod:`multiprocessing.connection`: the driver listens on loopback (or on the address a
-multi-node backend needs) with a per-run secret; a client must answer an HMAC challenge with that
-secret before a single message is accepted, so nobody else on the host can inject reports.
+Built on :mod:`multiprocessing.connection`: the driver listens on loopback (or on the node address a
+multi-node backend needs) with a per-run secret; a client must answer an HMAC-SHA256 challenge
+with that secret (:mod:`ringtrain.handshake`) before a single byte is unpickled, so nobody else on
+the host can inject reports, and idle or garbage connections cannot stall the workers'.
 Messages are small frozen dataclasses. This module imports neither torch nor the controller, so both
 sides can use it.
 """
@@ -11,10 +12,17 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
+
+from ringtrain import handshake
+from ringtrain.handshake import (
+    HANDSHAKE_TIMEOUT_S,
+    HandshakeListener,
+    listen_backlog,
+    listen_socket,
+)
 
 # ---------------------------------------------------------------- messages (worker -> driver)
 
@@ -142,10 +150,14 @@ class JoinReady:
 @dataclass(frozen=True)
 class Start:
     """Sent to each worker after its Hello. ``payload``: cloudpickled ``(train_fn, config)`` in
-    function mode, ``None`` in script mode. ``latest_checkpoint``: URI to resume from, or None."""
+    function mode, ``None`` in script mode. ``latest_checkpoint``: URI to resume from, or None.
+    ``checkpoint_files``: the file table (``{path: {"size", "sha256"}}``) of that checkpoint's
+    manifest, whose signature the driver checked: workers read only these files and hash each
+    as they read it (``None``: they check the manifest themselves)."""
 
     payload: bytes | None = None
     latest_checkpoint: str | None = None
+    checkpoint_files: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -208,47 +220,55 @@ def new_authkey() -> bytes:
 
 
 class DriverListener:
-    """Accepts worker connections; each accepted connection is handed to ``on_connection``.
+    """The driver's end of the channel: accepts worker connections on ``host`` and hands each
+    one that authenticates (:mod:`ringtrain.handshake`: HMAC-SHA256 both ways, nothing read
+    from the socket is unpickled before) to ``on_connection``.
+
+    Handshakes run in one non-blocking loop with a deadline each, so idle or garbage
+    connections (a port scan, a local user) neither delay the workers' handshakes nor fail the
+    run; the listen backlog covers the world size.
 
     Args:
         authkey: the run's secret.
-        host: interface to listen on; loopback by default.
-        on_connection: called from the accept thread with each authenticated connection.
+        on_connection: called with each authenticated connection, from the listener's thread
+            (start a reader thread; do not block).
+        host: the address to listen on: loopback for a run on this machine, the node's address
+            when workers on other nodes connect (never the wildcard).
+        world_size: workers that connect at about the same time (sizes the backlog).
+        handshake_timeout_s: seconds a client has to answer the challenge before it is dropped.
+
+    Raises:
+        OSError: if ``host`` is not an address of this machine.
     """
 
-    def __init__(self, authkey: bytes, on_connection: Any, host: str = "127.0.0.1") -> None:
-        self._listener = Listener(address=(host, 0), family="AF_INET", authkey=authkey)
-        self._on_connection = on_connection
-        self._closed = threading.Event()
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="ringtrain-accept", daemon=True
+    def __init__(
+        self,
+        authkey: bytes,
+        on_connection: Any,
+        host: str = "127.0.0.1",
+        *,
+        world_size: int = 1,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
+        sock = listen_socket(host, listen_backlog(world_size))
+        self._listener = HandshakeListener(
+            sock, authkey, on_connection, handshake_timeout_s=handshake_timeout_s
         )
-        self._thread.start()
 
     @property
     def address(self) -> str:
+        """``HOST:PORT`` for :meth:`WorkerChannel.connect`."""
         host, port = self._listener.address
         return f"{host}:{port}"
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn = self._listener.accept()
-            except OSError:
-                if self._closed.is_set():
-                    return
-                continue  # a failed handshake (wrong secret, port scan): ignore that client
-            except Exception:
-                # multiprocessing raises AuthenticationError for a wrong secret.
-                continue
-            self._on_connection(conn)
+    @property
+    def handshakes(self) -> HandshakeListener:
+        """The handshake loop (its ``rejected``/``timed_out`` counters, ``pending()``)."""
+        return self._listener
 
     def close(self) -> None:
-        self._closed.set()
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        """Stop listening (connections already handed out stay open). Idempotent."""
+        self._listener.close()
 
 
 @dataclass
@@ -260,15 +280,17 @@ class WorkerChannel:
 
     @classmethod
     def connect(cls, address: str, authkey: bytes, timeout_s: float = 60.0) -> WorkerChannel:
+        """Connect to the driver's :class:`DriverListener` at ``HOST:PORT`` and authenticate
+        (both ways) with ``authkey``; retries until ``timeout_s`` while the driver is not
+        reachable or drops the handshake.
+
+        Raises:
+            multiprocessing.AuthenticationError: the driver rejected ``authkey``, or the peer
+                is not the driver.
+            OSError: no authenticated connection within ``timeout_s``.
+        """
         host, _, port = address.rpartition(":")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return cls(Client((host, int(port)), family="AF_INET", authkey=authkey))
-            except (ConnectionRefusedError, ConnectionResetError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        return cls(handshake.connect(host.strip("[]"), int(port), authkey, timeout_s))
 
     def send(self, message: Any) -> None:
         with self.lock:

@@ -10,6 +10,7 @@ SLURM's ``srun`` are all described by one :class:`DistributedContext`.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -259,3 +260,28 @@ def worker_environment(
         ENV_START_ROUND: str(start_round),
         "PYTHONUNBUFFERED": "1",
     }
+
+
+LOOPBACK_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""The variables that make gloo, TensorPipe and NCCL's bootstrap listen on one interface."""
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        names = []
+    for name in ("lo", "lo0", *names):
+        if name in names and name.startswith("lo"):
+            return name
+    return "lo"
+
+
+def loopback_environment() -> dict[str, str]:
+    """The variables a worker of a run on this machine gets so that its communication
+    libraries listen on loopback only: gloo (and TensorPipe, and NCCL's bootstrap) otherwise
+    bind the interface that the host name resolves to, reachable from the network.
+    A multi-node backend (Ray) must not set them."""
+    name = loopback_interface()
+    return {var: name for var in LOOPBACK_IFNAME_VARS}

@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from ringtrain.channel import Event, Hello, Start
+from ringtrain.handshake import listen_backlog, listen_socket
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class WorkerSpec:
         attempt: 0 on the first attempt.
         start_round: the report round the first ``report()`` of this attempt gets.
         latest_checkpoint: URI of the checkpoint to resume from, or ``None``.
+        checkpoint_files: the verified manifest's file table of ``latest_checkpoint``.
         env: extra environment variables for the workers.
     """
 
@@ -46,6 +48,36 @@ class WorkerSpec:
     start_round: int = 0
     latest_checkpoint: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    checkpoint_files: dict[str, dict[str, Any]] | None = None
+
+
+def start_store(host: str, world_size: int) -> Any:
+    """Host the rendezvous ``torch.distributed.TCPStore`` (server) on ``host`` only.
+
+    ``TCPStore(host, 0, is_master=True)`` listens on every interface whatever ``host`` says
+    (torch binds the wildcard, IPv4 and IPv6), so the listening socket is bound here, to
+    ``host`` with a port chosen by the OS, and handed to the store by file descriptor
+    (``master_listen_fd``). Workers connect to ``host:store.port``.
+
+    Args:
+        host: loopback for a run on this machine; the node's address on a cluster.
+        world_size: the number of workers (sizes the listen backlog).
+
+    Raises:
+        OSError: if ``host`` is not an address of this machine.
+    """
+    import torch.distributed as dist
+
+    sock = listen_socket(host, listen_backlog(world_size))
+    port = int(sock.getsockname()[1])
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),  # the store owns the descriptor from now on
+    )
 
 
 class WorkerGroup(Protocol):
@@ -130,7 +162,11 @@ class ChannelGroup:
                     return
                 self._conns[hello.rank] = conn
             conn.send(
-                Start(payload=self.spec.payload, latest_checkpoint=self.spec.latest_checkpoint)
+                Start(
+                    payload=self.spec.payload,
+                    latest_checkpoint=self.spec.latest_checkpoint,
+                    checkpoint_files=self.spec.checkpoint_files,
+                )
             )
             self._events.put(hello)
             while True:

@@ -5,6 +5,10 @@ reaches only the driver, which then stops the workers in order) with the torchru
 The driver hosts the rendezvous ``TCPStore`` itself on an OS-assigned loopback port, as torchrun's
 agent does (``TORCHELASTIC_USE_AGENT_STORE``), so there is no race for a "free" port. Worker output
 is forwarded line by line with a ``(rank N)`` prefix.
+
+Every socket a local run listens on is bound to loopback: the driver's channel, the store (bound
+by :func:`~ringtrain.launch.base.start_store`, since torch alone would bind the wildcard) and each
+worker's gloo listener (``GLOO_SOCKET_IFNAME``, :func:`~ringtrain.env.loopback_environment`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from multiprocessing.connection import Connection
 from typing import IO, Any
 
 from ringtrain.channel import DriverListener, Event, Exited, new_authkey
-from ringtrain.env import worker_environment
-from ringtrain.launch.base import ChannelGroup, WorkerSpec
+from ringtrain.env import loopback_environment, worker_environment
+from ringtrain.launch.base import ChannelGroup, WorkerSpec, start_store
+
+LOOPBACK = "127.0.0.1"
 
 
 class LocalLauncher:
@@ -49,8 +55,6 @@ class LocalWorkerGroup(ChannelGroup):
     """
 
     def __init__(self, spec: WorkerSpec, forward_output: bool = True) -> None:
-        import torch.distributed as dist
-
         self.world_size = spec.world_size
         self.spec = spec
         self._events: queue.Queue[Event] = queue.Queue()
@@ -65,17 +69,19 @@ class LocalWorkerGroup(ChannelGroup):
         self._lock = threading.Lock()
         self._forward_output = forward_output
         self._authkey = new_authkey()
-        self._listener = DriverListener(self._authkey, self._on_connection)
-        # The rendezvous store lives in the driver for the attempt's lifetime.
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, spec.world_size, is_master=True, wait_for_workers=False
+        # Every listener of a local run is on loopback: the channel, the rendezvous store
+        # (which lives in the driver for the attempt's lifetime) and gloo's (GLOO_SOCKET_IFNAME).
+        self._listener = DriverListener(
+            self._authkey, self._on_connection, LOOPBACK, world_size=spec.world_size
         )
+        self._store = start_store(LOOPBACK, spec.world_size)
         base_env = dict(os.environ)
         base_env["PYTHONPATH"] = os.pathsep.join(
             [p for p in sys.path if p]
             + ([base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else [])
         )
         base_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        base_env.update(loopback_environment())
         base_env.update(spec.env)
         self._base_env = base_env
         self._cmd = [sys.executable, "-m", "ringtrain.launch.worker"]
@@ -98,7 +104,7 @@ class LocalWorkerGroup(ChannelGroup):
                 local_rank=rank,
                 local_world_size=world_size,
                 node_rank=0,
-                master_addr="127.0.0.1",
+                master_addr=LOOPBACK,
                 master_port=self._store.port,
                 threads=spec.threads,
                 use_gpu=spec.use_gpu,

@@ -57,7 +57,7 @@ from ringtrain.channel import (
     new_authkey,
 )
 from ringtrain.env import ENV_ELASTIC, worker_environment
-from ringtrain.launch.base import ChannelGroup, WorkerSpec
+from ringtrain.launch.base import ChannelGroup, WorkerSpec, start_store
 from ringtrain.launch.ray_placement import (
     NodeResources,
     Slot,
@@ -462,16 +462,16 @@ class RayWorkerGroup(ChannelGroup):
         members = [self._members[r] for r in range(self.world_size)]
         self._check_storage(members)
         driver_ip = ray.util.get_node_ip_address()
-        self._listener = DriverListener(self._authkey, self._on_connection, host=driver_ip)
+        # The channel and (elastic runs) the store listen on the driver's node address, not
+        # the wildcard: workers on other nodes reach them there (docs/ray.md).
+        self._listener = DriverListener(
+            self._authkey, self._on_connection, host=driver_ip, world_size=spec.world_size
+        )
         if self._elastic:
-            import torch.distributed as dist
-
             # The store must outlive any worker: the survivors of a lost rank 0 re-form the
-            # group in it (docs/elastic.md). It listens on every interface, port chosen by
-            # the OS; workers reach it at the driver's node address, as they reach the channel.
-            self._store = dist.TCPStore(
-                driver_ip, 0, spec.world_size, is_master=True, wait_for_workers=False
-            )
+            # group in it (docs/elastic.md). Port chosen by the OS; workers reach it at the
+            # driver's node address, as they reach the channel.
+            self._store = start_store(driver_ip, spec.world_size)
             self._master = (driver_ip, int(self._store.port))
         else:
             port = ray.get(self._store_port_ref, timeout=ACTOR_START_TIMEOUT_S)

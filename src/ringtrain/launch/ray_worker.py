@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -51,14 +50,17 @@ class RayWorker:
     def host_store(self, world_size: int) -> int:
         """Host the rendezvous ``TCPStore`` on this node; returns its port at once.
 
-        The listening socket is bound here (all interfaces, port chosen by the OS, so no race
-        for a "free" port) and handed to the store by file descriptor, while torch is imported
-        in the background: workers start meanwhile, and their connections wait in the socket's
-        backlog. The store lives as long as this actor."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("0.0.0.0", 0))
-        sock.listen(1024)
+        The listening socket is bound here, to this node's address (the one Ray reports, which
+        the other workers reach it at; not the wildcard), port chosen by the OS so there is no
+        race for a "free" port, and handed to the store by file descriptor while torch is
+        imported in the background: workers start meanwhile, and their connections wait in the
+        socket's backlog. The store lives as long as this actor."""
+        import ray
+
+        from ringtrain.handshake import listen_backlog, listen_socket
+
+        host = ray.util.get_node_ip_address()
+        sock = listen_socket(host, max(1024, listen_backlog(world_size)))
         port = int(sock.getsockname()[1])
         fd = sock.detach()  # the store owns the descriptor from now on
 
@@ -67,7 +69,7 @@ class RayWorker:
                 import torch.distributed as dist
 
                 self._store = dist.TCPStore(
-                    "0.0.0.0",
+                    host,
                     port,
                     world_size,
                     is_master=True,
