@@ -21,6 +21,7 @@ reports which rank failed and why.
                                            scaling report: speedup, efficiency, limits
   ringtrain dashboard                      live web dashboard of the runs under ./runs
   ringtrain tune sweep.py                  hyperparameter sweep; every trial is an N-worker run
+  ringtrain chaos train.py --workers 2,3   verify exact resume under random kills and hangs
 
 Python API: ringtrain.Trainer(train_fn, ScalingConfig(...), RunConfig(...)).fit()
 """
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dashboard_parser(sub)
     _add_export_parser(sub)
     parser._tune_parser = _add_tune_parser(sub)  # type: ignore[attr-defined]
+    from ringtrain.chaos.cli import add_parser as add_chaos_parser
+
+    parser._chaos_parser = add_chaos_parser(sub)  # type: ignore[attr-defined]
     return parser
 
 
@@ -209,6 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_dashboard(args)
     if args.command == "export":
         return _cmd_export(args)
+    if args.command == "chaos":
+        from ringtrain.chaos.cli import run as run_chaos
+
+        return run_chaos(args, parser._chaos_parser)  # type: ignore[attr-defined]
     if args.command == "tune":
         from ringtrain.tune.cli import run as run_tune
 

@@ -58,6 +58,8 @@ class Session:
     timer: Any = None
     timing_interval_s: float = 2.0
     elastic: Any = None  # the ElasticRuntime of an elastic run (ringtrain.elastic.worker)
+    # Called with every new TrainState.step, on the training thread (ringtrain.chaos's faults).
+    step_listeners: list[Any] = field(default_factory=list)
     _writer: Any = None
     _run_fs: Any = None
     _run_path: str | None = None
@@ -164,6 +166,8 @@ def mark_progress(step: int | None = None) -> None:
         session.progress_count += 1
         if step is not None:
             session.last_step = step
+            for listener in session.step_listeners:
+                listener(step)
 
 
 def current_timer() -> Any:
