@@ -56,6 +56,15 @@ def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05) -> 
     return predicate()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_signing_key(tmp_path_factory):
+    """Checkpoint signing keys of the tests (and their workers) live in a temporary directory,
+    never in the real ~/.config/ringtrain."""
+    os.environ["RINGTRAIN_KEY_DIR"] = str(tmp_path_factory.mktemp("ringtrain-keys"))
+    os.environ.pop("RINGTRAIN_SIGNING_KEY", None)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks():
     before_children = child_pids()

@@ -7,7 +7,7 @@ import uuid
 import fsspec
 import pytest
 
-from ringtrain.checkpoint import storage
+from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import CheckpointConfig
 
@@ -132,6 +132,16 @@ def test_directory_without_manifest_is_not_a_checkpoint(run_location):
         storage.read_manifest(fs, storage.join(fs, path, "checkpoint_000004"))
     with fs.open(storage.join(fs, path, "checkpoint_000004", "manifest.json"), "w") as f:
         f.write(json.dumps({"files": {"model.pt": {"size": 1, "sha256": "0" * 64}}}))
+    with pytest.raises(ValueError, match="no signature"):  # unsigned: refused before any file
+        storage.read_manifest(fs, storage.join(fs, path, "checkpoint_000004"))
+    storage.write_manifest(
+        fs,
+        storage.join(fs, path, "checkpoint_000004"),
+        {"model.pt": {"size": 1, "sha256": "0" * 64}},
+        signing.resolve(),
+        run="run",
+        round_=4,
+    )
     with pytest.raises(ValueError, match="SHA-256"):
         storage.read_manifest(
             fs, storage.join(fs, path, "checkpoint_000004"), verify_checksums=True

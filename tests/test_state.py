@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ringtrain as rt
 from ringtrain import session as session_mod
+from ringtrain.checkpoint import signing, storage
+from ringtrain.checkpoint.checkpoint import CheckpointLoadError
 from ringtrain.state import STATE_FILE, TrainState, capture_rng, rank_file, restore_rng
 
 # ---------------------------------------------------------------- helpers
@@ -96,6 +99,19 @@ def _write(state: TrainState, directory: Path, stage: bool) -> Path:
     for name, write in state._checkpoint_writers(stage).items():
         with open(directory / name, "wb") as f:
             write(f)
+    return _sign(directory)
+
+
+def _sign(directory: Path) -> Path:
+    """Write a signed manifest of every file in ``directory``, as the driver does on publishing
+    (loading reads only files a signed manifest lists)."""
+    fs = fsspec.filesystem("file")
+    files = {
+        p.name: storage.file_digest(fs, str(p))
+        for p in sorted(directory.iterdir())
+        if p.name != storage.MANIFEST
+    }
+    storage.write_manifest(fs, str(directory), files, signing.resolve(), run="t", round_=0)
     return directory
 
 
@@ -235,7 +251,7 @@ def test_restore_continues_bit_exactly(tmp_path, stage):
     _advance(run, 8)  # epoch 1, batch 2 of 6: mid-epoch
     assert (original.state.epoch, original.loader.batch) == (1, 2)
     ckpt_dir = _write(original.state, tmp_path / "ckpt", stage)
-    assert sorted(os.listdir(ckpt_dir)) == [rank_file(0), STATE_FILE]
+    assert sorted(os.listdir(ckpt_dir)) == [storage.MANIFEST, rank_file(0), STATE_FILE]
     _advance(run, 10)  # into epoch 2: crosses an epoch boundary after the resume
     assert (original.state.epoch, original.loader.batch) == (2, 6)
 
@@ -348,6 +364,7 @@ def test_restore_defaults_to_the_runs_latest_checkpoint(tmp_path):
 
 def test_restore_of_a_directory_without_train_state_raises(tmp_path):
     (tmp_path / "model.pt").write_bytes(b"not a train state")
+    _sign(tmp_path)
     with pytest.raises(ValueError, match=STATE_FILE):
         TrainState(torch.nn.Linear(2, 2)).restore(rt.Checkpoint(str(tmp_path)))
 
@@ -371,6 +388,7 @@ def test_restore_names_registered_objects_the_checkpoint_lacks(tmp_path):
 def test_restore_without_this_ranks_file_raises(tmp_path):
     _write(TrainState(torch.nn.Linear(2, 2)), tmp_path / "ckpt", stage=False)
     (tmp_path / "ckpt" / rank_file(0)).unlink()
+    _sign(tmp_path / "ckpt")  # a manifest without it (a missing listed file is refused)
     with pytest.raises(ValueError, match=rank_file(0)):
         TrainState(torch.nn.Linear(2, 2)).restore(rt.Checkpoint(str(tmp_path / "ckpt")))
 
@@ -396,8 +414,12 @@ def test_checkpoint_files_are_loaded_weights_only(tmp_path, evil_file):
     torch.save({"format": 1, "objects": {"model": _Evil(str(marker))}}, ckpt / evil_file)
     assert not marker.exists()
 
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CheckpointLoadError, match=r"SHA-256|bytes"):  # not what was signed
         TrainState(torch.nn.Linear(2, 2)).restore(rt.Checkpoint(str(ckpt)))
+    _sign(ckpt)  # even signed (a leaked key), weights_only refuses to run code
+    with pytest.raises(CheckpointLoadError) as refused:
+        TrainState(torch.nn.Linear(2, 2)).restore(rt.Checkpoint(str(ckpt)))
+    assert isinstance(refused.value.__cause__, pickle.UnpicklingError)
     assert not marker.exists()
 
     # Control: the crafted file really does run code when loaded without weights_only.

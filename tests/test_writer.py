@@ -12,6 +12,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 import ringtrain as rt
+from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint import writer as writer_mod
 from ringtrain.checkpoint.writer import AsyncCheckpointWriter, retry, write_files
 from ringtrain.state import STATE_FILE, TrainState, rank_file
@@ -196,6 +197,9 @@ def test_write_files_of_a_train_state_restores(tmp_path):
     for name, info in files.items():
         data = (dest / name).read_bytes()
         assert info == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    fs = fsspec.filesystem("file")
+    storage.write_manifest(fs, str(dest), files, signing.resolve(), run="t", round_=0)
 
     fresh = torch.nn.Linear(3, 2)
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)

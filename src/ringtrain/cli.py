@@ -91,6 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
         "from its latest valid checkpoint, with the script, arguments and settings it was "
         "started with; options given here override them",
     )
+    run.add_argument(
+        "--signing-key-file",
+        metavar="PATH",
+        help="the private key (mode 0600) that signs and checks checkpoints, config.json and "
+        "payload.pkl (default: $RINGTRAIN_SIGNING_KEY, else ~/.config/ringtrain/signing.key; "
+        "docs/security.md)",
+    )
+    run.add_argument(
+        "--trust-unsigned",
+        action="store_true",
+        help="accept a run directory or checkpoints not signed with the key (a warning each "
+        "time): only if you trust everyone who can write the storage",
+    )
     run.add_argument("--name", help="run name (default: SCRIPT's stem and a timestamp)")
     run.add_argument(
         "--storage-path", default="./runs", help="where run directories go (default: ./runs)"
@@ -233,11 +246,13 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.resume is not None:
         if args.script is not None:
             parser.error("--resume RUN_DIR continues a run with its own SCRIPT; give no SCRIPT")
+        from ringtrain.checkpoint.signing import resolve
         from ringtrain.trainer import load_saved_run
 
         try:
-            saved = load_saved_run(args.resume)
-        except (FileNotFoundError, ValueError, TypeError) as exc:
+            signer = resolve(None, args.signing_key_file, args.trust_unsigned)
+            saved = load_saved_run(args.resume, signer)
+        except (FileNotFoundError, PermissionError, ValueError, TypeError) as exc:
             parser.error(f"--resume: {exc}")
     elif args.script is None:
         parser.error("give SCRIPT to run, or --resume RUN_DIR")
@@ -275,6 +290,8 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             failure_config=failure,
             checkpoint_config=checkpoint,
             progress=args.progress,
+            signing_key_file=args.signing_key_file,
+            trust_unsigned=args.trust_unsigned,
         )
         from ringtrain.trainer import default_run_name, run_workers, validate_gpus
 
@@ -318,8 +335,8 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         terminated = isinstance(exc, DriverTerminated)
         print(f"ringtrain: run stopped ({exc or 'interrupted'}); workers stopped", file=sys.stderr)
         return 128 + (15 if terminated else 2)
-    except (RuntimeError, ValueError, ImportError) as exc:  # ImportError: backend not installed
-        print(f"ringtrain run: {exc}", file=sys.stderr)
+    except (RuntimeError, ValueError, ImportError, PermissionError) as exc:  # ImportError:
+        print(f"ringtrain run: {exc}", file=sys.stderr)  # backend not installed; unsafe key file
         return 2
     finally:
         if dashboard is not None:

@@ -446,6 +446,15 @@ class RunConfig:
         progress: ``"auto"`` (live display on a terminal, log lines otherwise), ``"rich"``,
             ``"plain"`` or ``"off"``.
         monitor_config: step timing, straggler detection, TensorBoard and CSV logs.
+        signing_key: the secret that signs checkpoint manifests and the run's ``payload.pkl`` and
+            ``config.json`` (bytes or str, at least 16 bytes; never written anywhere). Default:
+            ``$RINGTRAIN_SIGNING_KEY``, else your private key file (created on first use; see
+            docs/security.md). Give the same key to every driver that resumes the run.
+        signing_key_file: read the key from this file instead (it must be private: mode 0600).
+        trust_unsigned: accept checkpoints, payloads and configs that are not signed with the key
+            (a warning each time): only for run directories written before signing existed, or
+            by a key you no longer have, and only if you trust everyone who can write the
+            storage. Paths, sizes and SHA-256 are checked all the same.
     """
 
     name: str | None = None
@@ -455,8 +464,29 @@ class RunConfig:
     callbacks: Sequence[Any] = ()
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     monitor_config: MonitorConfig = field(default_factory=MonitorConfig)
+    signing_key: bytes | str | None = field(default=None, repr=False)
+    signing_key_file: str | None = None
+    trust_unsigned: bool = False
 
     def __post_init__(self) -> None:
+        if self.signing_key is not None and (
+            not isinstance(self.signing_key, (bytes, str)) or len(self.signing_key) < 16
+        ):
+            raise ValueError(
+                "RunConfig.signing_key must be bytes or str of at least 16 bytes (e.g. "
+                "secrets.token_hex(32)), or None to use $RINGTRAIN_SIGNING_KEY or your key file"
+            )
+        if self.signing_key_file is not None:
+            if not isinstance(self.signing_key_file, (str, os.PathLike)):
+                raise TypeError(
+                    "RunConfig.signing_key_file must be a path, got "
+                    f"{type(self.signing_key_file).__name__}"
+                )
+            object.__setattr__(self, "signing_key_file", os.fspath(self.signing_key_file))
+        if not isinstance(self.trust_unsigned, bool):
+            raise TypeError(
+                f"RunConfig.trust_unsigned must be True or False, got {self.trust_unsigned!r}"
+            )
         if self.name is not None and (
             not isinstance(self.name, str) or not _NAME_RE.match(self.name)
         ):

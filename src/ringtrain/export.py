@@ -34,11 +34,13 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 def find_checkpoint(location: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
     """The checkpoint at ``location``: a checkpoint directory itself, or a run directory, whose
-    newest checkpoint with a valid manifest is taken (sizes checked).
+    newest checkpoint with a valid, signed manifest is taken (paths and sizes checked; every
+    file's SHA-256 is checked as it is read).
 
     Raises:
         FileNotFoundError: nothing there, or a run directory without a valid checkpoint.
-        ValueError: a checkpoint directory whose manifest is missing or does not match its files.
+        ValueError: a checkpoint directory whose manifest is missing, not signed with your key,
+            or does not match its files.
     """
     if isinstance(location, Checkpoint):
         return location
@@ -47,20 +49,22 @@ def find_checkpoint(location: str | os.PathLike[str] | Checkpoint) -> Checkpoint
     if not fs.exists(path):
         raise FileNotFoundError(f"{location}: no such checkpoint or run directory")
     if fs.exists(storage.join(fs, path, storage.MANIFEST)):
-        storage.read_manifest(fs, path)
+        ckpt.set_verified_files(storage.read_manifest(fs, path)["files"])
         return ckpt
     rounds = []
     for entry in fs.ls(path, detail=False):
         round_ = storage.parse_round(entry.rstrip("/").rsplit("/", 1)[-1])
         if round_ is not None:
             rounds.append((round_, entry))
-    for _, entry in sorted(rounds, reverse=True):
+    for round_, entry in sorted(rounds, reverse=True):
         try:
-            storage.read_manifest(fs, entry)
+            manifest = storage.read_manifest(fs, entry, run=storage.run_name(path), round_=round_)
         except (ValueError, OSError) as exc:
             logger.warning("skipping %s: %s", entry, exc)
             continue
-        return Checkpoint(entry, fs)
+        found = Checkpoint(entry, fs)
+        found.set_verified_files(manifest["files"])
+        return found
     raise FileNotFoundError(
         f"{location}: neither a checkpoint directory (no {storage.MANIFEST}) nor a run directory "
         "with a valid checkpoint_NNNNNN"
@@ -70,30 +74,32 @@ def find_checkpoint(location: str | os.PathLike[str] | Checkpoint) -> Checkpoint
 def load_model_state(checkpoint: str | os.PathLike[str] | Checkpoint) -> dict[str, Any]:
     """The full, unsharded model state dict held by a TrainState checkpoint (CPU tensors).
 
+    Reads only files the checkpoint's signed manifest lists, each checked against its SHA-256
+    as it is read (the DCP shards into a private verified copy).
+
     Raises:
         FileNotFoundError / ValueError: see :func:`find_checkpoint`; a checkpoint that holds no
             model (a user's own file checkpoint, or a TrainState without ``model=``).
+        CheckpointLoadError: a file does not match the manifest, or ``torch.load`` refuses it.
     """
-    from ringtrain.checkpoint.sharded import has_sharded_state, load_full
-    from ringtrain.state import STATE_FILE
+    from ringtrain.checkpoint.sharded import METADATA, load_full
+    from ringtrain.state import STATE_FILE, _is_dcp_file, _load
 
     ckpt = find_checkpoint(checkpoint)
-    fs, path = ckpt.filesystem, ckpt.path
-    if has_sharded_state(fs, path):
-        state = load_full(path, fs)
+    if ckpt.has_file(METADATA):
+        with ckpt.verified_directory(_is_dcp_file) as local:
+            state = load_full(local, None)
         model = state.get("model")
         if not isinstance(model, dict):
             raise ValueError(f"{ckpt.uri}: its sharded checkpoint holds no 'model'")
         return model
-    state_path = storage.join(fs, path, STATE_FILE)
-    if not fs.exists(state_path):
+    shared = _load(ckpt, STATE_FILE)
+    if shared is None:
         raise ValueError(
             f"{ckpt.uri} holds no {STATE_FILE}: it was not saved from a ringtrain.TrainState, so "
             "there is no model to export (load your own files with Checkpoint.as_directory())"
         )
-    with fs.open(state_path, "rb") as f:
-        shared = torch.load(io.BytesIO(f.read()), weights_only=True, map_location="cpu")
-    model = shared.get("objects", {}).get("model")
+    model = shared.get("objects", {}).get("model") if isinstance(shared, dict) else None
     if model is None:
         raise ValueError(f"{ckpt.uri}: the TrainState was saved without a model")
     return dict(model)

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ringtrain.checkpoint.checkpoint import Checkpoint
+from ringtrain.checkpoint.checkpoint import Checkpoint, CheckpointLoadError
 from ringtrain.session import get_checkpoint, get_context, mark_progress
 
 logger = logging.getLogger("ringtrain")
@@ -434,7 +434,9 @@ class TrainState:
     def restore(self, checkpoint: Checkpoint | None = None) -> bool:
         """Load the state of ``checkpoint`` (default: the run's latest, ``get_checkpoint()``).
 
-        A no-op returning False on a fresh run. Loads with ``weights_only=True``.
+        A no-op returning False on a fresh run. Reads only files the checkpoint's signed manifest
+        lists, hashing each as it is read, and loads them with ``weights_only=True``
+        (docs/security.md).
 
         Returns:
             True if a checkpoint was restored.
@@ -442,6 +444,9 @@ class TrainState:
         Raises:
             ValueError: if the checkpoint holds no TrainState, lacks an object registered here,
                 or its data position does not fit this run (another world size or batch size).
+            CheckpointLoadError: a file is unlisted, unsafe or altered, the manifest is not
+                signed with the key, or a file's content is refused (on a worker, the driver
+                then sets the checkpoint aside and resumes from the one before).
         """
         ckpt = checkpoint if checkpoint is not None else get_checkpoint()
         if ckpt is None:
@@ -453,6 +458,7 @@ class TrainState:
                 f"{ckpt.uri} holds no {STATE_FILE}: it was not saved from a TrainState "
                 "(report(..., checkpoint=state))"
             )
+        _require(ckpt, STATE_FILE, shared, ("objects", "step", "epoch"))
         saved = shared["objects"]
         saved_sharded = set(shared.get("sharded") or ())
         if saved_sharded != self._sharded:
@@ -485,7 +491,14 @@ class TrainState:
             from ringtrain.checkpoint.sharded import restore_objects
 
             optimizer = self._objects["optimizer"] if "optimizer" in self._sharded else None
-            restore_objects(self._objects["model"], optimizer, ckpt.path, ckpt.filesystem)
+            in_memory = getattr(ckpt, "in_memory_files", None) is not None
+            if in_memory:  # pragma: no cover - elastic snapshots never hold sharded state
+                restore_objects(self._objects["model"], optimizer, ckpt.path, ckpt.filesystem)
+            else:
+                # DCP reads whichever files hold this rank's slices: it gets a private copy of
+                # the verified files, never the storage itself.
+                with ckpt.verified_directory(_is_dcp_file) as local:
+                    restore_objects(self._objects["model"], optimizer, local, None)
         extra_saved = [n for n in saved if n not in self._objects]
         if extra_saved:
             logger.warning("checkpoint state for %s ignored (not registered)", extra_saved)
@@ -493,6 +506,8 @@ class TrainState:
         self._step = int(shared["step"])
         self.epoch = int(shared["epoch"])
         per_rank = _load(ckpt, rank_file(rank))
+        if per_rank is not None:
+            _require(ckpt, rank_file(rank), per_rank, ("rng",))
         saved_world = int(shared.get("world_size") or 1)
         world = get_context().world_size
         if per_rank is None and saved_world == world:
@@ -538,6 +553,12 @@ class TrainState:
         return True
 
 
+def _is_dcp_file(name: str) -> bool:
+    from ringtrain.checkpoint.sharded import METADATA
+
+    return name == METADATA or name.endswith(".distcp")
+
+
 def _reshard_loader_state(state: dict[str, Any], loader: Any) -> dict[str, Any]:
     """A data loader position saved at another world size (or per-rank batch size), converted
     for ``loader``: the same global sample offset into the same epoch's shuffle order (which
@@ -581,17 +602,35 @@ def _elastic_runtime() -> Any:
 
 
 def _load(ckpt: Checkpoint, name: str) -> Any:
+    """File ``name`` of ``ckpt``, or None when its manifest does not list it.
+
+    The bytes are read once, checked against the manifest's size and SHA-256, and only then
+    given to ``torch.load(weights_only=True)``: nothing can change between the check and the
+    load, and a file that is not listed is never read.
+
+    Raises:
+        CheckpointLoadError: the manifest is missing or unsigned, the file is listed but unsafe
+            or altered, or ``torch.load`` refuses its content.
+    """
     in_memory = getattr(ckpt, "in_memory_files", None)
     if in_memory is not None:  # an elastic snapshot (ringtrain.elastic.snapshot)
         return in_memory.get(name)
-    fs = ckpt.filesystem
-    path = ckpt.path.rstrip("/") + "/" + name
-    if not fs.exists(path):
+    data = ckpt.read_file(name)
+    if data is None:
         return None
-    if ckpt.is_local:
-        # Memory-mapped (copy-on-write): no read into a buffer, no second copy; pages are read
-        # as load_state_dict copies them. The driver verified every byte before this attempt.
-        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-    with fs.open(path, "rb") as f:
-        data = f.read()
-    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:
+        lines = str(exc).strip().splitlines() or [""]
+        # torch's weights_only refusal is a page of advice; the line naming the global is it.
+        why = next((ln.strip() for ln in lines if "WeightsUnpickler error" in ln), lines[0])
+        raise CheckpointLoadError(ckpt.uri, f"{name}: {type(exc).__name__}: {why}") from exc
+
+
+def _require(ckpt: Checkpoint, name: str, payload: Any, keys: tuple[str, ...]) -> None:
+    """Refuse a loaded file whose layout is not a TrainState file's: a checkpoint that loads
+    but holds the wrong thing is as unloadable as a corrupt one."""
+    if not isinstance(payload, dict) or any(k not in payload for k in keys):
+        raise CheckpointLoadError(
+            ckpt.uri, f"{name} does not hold a TrainState (expected a dict with {list(keys)})"
+        )

@@ -17,6 +17,8 @@ from typing import Any
 
 import ringtrain
 from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.checkpoint.signing import SIG_SUFFIX, Signer, from_run_config
+from ringtrain.checkpoint.signing import resolve as resolve_signer
 from ringtrain.checkpoint.storage import is_local_fs, protocols
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.controller.controller import Controller
@@ -43,6 +45,24 @@ from ringtrain.rundir import RunDirectory
 logger = logging.getLogger("ringtrain")
 
 PAYLOAD_FILE = "payload.pkl"
+CONFIG_FILE = "config.json"
+
+
+def check_signed(run_dir: RunDirectory, filename: str, data: bytes, signer: Signer) -> None:
+    """Check ``data`` (the content of ``filename`` in ``run_dir``) against ``filename.sig``.
+
+    Raises:
+        SignatureError: not signed for this run with ``signer``'s key (unless it trusts
+            unsigned data).
+    """
+    sidecar = run_dir.read_bytes(filename + SIG_SUFFIX)
+    signer.check_sidecar(data, sidecar, filename, run_dir.name, f"{run_dir.uri}/{filename}")
+
+
+def write_signed(run_dir: RunDirectory, filename: str, data: bytes, signer: Signer) -> None:
+    """Write ``data`` to ``filename`` and its signature to ``filename.sig``."""
+    run_dir.write_bytes(filename, data)
+    run_dir.write_bytes(filename + SIG_SUFFIX, signer.sidecar(data, filename, run_dir.name))
 
 
 def default_run_name(entrypoint: str) -> str:
@@ -169,7 +189,14 @@ class Trainer:
 
     @classmethod
     def restore(
-        cls, path: str, train_fn: Callable[..., Any] | None = None, **overrides: Any
+        cls,
+        path: str,
+        train_fn: Callable[..., Any] | None = None,
+        *,
+        signing_key: bytes | str | None = None,
+        signing_key_file: str | None = None,
+        trust_unsigned: bool = False,
+        **overrides: Any,
     ) -> Trainer:
         """A Trainer that continues the run in directory ``path`` after its driver died (or
         after it finished or failed: ``fit()`` then starts from its latest valid checkpoint).
@@ -178,18 +205,32 @@ class Trainer:
             path: the run directory, ``{storage_path}/{name}`` (a local path or fsspec URL).
             train_fn: the train function; default: the one the run was started with (stored in
                 the run directory, as cloudpickle).
+            signing_key, signing_key_file: the key the run was signed with (default: the
+                ``run_config`` override's, else ``$RINGTRAIN_SIGNING_KEY`` or your key file).
+            trust_unsigned: accept a ``config.json`` / ``payload.pkl`` / checkpoints not signed
+                with the key (``payload.pkl`` is code: only if you trust whoever can write the
+                storage).
             **overrides: ``scaling_config``, ``run_config`` or ``train_loop_config`` to use
                 instead of the stored ones (the run's name and storage path always stay).
 
         Raises:
             FileNotFoundError: if ``path`` has no ``config.json``.
+            SignatureError (a ValueError): ``config.json`` or ``payload.pkl`` is not signed with
+                the key (checked before anything is unpickled).
             ValueError: if the run was a ``ringtrain run SCRIPT`` run (resume it with
                 ``ringtrain run --resume PATH``), or ``overrides`` has an unknown key.
         """
-        saved = load_saved_run(path)
         unknown = set(overrides) - {"scaling_config", "run_config", "train_loop_config"}
         if unknown:
             raise ValueError(f"Trainer.restore: unknown overrides {sorted(unknown)}")
+        base = overrides.get("run_config") or RunConfig()
+        signing_fields = {
+            "signing_key": signing_key if signing_key is not None else base.signing_key,
+            "signing_key_file": signing_key_file or base.signing_key_file,
+            "trust_unsigned": trust_unsigned or base.trust_unsigned,
+        }
+        signer = from_run_config(RunConfig(**signing_fields))  # type: ignore[arg-type]
+        saved = load_saved_run(path, signer)
         if train_fn is None:
             if saved.payload is None:
                 raise ValueError(
@@ -203,7 +244,7 @@ class Trainer:
             stored_config = saved.train_loop_config
         run_config = overrides.get("run_config") or saved.run_config
         run_config = dataclasses.replace(
-            run_config, name=saved.name, storage_path=saved.storage_path
+            run_config, name=saved.name, storage_path=saved.storage_path, **signing_fields
         )
         return cls(
             train_fn,
@@ -264,11 +305,15 @@ def _from_dict(cls: Any, data: Any) -> Any:
     return cls(**{k: v for k, v in dict(data or {}).items() if k in known})
 
 
-def load_saved_run(path: str) -> SavedRun:
-    """Read the configuration a run directory was started with.
+def load_saved_run(path: str, signer: Signer | None = None) -> SavedRun:
+    """Read the configuration a run directory was started with, after checking the signatures
+    of its ``config.json`` and ``payload.pkl`` (``signer``, default: this user's key): they
+    decide which code runs (``payload.pkl`` is unpickled, ``config.json`` names the script).
 
     Raises:
         FileNotFoundError: if ``path`` holds no ``config.json``.
+        SignatureError (a ValueError): a file is not signed for this run with the key (unless
+            the signer trusts unsigned data).
     """
     import fsspec
 
@@ -280,9 +325,14 @@ def load_saved_run(path: str) -> SavedRun:
     parent, _, name = run_path.rstrip("/").rpartition("/")
     storage_path = parent if local else str(fs.unstrip_protocol(parent))
     run_dir = RunDirectory(storage_path, name)
-    raw = run_dir.read_bytes("config.json")
+    raw = run_dir.read_bytes(CONFIG_FILE)
     if raw is None:
         raise FileNotFoundError(f"{path} is not a run directory (no config.json)")
+    signer = signer or resolve_signer()
+    check_signed(run_dir, CONFIG_FILE, raw, signer)
+    payload = run_dir.read_bytes(PAYLOAD_FILE)
+    if payload is not None:
+        check_signed(run_dir, PAYLOAD_FILE, payload, signer)
     config = json.loads(raw)
     rc = dict(config.get("run_config") or {})
     run_config = RunConfig(
@@ -292,6 +342,8 @@ def load_saved_run(path: str) -> SavedRun:
         failure_config=_from_dict(FailureConfig, rc.get("failure_config")),
         progress=rc.get("progress", "auto"),
         monitor_config=_from_dict(MonitorConfig, rc.get("monitor_config")),
+        signing_key=signer.key,
+        trust_unsigned=signer.trust_unsigned,
     )
     return SavedRun(
         name=name,
@@ -302,7 +354,7 @@ def load_saved_run(path: str) -> SavedRun:
         script=config.get("script"),
         script_args=tuple(config.get("script_args") or ()),
         train_loop_config=config.get("train_loop_config"),
-        payload=run_dir.read_bytes(PAYLOAD_FILE),
+        payload=payload,
     )
 
 
@@ -366,6 +418,7 @@ def run_workers(
     ``extra_env``: environment variables added to every worker's (e.g. ``CUDA_VISIBLE_DEVICES``
     for a sweep trial's share of the GPUs)."""
     own_launcher = launcher is None
+    signer = from_run_config(run_config)  # an unusable key file fails before anything starts
     launcher = launcher or make_launcher(scaling_config)  # before anything is written
     run_dir = RunDirectory(run_config.storage_path, name)
     staging_dir = None
@@ -376,7 +429,11 @@ def run_workers(
     _refuse_if_running(run_dir)
     run_dir.create()
     checkpoints = CheckpointManager(
-        run_dir.fs, run_dir.path, run_config.checkpoint_config, staging_dir=staging_dir
+        run_dir.fs,
+        run_dir.path,
+        run_config.checkpoint_config,
+        staging_dir=staging_dir,
+        signer=signer,
     )
     notes = checkpoints.scan()
     progress = make_progress(run_config.progress)
@@ -384,8 +441,7 @@ def run_workers(
         progress.message(note)
     if checkpoints.latest is not None:
         progress.message(f"run {name!r} exists: resuming from its latest valid checkpoint")
-    run_dir.write_json(
-        "config.json",
+    config_json = json.dumps(
         {
             "name": name,
             "storage_path": run_config.storage_path,
@@ -398,11 +454,15 @@ def run_workers(
             "run_config": {**run_config.to_dict(), "name": name},
             "train_loop_config": train_loop_config,
         },
-    )
+        indent=2,
+        default=repr,
+        allow_nan=True,
+    ).encode()
+    # What `Trainer.restore(path)` and `ringtrain run --resume` start again after the driver
+    # itself died: signed, since they decide which code runs (docs/security.md).
+    write_signed(run_dir, CONFIG_FILE, config_json, signer)
     if payload is not None:
-        # What `Trainer.restore(path)` and `ringtrain run --resume` start again after the
-        # driver itself died.
-        run_dir.write_bytes(PAYLOAD_FILE, payload)
+        write_signed(run_dir, PAYLOAD_FILE, payload, signer)
     threads = scaling_config.threads_per_worker()
     timeout = run_config.failure_config.worker_timeout_s
     monitor = run_config.monitor_config
@@ -446,6 +506,7 @@ def run_workers(
             start_round=start_round,
             latest_checkpoint=latest,
             env=dict(worker_env),
+            checkpoint_files=checkpoints.resume_files if latest is not None else None,
         )
 
     # TensorBoard and CSV logs: driver-side callbacks, ahead of the user's.

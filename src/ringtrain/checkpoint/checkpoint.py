@@ -9,7 +9,19 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.storage import is_local_fs
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint could not be loaded: a file is missing from its manifest, unsafe, does not
+    match its SHA-256, or holds something ``torch.load(weights_only=True)`` refuses. The message
+    starts with ``could not load checkpoint <uri>``; on a worker, the driver then sets that
+    checkpoint aside and resumes from the one before (docs/security.md)."""
+
+    def __init__(self, uri: str, why: str) -> None:
+        super().__init__(f"could not load checkpoint {uri}: {why}")
+        self.uri = uri
 
 
 class Checkpoint:
@@ -22,9 +34,24 @@ class Checkpoint:
     Args:
         path: the directory, a local path or an fsspec URL (``memory://run/checkpoint_000003``).
         filesystem: the fsspec filesystem; inferred from ``path`` when omitted.
+        signing_key: the key its manifest must be signed with (default: this user's key, see
+            :mod:`ringtrain.checkpoint.signing`); only needed to read a checkpoint that another
+            key signed.
+        trust_unsigned: read it even when its manifest is not signed with the key (a warning is
+            logged; paths, sizes and SHA-256 are still checked).
+
+    Reading files through ringtrain (``TrainState.restore``, ``export_model``, ``as_directory``,
+    the Lightning bridge) reads only files its manifest lists, hashing each as it is read.
     """
 
-    def __init__(self, path: str | os.PathLike[str], filesystem: Any = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        filesystem: Any = None,
+        *,
+        signing_key: bytes | str | None = None,
+        trust_unsigned: bool = False,
+    ) -> None:
         text = os.fspath(path)
         if filesystem is None:
             import fsspec
@@ -34,6 +61,13 @@ class Checkpoint:
                 text = os.path.abspath(stripped)
         self.path: str = text
         self.filesystem = filesystem
+        self._signing = (signing_key, trust_unsigned)
+        # The verified manifest's file table: handed over by the driver on workers, else read
+        # (and its signature checked) on first use. ``_own``: the caller's own files
+        # (from_directory), which have no manifest yet.
+        self._files: dict[str, dict[str, Any]] | None = None
+        self._own = False
+        self._copies: dict[str, str] = {}
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike[str]) -> Checkpoint:
@@ -47,7 +81,118 @@ class Checkpoint:
             raise FileNotFoundError(f"Checkpoint.from_directory: {path!r} is not a directory")
         from fsspec.implementations.local import LocalFileSystem
 
-        return cls(os.path.abspath(path), LocalFileSystem())
+        ckpt = cls(os.path.abspath(path), LocalFileSystem())
+        ckpt._own = True
+        return ckpt
+
+    # ------------------------------------------------------------------ verified reading
+    def verified_files(self) -> dict[str, dict[str, Any]]:
+        """The file table of this checkpoint's manifest, ``{relative path: {"size", "sha256"}}``,
+        after its signature, paths and sizes were checked (cached).
+
+        Raises:
+            CheckpointLoadError: no valid, signed manifest.
+        """
+        if self._files is None:
+            from ringtrain.checkpoint import signing
+
+            try:
+                signer = signing.resolve(self._signing[0], None, self._signing[1])
+                manifest = storage.read_manifest(self.filesystem, self.path, signer=signer)
+            except (ValueError, OSError) as exc:
+                raise CheckpointLoadError(self.uri, str(exc)) from exc
+            self._files = dict(manifest["files"])
+        return self._files
+
+    def set_verified_files(self, files: dict[str, dict[str, Any]] | None) -> None:
+        """Adopt the file table of a manifest already verified elsewhere (the driver sends it
+        to workers over the authenticated channel). ``None`` leaves it to be read."""
+        self._files = None if files is None else dict(files)
+
+    def has_file(self, name: str) -> bool:
+        """Whether the manifest lists ``name``.
+
+        Raises:
+            CheckpointLoadError: no valid manifest; or ``name`` is not listed but a file of that
+                name exists in the directory (never silently ignored).
+        """
+        if self._own:
+            return bool(self.filesystem.exists(self.path.rstrip("/") + "/" + name))
+        if name in self.verified_files():
+            return True
+        if self.filesystem.exists(self.path.rstrip("/") + "/" + name):
+            raise CheckpointLoadError(self.uri, f"{name} is not listed in its manifest")
+        return False
+
+    def read_file(self, name: str) -> bytes | None:
+        """The bytes of file ``name`` (``/``-separated relative path), read once and checked
+        against the manifest's size and SHA-256; ``None`` when the manifest does not list it.
+
+        Raises:
+            CheckpointLoadError: see :meth:`has_file`; or the bytes differ from the manifest.
+        """
+        if not self.has_file(name):
+            return None
+        if self._own:
+            with self.filesystem.open(self.path.rstrip("/") + "/" + name, "rb") as f:
+                return bytes(f.read())
+        try:
+            return storage.read_verified(
+                self.filesystem, self.path, name, self.verified_files()[name]
+            )
+        except (ValueError, OSError) as exc:
+            raise CheckpointLoadError(self.uri, str(exc)) from exc
+
+    def verified_copy(self, name: str) -> str:
+        """A private local copy of file ``name``, verified as copied (cached per checkpoint
+        handle): for readers that want a path, such as Lightning.
+
+        Raises:
+            CheckpointLoadError: see :meth:`read_file`; ``name`` is not listed.
+        """
+        if name not in self._copies:
+            data = self.read_file(name)
+            if data is None:
+                raise CheckpointLoadError(self.uri, f"{name} is not listed in its manifest")
+            root = tempfile.mkdtemp(prefix="ringtrain_verified_")
+            target = os.path.join(root, *name.split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
+                f.write(data)
+            self._copies[name] = target
+        return self._copies[name]
+
+    @contextlib.contextmanager
+    def verified_directory(self, select: Any = None) -> Iterator[str]:
+        """A private local directory (mode 0700, removed on exit) holding the listed files
+        (those ``select(name)`` accepts, default all), each verified as it was copied.
+
+        Raises:
+            CheckpointLoadError: see :meth:`read_file`.
+        """
+        tmp = tempfile.mkdtemp(prefix="ringtrain_ckpt_")
+        try:
+            names = (
+                self.verified_files()
+                if not self._own
+                else {
+                    os.path.relpath(os.path.join(r, n), self.path).replace(os.sep, "/"): {}
+                    for r, _d, ns in os.walk(self.path)
+                    for n in ns
+                }
+            )
+            for name in names:
+                if select is not None and not select(name):
+                    continue
+                data = self.read_file(name)
+                assert data is not None
+                target = os.path.join(tmp, *name.split("/"))
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with open(target, "wb") as f:
+                    f.write(data)
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     @property
     def is_local(self) -> bool:
@@ -73,8 +218,20 @@ class Checkpoint:
 
     @contextlib.contextmanager
     def as_directory(self) -> Iterator[str]:
-        """A local directory with the checkpoint's files, for reading. No copy when the checkpoint
-        is already local; otherwise a temporary copy removed on exit."""
+        """A local directory with the checkpoint's files, for reading.
+
+        For a checkpoint with a manifest (every one ringtrain published): a private temporary
+        copy of the files the manifest lists, each verified against its SHA-256 as copied,
+        removed on exit. For a directory of your own files (``from_directory``): the directory
+        itself when local, else a temporary copy.
+
+        Raises:
+            CheckpointLoadError: the manifest is missing, unsigned or does not match the files.
+        """
+        if not self._own:
+            with self.verified_directory() as tmp:
+                yield tmp
+            return
         if self.is_local:
             yield self.path
             return

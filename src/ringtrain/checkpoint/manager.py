@@ -11,6 +11,7 @@ from typing import Any
 
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.checkpoint import Checkpoint
+from ringtrain.checkpoint.signing import Signer
 from ringtrain.config import CheckpointConfig
 
 logger = logging.getLogger("ringtrain")
@@ -21,6 +22,7 @@ class TrackedCheckpoint:
     round: int
     checkpoint: Checkpoint
     metrics: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, dict[str, Any]] | None = None  # the verified manifest's file table
 
 
 class CheckpointManager:
@@ -39,15 +41,29 @@ class CheckpointManager:
             directory, for storage the worker processes cannot reach (``memory://`` lives inside
             the driver process). The driver then copies each completed round to ``fs`` before
             publishing it, and hands workers a local copy of the checkpoint to resume from.
+        signer: signs every manifest and checks it on reading (default: this user's key,
+            :func:`ringtrain.checkpoint.signing.resolve`). A checkpoint must also name this run
+            and its own round, so that one cannot be copied in from another run or renamed.
     """
 
     def __init__(
-        self, fs: Any, run_path: str, config: CheckpointConfig, staging_dir: str | None = None
+        self,
+        fs: Any,
+        run_path: str,
+        config: CheckpointConfig,
+        staging_dir: str | None = None,
+        signer: Signer | None = None,
     ) -> None:
+        from ringtrain.checkpoint import signing
+
         self.fs = fs
         self.run_path = run_path
         self.config = config
         self.staging_dir = staging_dir
+        self.signer = signer or signing.resolve()
+        self.run_name = storage.run_name(run_path)
+        # The file table of the checkpoint last handed to workers (worker_uri), for their Start.
+        self.resume_files: dict[str, dict[str, Any]] | None = None
         self.checkpoints: list[TrackedCheckpoint] = []  # oldest first
         self.deleted: list[tuple[str, str]] = []  # (path, reason), for the event log
         self.notes: list[str] = []  # checkpoints found invalid by latest_verified()
@@ -72,12 +88,16 @@ class CheckpointManager:
             if round_ is None:
                 continue
             try:
-                manifest = storage.read_manifest(self.fs, entry)
-            except ValueError as bad:
+                manifest = self._read(entry, round_, verify_checksums=False)
+            except (ValueError, OSError) as bad:
                 invalid.append((round_, entry, bad))
                 continue
             ckpt = Checkpoint(entry, self.fs)
-            found.append(TrackedCheckpoint(round_, ckpt, dict(manifest.get("metrics") or {})))
+            found.append(
+                TrackedCheckpoint(
+                    round_, ckpt, dict(manifest.get("metrics") or {}), dict(manifest["files"])
+                )
+            )
         self.checkpoints = sorted(found, key=lambda t: t.round)
         for round_, entry, why in sorted(invalid, key=lambda item: item[0]):
             self._set_aside(round_, entry, why, resuming=False)
@@ -116,9 +136,21 @@ class CheckpointManager:
         except FileNotFoundError:
             pass
 
+    def _read(self, path: str, round_: int, verify_checksums: bool) -> dict[str, Any]:
+        return storage.read_manifest(
+            self.fs,
+            path,
+            verify_checksums,
+            signer=self.signer,
+            run=self.run_name,
+            round_=round_,
+        )
+
     def worker_uri(self, tracked: TrackedCheckpoint) -> str:
         """The location workers resume ``tracked`` from: the checkpoint itself, or with a
-        ``staging_dir`` a local copy of it."""
+        ``staging_dir`` a local copy of it. Its verified file table becomes ``resume_files``
+        (workers read only those files, hashing each as they read it)."""
+        self.resume_files = dict(tracked.files) if tracked.files is not None else None
         if self.staging_dir is None:
             return tracked.checkpoint.uri
         dest = os.path.join(self.staging_dir, "resume", storage.checkpoint_dirname(tracked.round))
@@ -127,18 +159,30 @@ class CheckpointManager:
         return tracked.checkpoint.to_directory(dest)
 
     def latest_verified(self) -> TrackedCheckpoint | None:
-        """The newest checkpoint whose every file matches its manifest byte for byte (size and
-        SHA-256). Each invalid one met on the way is renamed ``checkpoint_NNNNNN.corrupt`` (kept
-        for inspection, never loaded), dropped from the list, and described in ``notes``."""
+        """The newest checkpoint whose manifest is signed for this run and round and whose every
+        file matches it byte for byte (size and SHA-256), with nothing unlisted beside them.
+        Each invalid one met on the way is renamed ``checkpoint_NNNNNN.corrupt`` (kept for
+        inspection, never loaded), dropped from the list, and described in ``notes``."""
         while self.checkpoints:
             tracked = self.checkpoints[-1]
             try:
-                storage.read_manifest(self.fs, tracked.checkpoint.path, verify_checksums=True)
+                manifest = self._read(tracked.checkpoint.path, tracked.round, True)
+                tracked.files = dict(manifest["files"])
                 return tracked
             except (ValueError, OSError) as exc:
                 self.checkpoints.pop()
                 self._set_aside(tracked.round, tracked.checkpoint.path, exc)
         return None
+
+    def set_aside_unloadable(self, tracked: TrackedCheckpoint, why: str) -> bool:
+        """Set aside ``tracked`` (verified, but a worker could not load it) like a corrupt one,
+        so that the next attempt resumes from the checkpoint before it. Returns False if it is
+        no longer tracked."""
+        if tracked not in self.checkpoints:
+            return False
+        self.checkpoints.remove(tracked)
+        self._set_aside(tracked.round, tracked.checkpoint.path, ValueError(why))
+        return True
 
     def _set_aside(self, round_: int, path: str, exc: Exception, resuming: bool = True) -> None:
         """Rename an invalid checkpoint ``checkpoint_NNNNNN.corrupt`` (kept for inspection, never
@@ -185,8 +229,8 @@ class CheckpointManager:
                 self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
                 self.fs.pipe_file(target, data)
             shutil.rmtree(local, ignore_errors=True)
-        path = storage.publish(self.fs, self.run_path, round_, files, metrics)
-        tracked = TrackedCheckpoint(round_, Checkpoint(path, self.fs), dict(metrics))
+        path = storage.publish(self.fs, self.run_path, round_, files, metrics, self.signer)
+        tracked = TrackedCheckpoint(round_, Checkpoint(path, self.fs), dict(metrics), dict(files))
         self.checkpoints = [t for t in self.checkpoints if t.round != round_] + [tracked]
         self.checkpoints.sort(key=lambda t: t.round)
         self._apply_retention()

@@ -11,6 +11,13 @@ Protocol (one checkpoint, one report round ``r``):
 A directory without a valid manifest is not a checkpoint. On a local filesystem the rename is
 atomic; on object stores (no directory rename) the manifest is written last, after the files
 are copied, so the rule still holds.
+
+Trust (docs/security.md): the manifest carries an HMAC-SHA256 (:mod:`ringtrain.checkpoint.
+signing`) over its content, which names the run and the round; every path in it is relative,
+normalised and confined to the checkpoint directory; every file in the directory must be listed;
+files are regular files (no symlinks, devices or FIFOs); and loaders read each file once, hash
+those bytes and compare them with the manifest before ``torch.load`` sees them
+(:func:`read_verified`).
 """
 
 from __future__ import annotations
@@ -18,14 +25,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import re
+import stat
 import time
 from typing import Any
+
+from ringtrain.checkpoint.signing import Signer
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 CHUNK = 1 << 20
+MAX_MANIFEST_BYTES = 64 << 20
 _CKPT_RE = re.compile(r"^checkpoint_(\d{6,})$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ManifestError(ValueError):
+    """A checkpoint's manifest is missing, unsigned, malformed, or does not match the files."""
 
 
 def protocols(fs: Any) -> set[str]:
@@ -118,26 +135,74 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def manifest_body(manifest: dict[str, Any]) -> bytes:
+    """The canonical bytes the manifest's ``hmac`` signs: every field but ``hmac``, as sorted,
+    compact JSON (floats round-trip exactly, so a parsed manifest gives the same bytes)."""
+    body = {k: v for k, v in manifest.items() if k != "hmac"}
+    normal = json.loads(json.dumps(body, default=repr, allow_nan=True))
+    return json.dumps(normal, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+def write_manifest(
+    fs: Any,
+    ckpt_path: str,
+    files: dict[str, dict[str, Any]],
+    signer: Signer,
+    *,
+    run: str,
+    round_: int,
+    metrics: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write a signed ``manifest.json`` for ``files`` into directory ``ckpt_path``.
+
+    Raises:
+        ManifestError: a path in ``files`` is not a safe relative path.
+    """
+    for rel in files:
+        check_relpath(rel, ckpt_path)
+    manifest: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "run": run,
+        "round": round_,
+        "created": time.time(),
+        "metrics": metrics or {},
+        "files": files,
+        "key": signer.fingerprint,
+    }
+    manifest = json.loads(json.dumps(manifest, default=repr, allow_nan=True))
+    manifest["hmac"] = signer.sign(manifest_body(manifest), "manifest", run)
+    with fs.open(join(fs, ckpt_path, MANIFEST), "w") as f:
+        f.write(json.dumps(manifest, indent=1))
+        _fsync(f)
+    return manifest
+
+
 def publish(
-    fs: Any, run_path: str, round_: int, files: dict[str, dict[str, Any]], metrics: dict[str, Any]
+    fs: Any,
+    run_path: str,
+    round_: int,
+    files: dict[str, dict[str, Any]],
+    metrics: dict[str, Any],
+    signer: Signer | None = None,
 ) -> str:
-    """Write the manifest into the staging directory of ``round_`` and rename it into place.
+    """Write the signed manifest into the staging directory of ``round_`` and rename it into
+    place.
+
+    Args:
+        signer: the key that signs the manifest (default: this user's,
+            :func:`ringtrain.checkpoint.signing.resolve`).
 
     Returns:
         The published checkpoint directory's path.
     """
+    from ringtrain.checkpoint import signing
+
+    signer = signer or signing.resolve()
     staging = join(fs, run_path, staging_dirname(round_))
     final = join(fs, run_path, checkpoint_dirname(round_))
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "round": round_,
-        "created": time.time(),
-        "metrics": metrics,
-        "files": files,
-    }
-    with fs.open(join(fs, staging, MANIFEST), "w") as f:
-        f.write(json.dumps(manifest, indent=1, default=repr))
-        _fsync(f)
+    write_manifest(
+        fs, staging, files, signer, run=run_name(run_path), round_=round_, metrics=metrics
+    )
     if fs.exists(final):  # a leftover of an earlier run with the same name and round
         fs.rm(final, recursive=True)
     if is_local_fs(fs):
@@ -149,33 +214,254 @@ def publish(
     return final
 
 
-def read_manifest(fs: Any, ckpt_path: str, verify_checksums: bool = False) -> dict[str, Any]:
-    """Read and check a checkpoint's manifest.
+def run_name(run_path: str) -> str:
+    """The run's name: the last component of its directory."""
+    return run_path.rstrip("/").replace(os.sep, "/").rsplit("/", 1)[-1]
+
+
+# ------------------------------------------------------------------------------ verification
+
+
+def check_relpath(rel: Any, ckpt_path: str = "") -> str:
+    """``rel`` if it is a safe path of a file inside a checkpoint directory: a non-empty
+    relative POSIX path, already normalised, without ``..``, ``.``, empty or absolute parts,
+    backslashes, NUL or drive letters, and not the manifest itself.
 
     Raises:
-        ValueError: if the manifest is missing or malformed, a file is missing, or a size (or with
-            ``verify_checksums`` a SHA-256) differs from what the manifest records.
+        ManifestError: naming the path.
     """
+    if not isinstance(rel, str) or not rel or len(rel) > 4096:
+        raise ManifestError(f"{ckpt_path}: {MANIFEST} lists a file with an invalid name {rel!r}")
+    bad = (
+        rel.startswith("/")
+        or "\\" in rel
+        or "\0" in rel
+        or ":" in rel.split("/", 1)[0]
+        or posixpath.normpath(rel) != rel
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+        or rel == MANIFEST
+    )
+    if bad:
+        raise ManifestError(
+            f"{ckpt_path}: {MANIFEST} lists {rel!r}, which is not a plain relative path inside "
+            "the checkpoint directory: refusing the checkpoint"
+        )
+    return rel
+
+
+def _check_entry(rel: str, info: Any, ckpt_path: str) -> tuple[int, str]:
+    check_relpath(rel, ckpt_path)
+    if not isinstance(info, dict):
+        raise ManifestError(f"{ckpt_path}: {MANIFEST} entry of {rel} is not a table")
+    size, sha = info.get("size"), info.get("sha256")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ManifestError(f"{ckpt_path}: {MANIFEST} gives {rel} an invalid size {size!r}")
+    if not isinstance(sha, str) or not _SHA256_RE.match(sha):
+        raise ManifestError(f"{ckpt_path}: {MANIFEST} gives {rel} an invalid sha256 {sha!r}")
+    return size, sha
+
+
+def _local_target(ckpt_path: str, rel: str) -> str:
+    """The local path of ``rel`` in ``ckpt_path``, after checking that no directory on the way
+    is a symlink leading out of the checkpoint."""
+    root = os.path.realpath(ckpt_path)
+    target = os.path.join(ckpt_path, *rel.split("/"))
+    parent = os.path.realpath(os.path.dirname(target))
+    if parent != root and not parent.startswith(root + os.sep):
+        raise ManifestError(f"{ckpt_path}: {rel} lies outside the checkpoint directory")
+    return target
+
+
+def _open_local(ckpt_path: str, rel: str) -> int:
+    """A file descriptor of the regular file ``rel``: never follows a symlink, never blocks on
+    a FIFO, refuses devices."""
+    target = _local_target(ckpt_path, rel)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(target, flags)
+    except FileNotFoundError as exc:
+        raise ManifestError(f"{ckpt_path}: file {rel} listed in the manifest is missing") from exc
+    except OSError as exc:  # ELOOP: a symlink
+        raise ManifestError(
+            f"{ckpt_path}: {rel} is not a regular file ({exc.strerror}): refusing the checkpoint"
+        ) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ManifestError(f"{ckpt_path}: {rel} is not a regular file: refusing the checkpoint")
+    return fd
+
+
+def _listed_everything(fs: Any, ckpt_path: str, files: dict[str, Any]) -> None:
+    """Refuse a checkpoint directory holding anything its manifest does not list (a file a
+    loader might pick up), or any symlink."""
+    found: list[str] = []
+    if is_local_fs(fs):
+        for root, dirs, names in os.walk(ckpt_path):
+            for name in [*dirs, *names]:
+                full = os.path.join(root, name)
+                rel = os.path.relpath(full, ckpt_path).replace(os.sep, "/")
+                if os.path.islink(full):
+                    raise ManifestError(f"{ckpt_path}: {rel} is a symlink: refusing the checkpoint")
+                if name in names:
+                    found.append(rel)
+    else:
+        base = ckpt_path.rstrip("/")
+        for entry in fs.find(base):
+            found.append(entry[len(base) :].lstrip("/"))
+    extra = sorted(set(found) - set(files) - {MANIFEST})
+    if extra:
+        raise ManifestError(
+            f"{ckpt_path}: {', '.join(extra[:5])} {'is' if len(extra) == 1 else 'are'} not listed "
+            f"in its {MANIFEST}: refusing the checkpoint (never load an unlisted file)"
+        )
+
+
+def read_manifest(
+    fs: Any,
+    ckpt_path: str,
+    verify_checksums: bool = False,
+    *,
+    signer: Signer | None = None,
+    run: str | None = None,
+    round_: int | None = None,
+) -> dict[str, Any]:
+    """Read and check a checkpoint's manifest, before any listed file is opened.
+
+    Checks the manifest's HMAC (``signer``, default: this user's key), that it names run ``run``
+    and round ``round_`` (when given), that every path is safe (:func:`check_relpath`), that every
+    listed file is a regular file of the recorded size (with ``verify_checksums``: SHA-256) and
+    that nothing unlisted is in the directory.
+
+    Raises:
+        ManifestError (a ValueError): naming the checkpoint and what is wrong.
+        SignatureError (a ValueError): the manifest is not signed with the key (unless the
+            signer trusts unsigned data).
+    """
+    from ringtrain.checkpoint import signing
+
+    signer = signer or signing.resolve()
+    manifest = _load_manifest(fs, ckpt_path)
+    files = manifest["files"]
+    signed_run = manifest.get("run")
+    signer.check(
+        manifest_body(manifest),
+        "manifest",
+        str(signed_run),
+        manifest.get("hmac"),
+        f"checkpoint {ckpt_path}: {MANIFEST}",
+    )
+    if run is not None and signed_run != run:
+        raise ManifestError(
+            f"{ckpt_path}: {MANIFEST} belongs to run {signed_run!r}, not {run!r} (copied from "
+            "another run?): refusing the checkpoint"
+        )
+    if round_ is not None and manifest.get("round") != round_:
+        raise ManifestError(
+            f"{ckpt_path}: {MANIFEST} is for round {manifest.get('round')!r}, not {round_} (an "
+            "older checkpoint renamed?): refusing the checkpoint"
+        )
+    for rel, info in files.items():
+        size, sha = _check_entry(rel, info, ckpt_path)
+        if is_local_fs(fs):
+            fd = _open_local(ckpt_path, rel)
+            try:
+                actual = os.fstat(fd).st_size
+                if actual == size and verify_checksums:
+                    digest = _digest_fd(fd, size)
+            finally:
+                os.close(fd)
+        else:
+            try:
+                entry = fs.info(join(fs, ckpt_path, rel))
+            except FileNotFoundError as exc:
+                raise ManifestError(
+                    f"{ckpt_path}: file {rel} listed in the manifest is missing"
+                ) from exc
+            if entry.get("type") != "file":
+                raise ManifestError(f"{ckpt_path}: {rel} is not a file: refusing the checkpoint")
+            actual = entry.get("size")
+            if actual == size and verify_checksums:
+                data = _read_remote(fs, join(fs, ckpt_path, rel), size)
+                digest = hashlib.sha256(data).hexdigest()
+        if actual != size:
+            raise ManifestError(
+                f"{ckpt_path}: file {rel} has {actual} bytes, the manifest says {size}"
+            )
+        if verify_checksums and digest != sha:
+            raise ManifestError(
+                f"{ckpt_path}: file {rel} does not match its SHA-256 in the manifest"
+            )
+    _listed_everything(fs, ckpt_path, files)
+    return manifest
+
+
+def _load_manifest(fs: Any, ckpt_path: str) -> dict[str, Any]:
     mpath = join(fs, ckpt_path, MANIFEST)
     try:
-        with fs.open(mpath, "r") as f:
-            manifest = json.loads(f.read())
-    except FileNotFoundError as exc:
-        raise ValueError(f"{ckpt_path}: no {MANIFEST} (an incomplete checkpoint)") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{ckpt_path}: {MANIFEST} is not valid JSON ({exc})") from exc
+        if is_local_fs(fs):
+            if os.path.islink(ckpt_path.rstrip("/")):
+                raise ManifestError(f"{ckpt_path} is a symlink: refusing the checkpoint")
+            fd = _open_local(ckpt_path, MANIFEST)
+            try:
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    raw = f.read(MAX_MANIFEST_BYTES + 1)
+            finally:
+                os.close(fd)
+        else:
+            with fs.open(mpath, "rb") as f:
+                raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except (FileNotFoundError, ManifestError) as exc:
+        if isinstance(exc, ManifestError) and "missing" not in str(exc):
+            raise
+        raise ManifestError(f"{ckpt_path}: no {MANIFEST} (an incomplete checkpoint)") from exc
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{ckpt_path}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{ckpt_path}: {MANIFEST} is not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise ValueError(f"{ckpt_path}: {MANIFEST} has no 'files' table")
-    for rel, info in manifest["files"].items():
-        path = join(fs, ckpt_path, rel)
-        try:
-            size = fs.size(path)
-        except FileNotFoundError as exc:
-            raise ValueError(f"{ckpt_path}: file {rel} listed in the manifest is missing") from exc
-        if size != info.get("size"):
-            raise ValueError(
-                f"{ckpt_path}: file {rel} has {size} bytes, the manifest says {info.get('size')}"
-            )
-        if verify_checksums and file_digest(fs, path)["sha256"] != info.get("sha256"):
-            raise ValueError(f"{ckpt_path}: file {rel} does not match its SHA-256 in the manifest")
+        raise ManifestError(f"{ckpt_path}: {MANIFEST} has no 'files' table")
     return manifest
+
+
+def _digest_fd(fd: int, size: int) -> str:
+    digest = hashlib.sha256()
+    left = size
+    os.lseek(fd, 0, os.SEEK_SET)
+    while left > 0:
+        chunk = os.read(fd, min(CHUNK * 8, left))
+        if not chunk:
+            break
+        digest.update(chunk)
+        left -= len(chunk)
+    return digest.hexdigest()
+
+
+def _read_remote(fs: Any, path: str, size: int) -> bytes:
+    with fs.open(path, "rb") as f:
+        return bytes(f.read(size + 1))
+
+
+def read_verified(fs: Any, ckpt_path: str, rel: str, info: Any) -> bytes:
+    """The bytes of file ``rel`` of a checkpoint, read once and checked against its manifest
+    entry ``info`` (size and SHA-256) before anything else sees them: no gap between the check
+    and the use.
+
+    Raises:
+        ManifestError: the path is unsafe, the file is not a regular file, or its bytes differ
+            from the manifest.
+    """
+    size, sha = _check_entry(rel, info, ckpt_path)
+    if is_local_fs(fs):
+        fd = _open_local(ckpt_path, rel)
+        with os.fdopen(fd, "rb") as f:  # closes fd
+            data = f.read(size + 1)
+    else:
+        data = _read_remote(fs, join(fs, ckpt_path, rel), size)
+    if len(data) != size:
+        got = str(len(data)) if len(data) <= size else f"more than {size}"
+        raise ManifestError(f"{ckpt_path}: file {rel} has {got} bytes, the manifest says {size}")
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise ManifestError(f"{ckpt_path}: file {rel} does not match its SHA-256 in the manifest")
+    return data

@@ -48,7 +48,7 @@ from ringtrain.channel import (
     Timing,
     WorkerError,
 )
-from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.checkpoint.manager import CheckpointManager, TrackedCheckpoint
 from ringtrain.controller.attempt import (
     HELLO_TIMEOUT_S,
     Attempt,
@@ -162,6 +162,8 @@ class Controller(ElasticControl):
         self.next_round = checkpoints.next_round
         self.start_time = time.time()
         self._attempt: Attempt | None = None
+        self._resumed: TrackedCheckpoint | None = None  # what this attempt's workers resumed
+        self._resume_uri: str | None = None  # ... at this location (a local copy for memory://)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Result:
@@ -175,6 +177,10 @@ class Controller(ElasticControl):
                 if failure is None:
                     self.state = RunState.STOPPED if self._stop_requested() else RunState.FINISHED
                     break
+                if self._set_aside_unloadable(failure):
+                    self.state = RunState.RESTARTING
+                    attempt += 1
+                    continue  # bounded: each time, one checkpoint fewer is left to resume from
                 self.failures.append(failure)
                 self._callback("on_failure", failure)
                 decision = self.failure_policy.decide(failure, len(self.failures))
@@ -222,6 +228,7 @@ class Controller(ElasticControl):
         for stale in [r for r in self._history if r >= self.next_round]:
             del self._history[stale]
         resume_from = self.checkpoints.worker_uri(latest) if latest is not None else None
+        self._resumed, self._resume_uri = latest, resume_from
         if latest is not None:
             self.run_dir.event("resume", attempt=number, checkpoint=latest.checkpoint.uri)
             if number == 0:
@@ -279,6 +286,37 @@ class Controller(ElasticControl):
         if not attempt.failures:
             return None
         return root_cause(list(attempt.failures.values()))
+
+    def _set_aside_unloadable(self, failure: WorkerFailure) -> bool:
+        """A worker could not load the checkpoint this attempt resumed from (it passed the
+        driver's checks but ``torch.load(weights_only=True)`` refused it, or its content is not a
+        TrainState): set it aside like a corrupt one and restart from the one before, without
+        counting a failure (docs/security.md). Returns False for any other failure."""
+        resumed = self._resumed
+        if resumed is None or failure.kind != "exception":
+            return False
+        # The worker's exception, or one it caused (a train function may wrap it), names it.
+        said = [f"{failure.exc_type}: {failure.message.split(': ', 1)[-1]}"] + [
+            line.strip() for line in (failure.traceback or "").splitlines()
+        ]
+        marks = {
+            f"CheckpointLoadError: could not load checkpoint {uri}"
+            for uri in (resumed.checkpoint.uri, self._resume_uri)
+            if uri
+        }
+        found = [line for line in said if any(line.startswith(m) for m in marks)]
+        if not found:
+            return False
+        why = found[0].split(": ", 1)[-1]
+        if not self.checkpoints.set_aside_unloadable(resumed, f"rank {failure.rank}: {why}"):
+            return False
+        for note in self.checkpoints.notes:
+            logger.warning(note)
+            self.progress.message(note)
+            self.run_dir.event("checkpoint_invalid", reason=note, rank=failure.rank)
+        self.checkpoints.notes.clear()
+        self._resumed = None
+        return True
 
     def _stop_requested(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()

@@ -37,7 +37,6 @@ This module imports ``lightning``; ``import ringtrain`` never imports it.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import shutil
@@ -353,7 +352,8 @@ def get_ckpt_path(checkpoint: Checkpoint | None = None) -> str | None:
         checkpoint: the checkpoint to resume from (default: :func:`ringtrain.get_checkpoint`).
 
     Returns:
-        A local path or an fsspec URL (Lightning reads both), or ``None`` on a fresh run.
+        A private local copy of the file, verified against the checkpoint's signed manifest,
+        or ``None`` on a fresh run.
 
     Raises:
         FileNotFoundError: if the checkpoint has no ``lightning.ckpt`` (it was not written by
@@ -362,23 +362,21 @@ def get_ckpt_path(checkpoint: Checkpoint | None = None) -> str | None:
     ckpt = checkpoint if checkpoint is not None else get_checkpoint()
     if ckpt is None:
         return None
-    path = ckpt.path.rstrip("/") + "/" + CHECKPOINT_FILE
-    if not ckpt.filesystem.exists(path):
+    if not ckpt.has_file(CHECKPOINT_FILE):
         raise FileNotFoundError(
             f"{ckpt.uri} has no {CHECKPOINT_FILE}: it was not written by RingtrainCallback, so a "
             "Lightning Trainer cannot resume from it (start a new run with another "
             "RunConfig(name=...))"
         )
-    return path if ckpt.is_local else str(ckpt.filesystem.unstrip_protocol(path))
+    # Lightning reads a path: it gets a private copy, checked against the manifest's SHA-256
+    # as it was copied (the same path for every call on this checkpoint handle).
+    return ckpt.verified_copy(CHECKPOINT_FILE)
 
 
 def _load_rng(ckpt: Checkpoint, rank: int) -> dict[str, Any] | None:
-    path = ckpt.path.rstrip("/") + "/" + rng_file(rank)
-    if not ckpt.filesystem.exists(path):
-        return None
-    with ckpt.filesystem.open(path, "rb") as f:
-        data = f.read()
-    state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    from ringtrain.state import _load
+
+    state: dict[str, Any] | None = _load(ckpt, rng_file(rank))
     return state
 
 

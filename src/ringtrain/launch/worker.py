@@ -73,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
 
     from ringtrain import session as session_mod
-    from ringtrain.checkpoint.checkpoint import Checkpoint
 
     ctx = context_from_env()
     channel = WorkerChannel.connect(
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.argv = [script, *script_args]
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             if start.latest_checkpoint:
-                sess.latest_checkpoint = Checkpoint(start.latest_checkpoint)
+                sess.latest_checkpoint = _resume_checkpoint(start)
             try:
                 runpy.run_path(script, run_name="__main__")
             except SystemExit as exc:
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             # After unpickling: the train function's module may register the fsspec protocol
             # of the run's storage.
             if start.latest_checkpoint:
-                sess.latest_checkpoint = Checkpoint(start.latest_checkpoint)
+                sess.latest_checkpoint = _resume_checkpoint(start)
             elastic = bool(ctx.extra.get(ENV_ELASTIC))
             if not elastic:
                 init_process_group(ctx)
@@ -158,6 +157,17 @@ def main(argv: list[str] | None = None) -> int:
         destroy_process_group()
         channel.close()
     return code
+
+
+def _resume_checkpoint(start: Start) -> Any:
+    """The checkpoint to resume from, with the file table the driver verified: loading reads
+    only those files and checks each one's SHA-256 as it reads it."""
+    from ringtrain.checkpoint.checkpoint import Checkpoint
+
+    assert start.latest_checkpoint is not None
+    ckpt = Checkpoint(start.latest_checkpoint)
+    ckpt.set_verified_files(start.checkpoint_files)
+    return ckpt
 
 
 def _setup_timing(sess: Any) -> None:

@@ -277,7 +277,15 @@ class Tuner:
 
     # ------------------------------------------------------------------ restore
     @classmethod
-    def restore(cls, path: str, train_fn: Callable[..., Any] | None = None) -> Tuner:
+    def restore(
+        cls,
+        path: str,
+        train_fn: Callable[..., Any] | None = None,
+        *,
+        signing_key: bytes | str | None = None,
+        signing_key_file: str | None = None,
+        trust_unsigned: bool = False,
+    ) -> Tuner:
         """A Tuner that continues the sweep in directory ``path`` (after its driver died, was
         interrupted, or finished: ``fit()`` then only collects the results).
 
@@ -286,23 +294,46 @@ class Tuner:
             train_fn: the training function; default: the one the sweep was started with
                 (stored in the sweep directory with cloudpickle).
 
+            signing_key, signing_key_file, trust_unsigned: the key ``tuner.pkl`` was signed
+                with (default: ``$RINGTRAIN_SIGNING_KEY`` or your key file), or accept it
+                unsigned (it is code: only if you trust whoever can write the storage).
+
         Raises:
             FileNotFoundError: if ``path`` is not a sweep directory (no ``tuner.pkl``).
+            SignatureError (a ValueError): ``tuner.pkl`` is not signed for this sweep with the
+                key (checked before it is unpickled).
         """
         import cloudpickle
         import fsspec
 
+        from ringtrain.checkpoint.signing import SIG_SUFFIX, resolve
+
+        signer = resolve(signing_key, signing_key_file, trust_unsigned)
         fs, stripped = fsspec.core.url_to_fs(path)
         payload = stripped.rstrip("/") + "/" + TUNER_PAYLOAD
         if not fs.exists(payload):
             raise FileNotFoundError(f"{path} is not a sweep directory (no {TUNER_PAYLOAD})")
-        with fs.open(payload, "rb") as f:
-            saved = cloudpickle.loads(f.read())
         parent, _, name = stripped.rstrip("/").rpartition("/")
+        with fs.open(payload, "rb") as f:
+            data = f.read()
+        try:
+            with fs.open(payload + SIG_SUFFIX, "rb") as f:
+                sidecar = f.read()
+        except FileNotFoundError:
+            sidecar = None
+        signer.check_sidecar(data, sidecar, TUNER_PAYLOAD, name, f"{path}/{TUNER_PAYLOAD}")
+        saved = cloudpickle.loads(data)
         from ringtrain.checkpoint.storage import is_local_fs
 
         storage_path = os.path.abspath(parent) if is_local_fs(fs) else fs.unstrip_protocol(parent)
-        run_config = dataclasses.replace(saved["run_config"], name=name, storage_path=storage_path)
+        run_config = dataclasses.replace(
+            saved["run_config"],
+            name=name,
+            storage_path=storage_path,
+            signing_key=signing_key if signing_key is not None else signer.key,
+            signing_key_file=signing_key_file,
+            trust_unsigned=trust_unsigned,
+        )
         return cls(
             train_fn or saved["train_fn"],
             param_space=saved["param_space"],
@@ -397,7 +428,13 @@ class Tuner:
                 or f"sqlite:///{os.path.join(sweep.path, STUDY_FILE)}",
             },
         )
-        run_config = self.run_config
+        from ringtrain.checkpoint.signing import from_run_config
+
+        signer = from_run_config(self.run_config)
+        # The key never goes to storage, nor does the choice to trust unsigned data.
+        run_config = dataclasses.replace(
+            self.run_config, signing_key=None, signing_key_file=None, trust_unsigned=False
+        )
         saved = {
             "train_fn": self.train_fn,
             "param_space": self.param_space,
@@ -421,6 +458,7 @@ class Tuner:
                     f"directory for Tuner.restore and shipped to the workers): {exc2}"
                 ) from exc2
         sweep.write_bytes(TUNER_PAYLOAD, data)
+        sweep.write_bytes(TUNER_PAYLOAD + ".sig", signer.sidecar(data, TUNER_PAYLOAD, name))
 
     def _run(
         self,
