@@ -20,20 +20,26 @@ on any fsspec storage. DCP never writes into the run directory itself.
 
 Loading never runs code from the checkpoint: DCP reads ``.metadata`` with plain ``pickle`` and
 non-tensor values with ``torch.load(weights_only=False)``; the reader and planners here replace
-both with restricted versions (only DCP's own metadata classes; ``weights_only=True``).
+both: ``.metadata`` with :func:`ringtrain.checkpoint.dcp_metadata.load_metadata` (an exact
+``(module, qualname)`` allow-list, checked calls, data files confined to the checkpoint
+directory), values with ``torch.load(weights_only=True)``. Tensors DCP itself reads with
+``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from ringtrain.checkpoint.dcp_metadata import load_metadata
 
 METADATA = ".metadata"
 
@@ -48,38 +54,6 @@ def rank_files(rank: int) -> list[str]:
 
 # ------------------------------------------------------------------------------ safe loading
 
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("builtins", "complex"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: DCP's own dataclasses, ``torch.Size``, dtypes, layouts and
-    memory formats; anything else (a function, an arbitrary class) is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_ALLOWED_MODULES) or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint {METADATA} refers to {module}.{name}, which a DCP metadata file never "
-            "holds: refusing to load it (it could run code)"
-        )
-
 
 def _safe_reader(path: str, fsspec_url: bool) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
@@ -89,10 +63,17 @@ def _safe_reader(path: str, fsspec_url: bool) -> Any:
     base: type[StorageReader] = FsspecReader if fsspec_url else FileSystemReader
 
     class SafeReader(base):  # type: ignore[valid-type,misc]
+        """DCP's reader, but ``.metadata`` is read by :func:`load_metadata`, never ``pickle``
+        (parsed once per path: :func:`_reader_for` checks it before DCP reads it again)."""
+
+        _parsed: tuple[Any, Any] | None = None
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             meta_path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(meta_path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            if self._parsed is None or self._parsed[0] != meta_path:
+                with self.fs.create_stream(meta_path, "rb") as f:
+                    self._parsed = (meta_path, load_metadata(f.read()))
+            metadata = self._parsed[1]
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             if getattr(metadata, "storage_meta", None) is None:
@@ -119,6 +100,23 @@ def _weights_only(planner_cls: type) -> type:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
     return SafePlanner
+
+
+@contextlib.contextmanager
+def _refusals_surface() -> Iterator[None]:
+    """DCP wraps whatever a rank raised while loading in a ``CheckpointException``, which is a
+    ``BaseException`` that ``except Exception`` misses: re-raise a refusal to unpickle (our
+    reader's or ``weights_only``'s) as the ``pickle.UnpicklingError`` it is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, pickle.UnpicklingError):
+                raise pickle.UnpicklingError(f"checkpoint refused: {inner}") from exc
+        raise
 
 
 def _reader_for(location: str, filesystem: Any = None) -> Any:
@@ -214,11 +212,12 @@ def load_into(state_dict: dict[str, Any], location: str, filesystem: Any = None)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    dcp.load(
-        state_dict,
-        storage_reader=_reader_for(location, filesystem),
-        planner=_weights_only(DefaultLoadPlanner)(),
-    )
+    with _refusals_surface():
+        dcp.load(
+            state_dict,
+            storage_reader=_reader_for(location, filesystem),
+            planner=_weights_only(DefaultLoadPlanner)(),
+        )
 
 
 def load_full(location: str, filesystem: Any = None) -> dict[str, Any]:
@@ -228,12 +227,13 @@ def load_full(location: str, filesystem: Any = None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=_reader_for(location, filesystem),
-        planner=_weights_only(_EmptyStateDictLoadPlanner)(),
-        no_dist=True,
-    )
+    with _refusals_surface():
+        _load_state_dict(
+            state,
+            storage_reader=_reader_for(location, filesystem),
+            planner=_weights_only(_EmptyStateDictLoadPlanner)(),
+            no_dist=True,
+        )
     return state
 
 
