@@ -27,7 +27,7 @@ import ringtrain as rt
 import workloads
 from ringtrain.chaos import ChaosConfig, Fault, compare, make_plan, run_campaign
 from ringtrain.chaos.display import Display
-from ringtrain.chaos.procs import TAG_ENV
+from ringtrain.chaos.procs import TAG_ENV, kill_tagged, tagged
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -183,6 +183,7 @@ def test_sigstop_without_hang_detection_is_hung_and_leaves_no_process(tmp_path):
     assert run.verdict == "HUNG", f"seed {run.seed}: {run.detail}"
     assert run.faults[0]["injected"], f"seed {run.seed}: the SIGSTOP never fired: {run.faults}"
     assert "killed with every process of the run" in run.detail and not report.ok
+    assert run.faults[0]["detected"] is False  # no FailureConfig.worker_timeout_s: nobody saw it
     assert _chaos_procs() == []
 
 
@@ -274,3 +275,22 @@ def test_cli_refuses_bad_options_and_targets_before_running(tmp_path):
     bad = chaos(str(tmp_path / "missing"))
     assert bad.returncode == 2 and "neither a script nor a run directory" in bad.stderr
     assert not (tmp_path / "chaos").exists()
+
+
+def test_processes_of_a_run_are_found_by_their_tag_and_killed(tmp_path):
+    env = dict(os.environ, **{TAG_ENV: "test-orphan"})
+    # a detached grandchild, as a worker's leftover would be: its parent exits at once
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess; subprocess.Popen(['sleep', '60'], start_new_session=True)",
+        ],
+        env=env,
+        check=True,
+        timeout=60,
+    )
+    [orphan] = tagged("test-orphan")
+    assert orphan.cmdline == "sleep 60" and tagged("another-run") == []
+    kill_tagged("test-orphan")
+    assert tagged("test-orphan") == []

@@ -183,8 +183,8 @@ class _Campaign:
             report, tag, chaos_dir, run_path, payload, scaling, failure, budget
         )
         report.wall_s = round(time.monotonic() - start, 3)
-        self._read_log(report, chaos_dir)
         report.failures = _failures(run_path)
+        self._read_log(report, chaos_dir)
         if index == 0:
             self.clean_wall[world_size] = report.wall_s
             report.verdict = "CLEAN" if status == "finished" else "ERRORED"
@@ -265,7 +265,8 @@ class _Campaign:
     @staticmethod
     def _read_log(report: RunReport, chaos_dir: str) -> None:
         """Mark the faults that fired, and their recovery: fault time -> the first step of a
-        worker started after it."""
+        worker started after it. A SIGSTOP fault is ``detected`` when the controller recorded a
+        hang of its rank (``report.failures`` must be read first)."""
         log = read_log(chaos_dir)
         starts = sorted((e["started"], e["time"]) for e in log if e.get("event") == "first_step")
         for e in log:
@@ -273,6 +274,10 @@ class _Campaign:
                 continue
             fault = report.faults[e["index"]]
             fault.update(injected=True, time=e["time"], fired_at_step=e.get("step"))
+            if fault["kind"] == "hang":
+                fault["detected"] = any(
+                    f["kind"] == "hang" and f["rank"] == fault["rank"] for f in report.failures
+                )
             if e.get("file"):
                 fault["file"] = (
                     os.path.basename(os.path.dirname(e["file"]))
