@@ -43,6 +43,7 @@ def prepare_model(
     find_unused_parameters: bool | None = None,
     precision: str = "32",
     fsdp_config: FSDPConfig | None = None,
+    bucket_order: str = "fixed",
 ) -> torch.nn.Module:
     """Place ``model`` on this worker's device and wrap it for data parallelism.
 
@@ -72,6 +73,13 @@ def prepare_model(
             for loss scaling (:mod:`ringtrain.amp`).
         fsdp_config: a :class:`ringtrain.FSDPConfig` for ``parallel_strategy="fsdp"`` (units,
             mixed precision, CPU offload, activation checkpointing); default ``FSDPConfig()``.
+        bucket_order: ``"fixed"`` (default): DDP's gradient buckets are laid out once, at
+            construction, in reverse registration order, so that a worker restarted from a
+            checkpoint reduces every step in the same order as the uninterrupted run (bit-exact
+            resume at any world size; :class:`ringtrain.comm.ddp.FixedOrderDDP`);
+            ``"rebuild"``: torch's DDP, which rebuilds its buckets in the first backward's
+            gradient-ready order (only differs for models whose gradients become ready far from
+            reverse registration order; see docs/comm.md).
 
     Returns:
         The module to train (``model.module`` is the original when wrapped).
@@ -91,6 +99,7 @@ def prepare_model(
 
         ddp_only = dict(
             ddp_kwargs=ddp_kwargs,
+            bucket_order=None if bucket_order == "fixed" else bucket_order,
             comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
             bucket_cap_mb=bucket_cap_mb,
@@ -99,7 +108,7 @@ def prepare_model(
         )
         return prepare_fsdp(model, parallel_strategy, fsdp_config, precision, ddp_only)
     from ringtrain.amp import apply_precision, check_precision, normalize_precision
-    from ringtrain.comm.ddp import validate_comm_options, wrap_ddp
+    from ringtrain.comm.ddp import check_bucket_order, validate_comm_options, wrap_ddp
 
     ctx = get_context()
     from ringtrain.elastic.batch import ensure_lr_scaling
@@ -107,6 +116,7 @@ def prepare_model(
     ensure_lr_scaling(ctx)  # elastic_batch_policy="scale_lr": scale the LR of optimizer steps
     precision = normalize_precision(precision)
     check_precision(precision, ctx.device)
+    check_bucket_order(bucket_order)
     ddp_options = dict(
         bucket_cap_mb=bucket_cap_mb,
         static_graph=static_graph,
@@ -131,6 +141,7 @@ def prepare_model(
             comm_hook_options=comm_hook_options,
             loss_scaling=precision == "16-mixed",
             defer_sync_generation=deferred_sync_generation(),
+            bucket_order=bucket_order,
         )
     if timer is not None:
         instrument_model(timer, model, module)

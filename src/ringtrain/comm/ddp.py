@@ -11,6 +11,15 @@
   Q (m x r) that are allreduced instead, with error feedback (the compression residual is added
   to the next step's gradient) and warm start (Q is reused across steps).
 
+Bucket order (``prepare_model(bucket_order=...)``, docs/comm.md "Bit-exact resume at any world
+size"): by default the model is wrapped in :class:`FixedOrderDDP`, whose gradient buckets are laid
+out once, at construction, in reverse registration order with DDP's own caps, and never rebuilt.
+Plain DDP reduces its first step in one bucket in registration order and then rebuilds its
+buckets in the first backward's gradient-ready order; an element's position in its bucket decides
+the summation order of gloo's ring allreduce at 3 or more ranks, so a DDP built by a restarted
+worker would reduce its first step in another order than the long-lived one did (ULP-level
+differences that then grow). ``bucket_order="rebuild"`` keeps torch's behaviour.
+
 PowerSGD keeps state between steps (the per-rank error-feedback residuals, the P and Q memories,
 the iteration count and the seed stream for Q): :class:`PowerSGDStateDict` exposes it as a
 Stateful object, attached to the prepared model, which :class:`ringtrain.TrainState` saves in
@@ -48,6 +57,13 @@ POWERSGD_DEFAULTS: dict[str, Any] = {
 ``PowerSGDState`` defaults)."""
 
 _DDP_OPTIONS = ("bucket_cap_mb", "static_graph", "find_unused_parameters")
+
+BUCKET_ORDERS = ("fixed", "rebuild")
+"""The values of ``prepare_model(bucket_order=...)``: ``"fixed"`` (default,
+:class:`FixedOrderDDP`: one layout from construction on, the same in every process that builds
+the model, so a resumed run reduces exactly as the uninterrupted one) or ``"rebuild"`` (torch's
+DDP: one bucket in registration order for the first step, then rebuilt in the first backward's
+gradient-ready order)."""
 
 
 def validate_comm_options(
@@ -110,12 +126,27 @@ def validate_comm_options(
                 f"{merged[name]!r} (give it once)"
             )
         merged[name] = value
+    if "bucket_order" in merged:
+        raise ValueError(
+            "prepare_model(ddp_kwargs={'bucket_order': ...}): bucket_order is ringtrain's, not a "
+            "DistributedDataParallel argument; pass prepare_model(bucket_order=...)"
+        )
     if "device_ids" in merged:
         raise ValueError(
             "prepare_model(ddp_kwargs={'device_ids': ...}): ringtrain sets device_ids from the "
             "worker's local rank; drop it"
         )
     return merged
+
+
+def check_bucket_order(bucket_order: str) -> None:
+    """Raise ``ValueError`` unless ``bucket_order`` is one of :data:`BUCKET_ORDERS`."""
+    if bucket_order not in BUCKET_ORDERS:
+        raise ValueError(
+            f"prepare_model(bucket_order={bucket_order!r}) is not supported (use 'fixed', the "
+            "default, for bit-exact resume at any world size, or 'rebuild' for torch's "
+            "gradient-ready-order rebuild after the first step)"
+        )
 
 
 def _check_powersgd(options: Mapping[str, Any]) -> None:
@@ -274,9 +305,9 @@ class PowerSGDStateDict:
     ``state_dict()`` holds ``iter`` (steps seen), the seed stream (NumPy ``RandomState``, as
     tensors), and the per-bucket ``error`` residuals and ``p``/``q`` memories. The residuals
     differ across ranks, so TrainState saves it in each rank's file. After a restore, PowerSGD
-    continues where it stopped (no second warm-up); it is bit-exact when DDP's bucket layout of
-    the first step after the restart (before DDP rebuilds its buckets) equals the rebuilt one,
-    as for models whose gradients fit one bucket.
+    continues where it stopped (no second warm-up), bit-exactly with :class:`FixedOrderDDP`
+    (the default), whose buckets are the same from the first step on; with
+    ``bucket_order="rebuild"`` only when torch's initial layout equals its rebuilt one.
     """
 
     def __init__(self, state: Any) -> None:
@@ -328,6 +359,58 @@ class PowerSGDStateDict:
 # ---------------------------------------------------------------------------------- wrapping
 
 
+class FixedOrderDDP(torch.nn.parallel.DistributedDataParallel):
+    """``DistributedDataParallel`` whose gradient bucket layout is fixed at construction.
+
+    The layout is the one torch's DDP rebuilds after its first step when gradients become ready
+    in reverse registration order (the usual case: the last layer's gradients come first):
+    parameters in reverse registration order, a first bucket of at most 1 MiB (or
+    ``bucket_cap_mb`` when given) and then buckets of at most ``bucket_cap_mb`` (25 MiB), one
+    dtype and device per bucket; ``bucket_cap_mb_list`` is honoured. It is built in the
+    constructor (the reducer's own rebuild, fed every parameter in that order, then marked
+    done, so it never rebuilds again) and is a function of the model alone: every process that
+    wraps the same model, a long-lived one or one restarted from a checkpoint, reduces every
+    step with the same buckets, hence in the same summation order on every backend (gloo's ring
+    allreduce sums an element in an order set by its position in the bucket at 3+ ranks; NCCL's
+    ring and tree orders are set by the buffer size and offset too).
+
+    Cost against plain DDP: none per step (one broadcast of the bucket indices from rank 0 at
+    construction, which DDP's own rebuild does after the first step). A model whose gradients
+    become ready in a very different order than reverse registration order overlaps less of its
+    communication with backward than torch's rebuilt layout would; use
+    ``prepare_model(bucket_order="rebuild")`` for it (and lose bit-exact resume at 3+ ranks).
+
+    Not applied (a plain DDP is built, whose layout is fixed already) with
+    ``find_unused_parameters=True`` and no ``static_graph``: torch's reducer never rebuilds
+    its buckets then. Relies on torch 2.13's private ``_build_params_for_reducer``,
+    ``reducer._push_all_rebuilt_params`` and ``reducer._rebuild_buckets`` (tested in
+    tests/test_exact_resume.py, which fails if torch changes them).
+    """
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        self._fix_bucket_layout()
+
+    def _build_params_for_reducer(self) -> Any:
+        # The reducer's parameter index order: reversed, so that the rebuild below (which takes
+        # the parameters in index order, as if their gradients became ready in that order)
+        # puts the last layers in the first bucket, launched first during backward.
+        parameters, expect_sparse_gradient = super()._build_params_for_reducer()
+        return parameters[::-1], expect_sparse_gradient[::-1]
+
+    def _fix_bucket_layout(self) -> None:
+        reducer = getattr(self, "reducer", None)
+        if reducer is None or getattr(self, "_use_python_reducer", False):
+            return  # every parameter's allreduce is delayed, or compiled autograd's reducer
+        reducer._push_all_rebuilt_params()
+        if reducer._rebuild_buckets():  # a broadcast of rank 0's indices: every rank is here
+            self._has_rebuilt_buckets = True
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        self._fix_bucket_layout()
+
+
 def _single_bucket_mb(model: torch.nn.Module, requested: float | None) -> float:
     """``bucket_cap_mb`` that puts every gradient of ``model`` in one DDP bucket (an explicit cap
     also caps DDP's first bucket, so there is one bucket from the first step on).
@@ -337,9 +420,7 @@ def _single_bucket_mb(model: torch.nn.Module, requested: float | None) -> float:
     issues the next bucket's allreduce. With two or more buckets the two ranks can issue these
     collectives in different orders, and gloo aborts ("Received data size doesn't match expected
     size") or hangs: measured with torch 2.13 on a 10M-parameter MLP at W=2 (two 25 MB buckets),
-    in plain torch as well. One bucket leaves a single collective chain per step. It also makes
-    PowerSGD's per-bucket state line up after an exact resume (DDP's first step after a restart
-    would otherwise use its initial bucket layout, not the rebuilt one).
+    in plain torch as well. One bucket leaves a single collective chain per step.
     """
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     needed = grad_bytes / 2**20 + 1.0
@@ -401,6 +482,7 @@ def wrap_ddp(
     comm_hook_options: Mapping[str, Any] | None = None,
     loss_scaling: bool = False,
     defer_sync_generation: int | None = None,
+    bucket_order: str = "fixed",
 ) -> torch.nn.Module:
     """Wrap ``model`` (already on ``ctx.device``) in DDP; the process group must be initialised.
 
@@ -418,6 +500,8 @@ def wrap_ddp(
             snapshot: skip DDP's initial broadcast and check at the first forward instead
             (:func:`sync_unless_restored`). Ignored when ``ddp_kwargs`` sets ``init_sync`` or
             this torch's DDP has no ``init_sync``.
+        bucket_order: ``"fixed"`` (:class:`FixedOrderDDP`) or ``"rebuild"`` (torch's DDP); see
+            :data:`BUCKET_ORDERS`.
 
     Step timing: without a hook, ``comm_timing="hook"`` (``"auto"`` on CUDA) registers a timed
     allreduce hook, and ``"wait"`` (``"auto"`` on CPU) measures the step's wait for DDP's built-in
@@ -441,7 +525,11 @@ def wrap_ddp(
     )
     if defer:
         kwargs["init_sync"] = False
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    ddp_class = torch.nn.parallel.DistributedDataParallel
+    rebuilds = kwargs.get("static_graph", False) or not kwargs.get("find_unused_parameters", False)
+    if bucket_order == "fixed" and rebuilds:
+        ddp_class = FixedOrderDDP
+    ddp = ddp_class(model, device_ids=device_ids, **kwargs)
     if defer:
         assert defer_sync_generation is not None
         sync_unless_restored(ddp, defer_sync_generation)
