@@ -274,6 +274,11 @@ def test_cli_refuses_bad_options_and_targets_before_running(tmp_path):
     assert bad.returncode == 2 and "must define train_fn" in bad.stderr
     bad = chaos(str(tmp_path / "missing"))
     assert bad.returncode == 2 and "neither a script nor a run directory" in bad.stderr
+    script_run = tmp_path / "runs" / "script_run"  # a `ringtrain run SCRIPT` run: no train_fn
+    script_run.mkdir(parents=True)
+    (script_run / "config.json").write_text(json.dumps({"name": "script_run", "script": "t.py"}))
+    bad = chaos(str(script_run))
+    assert bad.returncode == 2 and f"SCRIPT_OR_RUN {str(script_run)!r}" in bad.stderr, bad.stderr
     assert not (tmp_path / "chaos").exists()
 
 

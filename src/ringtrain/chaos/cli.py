@@ -119,7 +119,7 @@ def _load_target(target: str) -> tuple[Any, dict[str, Any] | None, Any]:
             raise ValueError(f"SCRIPT_OR_RUN {target!r} is a directory without config.json")
         try:
             trainer = Trainer.restore(target)
-        except (FileNotFoundError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError) as exc:  # OSError: e.g. an unsafe key file
             raise ValueError(f"SCRIPT_OR_RUN {target!r}: {exc}".split(": resume it")[0]) from None
         return trainer.train_fn, trainer.train_loop_config, trainer.scaling_config
     if not os.path.isfile(target):
