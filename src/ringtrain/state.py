@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -615,11 +616,25 @@ def _load(ckpt: Checkpoint, name: str) -> Any:
     in_memory = getattr(ckpt, "in_memory_files", None)
     if in_memory is not None:  # an elastic snapshot (ringtrain.elastic.snapshot)
         return in_memory.get(name)
-    data = ckpt.read_file(name)
-    if data is None:
-        return None
     try:
+        if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+            # Copied and hashed in one pass into a private in-memory file, then memory-mapped:
+            # the bytes are held once (no buffer beside the tensors made from it).
+            fd = ckpt.verified_fd(name)
+            if fd is None:
+                return None
+            try:
+                return torch.load(
+                    f"/proc/self/fd/{fd}", weights_only=True, map_location="cpu", mmap=True
+                )
+            finally:
+                os.close(fd)
+        data = ckpt.read_file(name)
+        if data is None:
+            return None
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except CheckpointLoadError:
+        raise
     except Exception as exc:
         lines = str(exc).strip().splitlines() or [""]
         # torch's weights_only refusal is a page of advice; the line naming the global is it.

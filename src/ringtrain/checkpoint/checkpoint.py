@@ -143,6 +143,36 @@ class Checkpoint:
         except (ValueError, OSError) as exc:
             raise CheckpointLoadError(self.uri, str(exc)) from exc
 
+    def verified_fd(self, name: str) -> int | None:
+        """A private, anonymous in-memory file (Linux ``memfd``) holding file ``name``, copied
+        and hashed in one pass and checked against the manifest; ``None`` when the manifest does
+        not list it. The caller closes it. Loading from it with ``mmap`` avoids holding the bytes
+        twice (a buffer and the tensors made from it).
+
+        Raises:
+            CheckpointLoadError: see :meth:`read_file`.
+            OSError: ``memfd_create`` is not available (use :meth:`read_file`).
+        """
+        if not self.has_file(name):
+            return None
+        fd = os.memfd_create("ringtrain-verified", os.MFD_CLOEXEC)
+        try:
+            if self._own:
+                with self.filesystem.open(self.path.rstrip("/") + "/" + name, "rb") as f:
+                    while chunk := f.read(1 << 23):
+                        view = memoryview(chunk)
+                        while view:
+                            view = view[os.write(fd, view) :]
+            else:
+                info = self.verified_files()[name]
+                storage.copy_verified(self.filesystem, self.path, name, info, fd)
+        except (ValueError, OSError) as exc:
+            os.close(fd)
+            if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+                raise CheckpointLoadError(self.uri, f"{name}: {exc}") from exc
+            raise CheckpointLoadError(self.uri, str(exc)) from exc
+        return fd
+
     def verified_copy(self, name: str) -> str:
         """A private local copy of file ``name``, verified as copied (cached per checkpoint
         handle): for readers that want a path, such as Lightning.

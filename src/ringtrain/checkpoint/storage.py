@@ -465,3 +465,35 @@ def read_verified(fs: Any, ckpt_path: str, rel: str, info: Any) -> bytes:
     if hashlib.sha256(data).hexdigest() != sha:
         raise ManifestError(f"{ckpt_path}: file {rel} does not match its SHA-256 in the manifest")
     return data
+
+
+def copy_verified(fs: Any, ckpt_path: str, rel: str, info: Any, out_fd: int) -> None:
+    """Copy file ``rel`` of a checkpoint into the open file descriptor ``out_fd`` (a private
+    ``memfd`` or temporary file), hashing each chunk as it is copied, and check size and SHA-256
+    against the manifest entry ``info``: what was checked is exactly what ``out_fd`` holds.
+
+    Raises:
+        ManifestError: as :func:`read_verified`; ``out_fd`` then holds partial data.
+    """
+    size, sha = _check_entry(rel, info, ckpt_path)
+    digest = hashlib.sha256()
+    copied = 0
+    if is_local_fs(fs):
+        src: Any = os.fdopen(_open_local(ckpt_path, rel), "rb", buffering=0)
+    else:
+        src = fs.open(join(fs, ckpt_path, rel), "rb")
+    with src:
+        while copied <= size:
+            chunk = src.read(min(CHUNK * 8, size + 1 - copied))
+            if not chunk:
+                break
+            digest.update(chunk)
+            copied += len(chunk)
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(out_fd, view) :]
+    if copied != size:
+        got = str(copied) if copied <= size else f"more than {size}"
+        raise ManifestError(f"{ckpt_path}: file {rel} has {got} bytes, the manifest says {size}")
+    if digest.hexdigest() != sha:
+        raise ManifestError(f"{ckpt_path}: file {rel} does not match its SHA-256 in the manifest")
