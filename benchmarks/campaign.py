@@ -8,7 +8,8 @@ file write, SIGSTOP (caught by ``FailureConfig.worker_timeout_s``, ``--hang-time
 of the driver (the run resumed with ``Trainer.restore(path).fit()``). Every checkpoint of every
 faulty run is compared bit for bit with the clean run's.
 
-The train function: a 4-layer MLP with dropout (70 k parameters) under DDP on gloo, SGD with
+The train function: a 4-layer MLP with dropout (70 k parameters; ``--width 512``: 352 k) under DDP
+(``prepare_model(bucket_order=--bucket-order, bucket_cap_mb=--bucket-cap-mb)``) on gloo, SGD with
 momentum, StepLR, input noise from NumPy and Python's ``random`` (all RNG in the TrainState),
 ``prepare_data_loader`` over 240 samples, batch 8 per worker, a TrainState checkpoint every 2
 steps, 2 epochs (30 steps at W=2, 20 at W=3).
@@ -22,6 +23,9 @@ Usage::
     python benchmarks/campaign.py                          # W=2,3, 3 runs each, seed 0
     python benchmarks/campaign.py --workers 2 --runs 1     # smoke run
     python benchmarks/campaign.py --json /tmp/campaign.json
+    # torch's DDP (buckets rebuilt after the first step), several buckets: W=3 should diverge
+    python benchmarks/campaign.py --workers 3 --faults kill --bucket-order rebuild \\
+        --width 512 --bucket-cap-mb 0.25
 """
 
 from __future__ import annotations
@@ -50,17 +54,20 @@ def train_fn(config):
     random.seed(0)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(240, 16, generator=gen), torch.randint(0, 4, (240,), generator=gen)
+    width = config.get("width", 192)
     net = torch.nn.Sequential(
-        torch.nn.Linear(16, 192),
+        torch.nn.Linear(16, width),
         torch.nn.ReLU(),
         torch.nn.Dropout(0.2),
-        torch.nn.Linear(192, 192),
+        torch.nn.Linear(width, width),
         torch.nn.ReLU(),
-        torch.nn.Linear(192, 160),
+        torch.nn.Linear(width, 160),
         torch.nn.ReLU(),
         torch.nn.Linear(160, 4),
     )
-    model = rt.prepare_model(net)
+    model = rt.prepare_model(
+        net, bucket_order=config.get("bucket_order", "fixed"), bucket_cap_mb=config.get("cap_mb")
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     loader = rt.prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True))
@@ -91,12 +98,28 @@ def main() -> int:
     parser.add_argument("--hang-timeout", type=float, default=5.0)
     parser.add_argument("--out", default=None, help="campaign directory (default: a temp dir)")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--bucket-order",
+        choices=("fixed", "rebuild"),
+        default="fixed",
+        help="prepare_model(bucket_order=...): 'rebuild' is torch's DDP, whose buckets are rebuilt "
+        "after the first step (before issue 18's fix: a resumed run at W>=3 differs at ULP level)",
+    )
+    parser.add_argument("--width", type=int, default=192, help="hidden width (192: 70 k params)")
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="DDP bucket size (default: torch's 25)"
+    )
     args = parser.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="ringtrain-campaign-")
     started = time.time()
     report = run_campaign(
         train_fn,
-        train_loop_config={"epochs": 2},
+        train_loop_config={
+            "epochs": 2,
+            "bucket_order": args.bucket_order,
+            "cap_mb": args.bucket_cap_mb,
+            "width": args.width,
+        },
         scaling_config=rt.ScalingConfig(num_workers=2),
         runs=args.runs,
         seed=args.seed,
