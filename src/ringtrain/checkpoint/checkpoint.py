@@ -185,7 +185,9 @@ class Checkpoint:
             if data is None:
                 raise CheckpointLoadError(self.uri, f"{name} is not listed in its manifest")
             root = tempfile.mkdtemp(prefix="ringtrain_verified_")
-            target = os.path.join(root, *name.split("/"))
+            # .../checkpoint_NNNNNN/<name>: logs still say which checkpoint it came from.
+            label = self.path.rstrip("/").rsplit("/", 1)[-1] or "checkpoint"
+            target = os.path.join(root, label, *name.split("/"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as f:
                 f.write(data)
@@ -237,7 +239,8 @@ class Checkpoint:
 
     def to_directory(self, path: str | os.PathLike[str] | None = None) -> str:
         """Copy the checkpoint into a local directory (a new temporary one when ``path`` is None)
-        and return that directory's path."""
+        and return that directory's path. A raw copy of whatever is there, manifest included,
+        checked by nothing: to read the files, use :meth:`as_directory` (verified)."""
         dest = os.fspath(path) if path is not None else tempfile.mkdtemp(prefix="ringtrain_ckpt_")
         os.makedirs(dest, exist_ok=True)
         if self.is_local:
