@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ringtrain as rt
 import workloads
 from ringtrain.chaos import ChaosConfig, Fault, compare, make_plan, run_campaign
+from ringtrain.chaos.campaign import campaign_tag
 from ringtrain.chaos.display import Display
 from ringtrain.chaos.procs import TAG_ENV, kill_tagged, tagged
 
@@ -57,15 +58,16 @@ def leaky_rng_fn(config):
                 rt.report({"loss": loss.item(), "step": state.step}, checkpoint=state)
 
 
-def _chaos_procs() -> list[int]:
-    """Processes of any campaign run still alive (by their environment marker)."""
+def _chaos_procs(out_dir) -> list[int]:
+    """Processes of the campaign in ``out_dir`` still alive (by their environment marker)."""
+    marker = f"{TAG_ENV}={campaign_tag(str(out_dir))}-".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if f"{TAG_ENV}=".encode() in f.read():
+                if marker in f.read():
                     found.append(int(entry))
         except OSError:
             continue
@@ -111,7 +113,7 @@ def test_exact_training_survives_a_kill_mid_write_and_a_driver_kill(tmp_path):
     assert run.orphans == [] and len(run.recovery_s) == 2
     summary = report.summary(2)
     assert summary["exact"] == 1 and summary["mean_recovery_s"] > 0
-    assert _chaos_procs() == []
+    assert _chaos_procs(tmp_path / "chaos") == []
 
 
 def test_cli_reports_divergence_at_the_first_checkpoint_after_the_resume(tmp_path):
@@ -159,17 +161,18 @@ def test_cli_reports_divergence_at_the_first_checkpoint_after_the_resume(tmp_pat
     assert equal_step <= run["faults"][0]["fired_at_step"] + 2, (detail, run["faults"])
     assert "DIVERGED" in proc.stdout and data["ok"] is False
     assert data["summary"][0]["diverged"] == 1
-    assert _chaos_procs() == []
+    assert _chaos_procs(tmp_path / "chaos") == []
 
 
 def test_sigstop_without_hang_detection_is_hung_and_leaves_no_process(tmp_path):
-    seed = 0  # at W=2 and 12 steps: SIGSTOP of rank 0 at step 2
-    [fault] = make_plan(ChaosConfig(seed=seed, faults=("hang",), faults_per_run=1), 2, 1, 12)
+    seed = 0  # at W=2 and --steps 10 (of 12): SIGSTOP of rank 0 at step 2
+    [fault] = make_plan(ChaosConfig(seed=seed, faults=("hang",), faults_per_run=1), 2, 1, 10)
     assert fault.step <= 3, f"seed {seed}: plan changed ({fault}), pick another seed"
     report = run_campaign(
         leaky_rng_fn,
         train_loop_config={"epochs": 2},
         scaling_config=rt.ScalingConfig(num_workers=2),
+        steps=10,
         runs=1,
         seed=seed,
         faults=("hang",),
@@ -180,11 +183,12 @@ def test_sigstop_without_hang_detection_is_hung_and_leaves_no_process(tmp_path):
         display=Display("off"),
     )
     [run] = report.runs
+    assert report.clean[0].last_step == 10  # stopped cleanly at --steps, 2 steps early
     assert run.verdict == "HUNG", f"seed {run.seed}: {run.detail}"
     assert run.faults[0]["injected"], f"seed {run.seed}: the SIGSTOP never fired: {run.faults}"
     assert "killed with every process of the run" in run.detail and not report.ok
     assert run.faults[0]["detected"] is False  # no FailureConfig.worker_timeout_s: nobody saw it
-    assert _chaos_procs() == []
+    assert _chaos_procs(tmp_path / "chaos") == []
 
 
 # ------------------------------------------------------------------ logic (no processes)

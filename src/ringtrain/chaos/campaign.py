@@ -33,6 +33,13 @@ ORPHAN_GRACE_S = 1.0
 """A process of a run still alive this long after its driver ended is an orphan."""
 
 
+def campaign_tag(out_dir: str) -> str:
+    """The prefix of the process tags of the campaign in ``out_dir`` (one tag per run)."""
+    import hashlib
+
+    return hashlib.sha256(os.path.abspath(out_dir).encode()).hexdigest()[:12]
+
+
 class ChaosError(RuntimeError):
     """The campaign cannot run (the clean run failed, or checkpoints nothing to compare)."""
 
@@ -176,7 +183,7 @@ class _Campaign:
             "worker_timeout_s": self.config.hang_timeout_s,
         }
         budget = self.config.budget_for(self.clean_wall.get(world_size, 120.0))
-        tag = uuid.uuid4().hex
+        tag = f"{campaign_tag(self.root)}-{uuid.uuid4().hex[:12]}"
         self.display.run_started(report, [f.describe() for f in plan])
         start = time.monotonic()
         status, detail = self._drive(
