@@ -261,6 +261,31 @@ def test_another_key_is_refused_and_trust_unsigned_is_an_explicit_opt_in(tmp_pat
     assert any("trust_unsigned=True" in r.getMessage() for r in caplog.records)
 
 
+def test_a_handle_from_the_driver_reads_with_the_runs_key(tmp_path):
+    """``Result.checkpoint`` of a run signed with its own key carries the verified table: it
+    restores in the driver's process without the key, and a file changed later is refused."""
+    run = tmp_path / "run"
+    run.mkdir()
+    signer = signing.resolve("the run's own key, 0123456789")
+    state = TrainState(torch.nn.Linear(2, 2), step=3)
+    staging = run / storage.staging_dirname(0)
+    staging.mkdir()
+    files = {}
+    for name, write in state._checkpoint_writers(False).items():
+        with open(staging / name, "wb") as f:
+            write(f)
+        files[name] = storage.file_digest(LOCAL, str(staging / name))
+    mgr = CheckpointManager(LOCAL, str(run), CheckpointConfig(), signer=signer)
+    ckpt = mgr.publish(0, files, {}).checkpoint
+    restored = TrainState(torch.nn.Linear(2, 2))
+    assert restored.restore(ckpt) and restored.step == 3
+    with pytest.raises(CheckpointLoadError, match="not signed"):  # a fresh handle: default key
+        TrainState(torch.nn.Linear(2, 2)).restore(rt.Checkpoint(ckpt.path))
+    (Path(ckpt.path) / rank_file(0)).write_bytes(b"changed")
+    with pytest.raises(CheckpointLoadError, match="bytes"):
+        TrainState(torch.nn.Linear(2, 2)).restore(ckpt)
+
+
 def test_the_key_file_is_private_and_created_once(tmp_path, monkeypatch):
     monkeypatch.setenv(signing.ENV_KEY_DIR, str(tmp_path / "keys"))
     monkeypatch.delenv(signing.ENV_SIGNING_KEY, raising=False)

@@ -92,7 +92,7 @@ class CheckpointManager:
             except (ValueError, OSError) as bad:
                 invalid.append((round_, entry, bad))
                 continue
-            ckpt = Checkpoint(entry, self.fs)
+            ckpt = _handle(entry, self.fs, manifest["files"])
             found.append(
                 TrackedCheckpoint(
                     round_, ckpt, dict(manifest.get("metrics") or {}), dict(manifest["files"])
@@ -230,7 +230,8 @@ class CheckpointManager:
                 self.fs.pipe_file(target, data)
             shutil.rmtree(local, ignore_errors=True)
         path = storage.publish(self.fs, self.run_path, round_, files, metrics, self.signer)
-        tracked = TrackedCheckpoint(round_, Checkpoint(path, self.fs), dict(metrics), dict(files))
+        ckpt = _handle(path, self.fs, files)
+        tracked = TrackedCheckpoint(round_, ckpt, dict(metrics), dict(files))
         self.checkpoints = [t for t in self.checkpoints if t.round != round_] + [tracked]
         self.checkpoints.sort(key=lambda t: t.round)
         self._apply_retention()
@@ -279,6 +280,15 @@ class CheckpointManager:
                 pass
             self.deleted.append((tracked.checkpoint.path, reason))
         self.checkpoints = survivors
+
+
+def _handle(path: str, fs: Any, files: dict[str, dict[str, Any]]) -> Checkpoint:
+    """A handle of a checkpoint this driver verified (or wrote), carrying its file table: reads
+    through it (``Result.checkpoint``, ``export_model``) are checked against the table, whatever
+    key the run was signed with."""
+    ckpt = Checkpoint(path, fs)
+    ckpt.set_verified_files(files)
+    return ckpt
 
 
 def _local_fs() -> Any:
