@@ -27,6 +27,7 @@ from typing import IO, Any
 from ringtrain.channel import DriverListener, Event, Exited, new_authkey
 from ringtrain.env import loopback_environment, worker_environment
 from ringtrain.launch.base import ChannelGroup, WorkerSpec, start_store
+from ringtrain.launch.reaper import Reaper, wait_unreaped
 
 LOOPBACK = "127.0.0.1"
 
@@ -83,6 +84,10 @@ class LocalWorkerGroup(ChannelGroup):
         base_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         base_env.update(loopback_environment())
         base_env.update(spec.env)
+        # Process hygiene: a reaper kills every worker's process group (DataLoader workers
+        # included) the instant this driver dies, SIGKILL included (launch/reaper.py).
+        self._reaper = Reaper(new_authkey().hex())
+        base_env.update(self._reaper.environment())
         self._base_env = base_env
         self._cmd = [sys.executable, "-m", "ringtrain.launch.worker"]
         if spec.script is not None:
@@ -119,6 +124,7 @@ class LocalWorkerGroup(ChannelGroup):
         proc = subprocess.Popen(
             self._cmd, env=env, stdout=pipe, stderr=pipe, start_new_session=True
         )
+        self._reaper.add(proc.pid)  # the worker leads its own process group
         with self._lock:
             self._procs[rank] = proc
             self._rank_of[proc.pid] = rank
@@ -137,7 +143,12 @@ class LocalWorkerGroup(ChannelGroup):
         self._threads.append(t)
 
     def _wait_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        # Process hygiene: once the worker is dead (not yet reaped, so its pid cannot be reused)
+        # its DataLoader workers and other children go too, before any next attempt starts.
+        wait_unreaped(proc.pid)
+        _signal_group(proc, signal.SIGKILL)
         code = proc.wait()
+        self._reaper.discard(proc.pid)
         with self._lock:
             if proc.pid in self._quiet:
                 return
@@ -249,6 +260,7 @@ class LocalWorkerGroup(ChannelGroup):
                 conn.close()
         for t in self._threads:
             t.join(timeout=2)
+        self._reaper.close()  # process hygiene: a last sweep of the run token, then it exits
         del self._store
 
 

@@ -1,0 +1,179 @@
+"""A tiny process that kills a local run's processes the moment the driver dies.
+
+Why: each worker dies with the driver (``PR_SET_PDEATHSIG``), but that covers the worker only,
+not the processes it started: DataLoader workers, a compile pool, a user's subprocess. Those
+poll their parent every few seconds (DataLoader: 5 s) and so outlived a SIGKILLed driver by up to
+12 s. The reaper closes that gap.
+
+How: :class:`Reaper` starts ``python -I reaper.py TOKEN`` (this file as a script: standard library
+only, no torch, about 30 ms to start) in its own session, with a pipe from the driver as its
+stdin. The driver writes ``+PGID`` when it starts a worker (each worker leads its own process
+group, which its DataLoader workers inherit) and ``-PGID`` once that group is dead. When the pipe
+reaches end of file, which the kernel guarantees the instant the driver exits or is killed, the
+reaper SIGKILLs every process group still registered, then every process whose environment
+carries ``RINGTRAIN_RUN_TOKEN=TOKEN`` (the launcher sets it in each worker's environment, and
+children inherit it: this catches a process that left the group), repeating until none is left,
+and exits. It holds nothing else and does nothing else.
+
+Guarantee (tested in ``tests/test_process_hygiene.py``): after the driver dies by any means,
+SIGKILL included, no process of the run is alive 1 s later. The run token is per worker group
+(per attempt), so a reaper never touches another run's, or the next attempt's, processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import IO
+
+TOKEN_ENV = "RINGTRAIN_RUN_TOKEN"
+"""The environment variable that marks every process of one local worker group."""
+
+_SWEEP_ROUNDS = 20  # a dying process may fork once more: sweep until nothing is found
+
+
+class Reaper:
+    """The driver's handle on its reaper process.
+
+    Args:
+        token: the run token (hex); the launcher puts ``RINGTRAIN_RUN_TOKEN=token`` into each
+            worker's environment (:meth:`environment`).
+
+    Raises:
+        OSError: if the reaper process cannot be started.
+    """
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), token],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the driver's terminal does not reach it
+            close_fds=True,
+        )
+        self._pipe: IO[bytes] | None = self._proc.stdin
+
+    def environment(self) -> dict[str, str]:
+        """The variables that mark a worker (and its children) as this run's."""
+        return {TOKEN_ENV: self.token}
+
+    def add(self, pgid: int) -> None:
+        """Kill process group ``pgid`` if the driver dies (a worker's: ``pgid == pid``)."""
+        self._send(f"+{pgid}\n")
+
+    def discard(self, pgid: int) -> None:
+        """Forget ``pgid``: the group is dead (its number may be reused)."""
+        self._send(f"-{pgid}\n")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the reaper as the driver's death would (it sweeps the run token once more, so a
+        process that escaped its group does not survive a normal end either) and reap it."""
+        with self._lock:
+            pipe, proc, self._pipe, self._proc = self._pipe, self._proc, None, None
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+        if proc is not None:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._pipe is None:
+                return
+            try:
+                self._pipe.write(line.encode())
+                self._pipe.flush()
+            except OSError:  # the reaper is gone: the workers' PDEATHSIG still covers them
+                self._pipe = None
+
+
+def wait_unreaped(pid: int) -> None:
+    """Block until child ``pid`` has exited, without reaping it: until it is reaped its pid
+    (the number of its process group) cannot be given to another process, so killing the group
+    then is safe. Returns at once if it was already reaped; a no-op where ``os.waitid`` is
+    missing (macOS)."""
+    waitid = getattr(os, "waitid", None)
+    if waitid is None:
+        return
+    with contextlib.suppress(ChildProcessError):
+        waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+
+
+# ---------------------------------------------------------------------- the reaper process
+
+
+def _marked(token: str) -> list[int]:
+    """Pids (not this one) whose environment holds ``RINGTRAIN_RUN_TOKEN=token``."""
+    needle = f"{TOKEN_ENV}={token}".encode()
+    found = []
+    me = os.getpid()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []  # no /proc (not Linux): the process groups are all there is
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:  # gone, or another user's
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def _reap(groups: set[int], token: str) -> None:
+    for pgid in groups:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
+    for _ in range(_SWEEP_ROUNDS):
+        alive = [pid for pid in _marked(token) if _running(pid)]
+        if not alive:
+            return
+        for pid in alive:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Not yet dead (a zombie is dead; it waits only for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _main(argv: list[str]) -> int:
+    token = argv[1]
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)  # only end of file ends it
+    groups: set[int] = set()
+    for raw in sys.stdin.buffer:  # blocks until the driver writes, or exits
+        line = raw.strip()
+        if not line[1:].isdigit():
+            continue
+        pgid = int(line[1:])
+        if line[:1] == b"+" and pgid > 1:
+            groups.add(pgid)
+        elif line[:1] == b"-":
+            groups.discard(pgid)
+    _reap(groups, token)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv))

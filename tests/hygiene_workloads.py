@@ -1,0 +1,72 @@
+"""Train functions for tests/test_process_hygiene.py (loaded by reference in the workers).
+
+``loader_fn`` iterates a ``DataLoader(num_workers=2)`` prepared by ringtrain and, once its loader
+workers exist, writes ``{"pid", "loaders"}`` to ``{pid_dir}/rank{R}.attempt{A}.json``; then by
+``config["mode"]``: ``"hang"`` loops until it is stopped, ``"finish"`` returns after a few batches,
+``"error"`` raises on rank 0, ``"kill_worker"`` SIGKILLs rank 1 in the first attempt (and the
+second attempt finishes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import ringtrain as rt
+
+
+class Slow(Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2,), float(i))
+
+
+def children(pid: int) -> list[int]:
+    """Live direct children of ``pid`` (its DataLoader workers), from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return sorted(found)
+
+
+def loader_fn(config):
+    ctx = rt.get_context()
+    mode = config["mode"]
+    loader = rt.prepare_data_loader(
+        DataLoader(Slow(), batch_size=2, num_workers=2, persistent_workers=True)
+    )
+    written = False
+    batches = 0
+    while True:
+        for _ in loader:
+            batches += 1
+            if not written:
+                record = {"pid": os.getpid(), "loaders": children(os.getpid())}
+                path = os.path.join(config["pid_dir"], f"rank{ctx.world_rank}.attempt{ctx.attempt}")
+                with open(path + ".tmp", "w") as f:
+                    json.dump(record, f)
+                os.replace(path + ".tmp", path + ".json")
+                written = True
+                if mode == "error" and ctx.world_rank == 0:
+                    raise RuntimeError("the train function failed on purpose")
+                if mode == "kill_worker" and ctx.world_rank == 1 and ctx.attempt == 0:
+                    time.sleep(0.5)  # the test's watcher sees the file first
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.02)
+            if batches >= 20 and (mode == "finish" or (mode == "kill_worker" and ctx.attempt > 0)):
+                return

@@ -1,0 +1,191 @@
+"""No process of a local run outlives its driver by more than 1 s, on any exit path.
+
+A driver process runs ``rt.Trainer`` with 2 workers, each iterating a ``DataLoader`` with 2
+worker processes (so 7 processes: driver, reaper, 2 workers, 4 loader workers). The test marks
+the driver's environment with a fresh token, so every process of the run carries it (found by
+reading ``/proc/*/environ``; the test's mark, not ringtrain's). The driver ends by SIGKILL,
+Ctrl-C (SIGINT), a normal end, or an error; 1.0 s after the test has seen it exit, no marked
+process may be alive (zombies are dead). Before this, a SIGKILLed driver left the loader workers
+alive for up to 12 s: ``PR_SET_PDEATHSIG`` covered the workers, not their children.
+
+And a single worker SIGKILLed mid-run (as a chaos test does): its loader workers are dead within
+1 s of it, and the next attempt starts without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+
+import hygiene_workloads
+import ringtrain as rt
+from conftest import pid_alive, wait_until
+
+MARK = "RT_HYGIENE_TEST"
+GRACE_S = 1.0  # the requirement: nothing of the run alive 1 s after the driver is gone
+
+_DRIVER = textwrap.dedent(
+    """
+    import sys, hygiene_workloads, ringtrain as rt
+    rt.Trainer(hygiene_workloads.loader_fn, rt.ScalingConfig(num_workers=2),
+               rt.RunConfig(name="hygiene", storage_path=sys.argv[1], progress="off"),
+               train_loop_config={"pid_dir": sys.argv[2], "mode": sys.argv[3]}).fit()
+    """
+)
+
+
+def _marked(token: str) -> list[int]:
+    """Live (non-zombie) processes whose environment holds ``MARK=token``."""
+    needle = f"{MARK}={token}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and pid_alive(int(entry)):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def _describe(pids: list[int]) -> str:
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:100]
+        except OSError:
+            cmd = "?"
+        out.append(f"{pid}: {cmd}")
+    return "; ".join(out)
+
+
+def _records(pid_dir, attempt: int = 0) -> dict[int, dict]:
+    found = {}
+    for rank in (0, 1):
+        path = pid_dir / f"rank{rank}.attempt{attempt}.json"
+        if path.exists():
+            found[rank] = json.loads(path.read_text())
+    return found
+
+
+def _start_driver(tmp_path, mode: str):
+    """The driver process, once both workers iterate their loaders (each with 2 workers)."""
+    token = uuid.uuid4().hex
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *sys.path]), **{MARK: token})
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, str(tmp_path / "runs"), str(pid_dir), mode],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    if not wait_until(lambda: len(_records(pid_dir)) == 2, timeout_s=120):
+        driver.kill()
+        driver.wait()
+        raise AssertionError(
+            f"the driver's workers did not start their loaders within 120 s ({mode})"
+        )
+    return driver, pid_dir, token
+
+
+def _assert_nothing_left(token: str, exited_at: float, how: str) -> None:
+    """At ``GRACE_S`` after ``exited_at`` no marked process is alive."""
+    time.sleep(max(0.0, exited_at + GRACE_S - time.monotonic()))
+    left = _marked(token)
+    if left:
+        later = wait_until(lambda: not _marked(token), timeout_s=20)
+        pytest.fail(
+            f"{how}: processes of the run alive {GRACE_S} s after the driver exited: "
+            f"{_describe(left)} ({'gone' if later else 'still alive'} 20 s later)"
+        )
+
+
+@pytest.mark.parametrize(
+    ("mode", "how"),
+    [
+        ("hang", signal.SIGKILL),
+        ("hang", signal.SIGINT),
+        ("finish", None),
+        ("error", None),
+    ],
+    ids=["driver-sigkill", "driver-ctrl-c", "normal-end", "error-exit"],
+)
+def test_nothing_outlives_the_driver(tmp_path, mode, how):
+    driver, pid_dir, token = _start_driver(tmp_path, mode)
+    try:
+        records = _records(pid_dir)
+        assert all(len(r["loaders"]) == 2 for r in records.values()), records  # the setup holds
+        if mode == "hang":  # driver, reaper, 2 workers, 4 loader workers
+            assert len(_marked(token)) >= 8, _describe(_marked(token))
+        if how is not None:
+            driver.send_signal(how)
+        driver.wait(timeout=120)
+        exited_at = time.monotonic()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    label = f"driver {how.name}" if how is not None else mode
+    _assert_nothing_left(token, exited_at, label)
+    if mode == "finish":
+        assert driver.returncode == 0
+    if mode == "error":
+        assert driver.returncode != 0
+
+
+def test_a_killed_workers_loaders_die_with_it(tmp_path):
+    """Rank 1 SIGKILLs itself in the first attempt: its loader workers are dead within 1 s of it
+    (watched from here, while the driver is still handling the failure), and the run restarts
+    and finishes."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    seen: dict[str, object] = {}
+
+    def watch() -> None:
+        if not wait_until(lambda: 1 in _records(pid_dir), timeout_s=120, interval_s=0.01):
+            return
+        record = _records(pid_dir)[1]
+        seen["loaders"] = record["loaders"]
+        if not wait_until(lambda: not pid_alive(record["pid"]), timeout_s=60, interval_s=0.005):
+            return
+        died = time.monotonic()
+        wait_until(lambda: not any(map(pid_alive, record["loaders"])), GRACE_S * 3, 0.005)
+        seen["after_s"] = time.monotonic() - died
+        seen["left"] = [p for p in record["loaders"] if pid_alive(p)]
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    result = rt.Trainer(
+        hygiene_workloads.loader_fn,
+        rt.ScalingConfig(num_workers=2),
+        rt.RunConfig(
+            name="killed",
+            storage_path=str(tmp_path / "runs"),
+            progress="off",
+            failure_config=rt.FailureConfig(max_failures=1),
+        ),
+        train_loop_config={"pid_dir": str(pid_dir), "mode": "kill_worker"},
+    ).fit()
+    watcher.join(timeout=30)
+    assert result.error is None, result.error
+    assert [f.kind for f in result.failures] == ["signal"] and result.failures[0].rank == 1
+    assert len(seen.get("loaders", [])) == 2, seen
+    assert "left" in seen, f"the watcher did not see rank 1 die: {seen}"
+    assert not seen["left"], f"loader workers {seen['left']} outlived their SIGKILLed worker"
+    assert seen["after_s"] <= GRACE_S, seen
+    assert set(_records(pid_dir, attempt=1)) == {0, 1}  # the next attempt ran
