@@ -57,7 +57,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="world sizes to test, comma-separated, e.g. 2,3 (default: the script's "
         "scaling_config, else 2)",
     )
-    p.add_argument("--runs", type=_positive_int, default=3, help="faulty runs per world size")
+    p.add_argument(
+        "--runs", type=_positive_int, default=3, help="faulty runs per world size (default: 3)"
+    )
     p.add_argument(
         "--steps",
         type=_positive_int,
@@ -69,7 +71,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=",".join(FAULT_KINDS),
         help=f"fault kinds to draw from (default: {','.join(FAULT_KINDS)})",
     )
-    p.add_argument("--faults-per-run", type=_positive_int, default=2, help="(default: 2)")
+    p.add_argument(
+        "--faults-per-run", type=_positive_int, default=2, metavar="F", help="(default: 2)"
+    )
     p.add_argument(
         "--hang-timeout",
         type=float,
