@@ -106,6 +106,7 @@ def test_exact_training_survives_a_kill_mid_write_and_a_driver_kill(tmp_path):
     assert run.drivers == 2  # the driver kill was resumed with Trainer.restore(path).fit()
     write = next(f for f in run.faults if f["kind"] == "write")
     assert write["file"].startswith("checkpoint_") and ".tmp/" in write["file"], write
+    assert 0 <= write["failure_seen_s"] <= write["recovery_s"], write
     # the kill mid-write is a failure the controller saw; the driver kill is not one
     assert [f["message"] for f in run.failures if f["kind"] == "signal"] == [
         "rank 0 was killed by SIGKILL"

@@ -272,7 +272,8 @@ class _Campaign:
     @staticmethod
     def _read_log(report: RunReport, chaos_dir: str) -> None:
         """Mark the faults that fired, and their recovery: fault time -> the first step of a
-        worker started after it. A SIGSTOP fault is ``detected`` when the controller recorded a
+        worker started after it (``recovery_s``), and -> the controller's next failure event
+        (``failure_seen_s``). A SIGSTOP fault is ``detected`` when the controller recorded a
         hang of its rank (``report.failures`` must be read first)."""
         log = read_log(chaos_dir)
         starts = sorted((e["started"], e["time"]) for e in log if e.get("event") == "first_step")
@@ -293,6 +294,9 @@ class _Campaign:
                 )
             after = [t for started, t in starts if started > e["time"]]
             fault["recovery_s"] = round(min(after) - e["time"], 3) if after else None
+            # events.jsonl: when the controller saw the failure (None for a driver kill)
+            seen = [f["time"] for f in report.failures if (f.get("time") or 0) >= e["time"]]
+            fault["failure_seen_s"] = round(min(seen) - e["time"], 3) if seen else None
 
     def _verdict(
         self, status: str, detail: str, report: RunReport, clean: RunReport
@@ -341,7 +345,8 @@ def _failures(run_path: str) -> list[dict[str, Any]]:
                 except ValueError:
                     continue
                 if ev.get("type") == "failure":
-                    out.append({k: ev.get(k) for k in ("attempt", "rank", "kind", "message")})
+                    keys = ("attempt", "rank", "kind", "message", "time")
+                    out.append({k: ev.get(k) for k in keys})
     except FileNotFoundError:
         pass
     return out

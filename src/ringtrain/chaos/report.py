@@ -18,8 +18,11 @@ class RunReport:
         world_size: W.
         index: 1..runs for faulty runs, 0 for the clean run.
         seed: the schedule's seed, ``"SEED:W:INDEX"``.
-        faults: the planned faults, each with ``injected`` (bool), ``time`` and ``recovery_s``
-            (seconds from the fault to the first training step after the restart).
+        faults: the planned faults, each with ``injected`` (bool), ``time``, ``fired_at_step``,
+            ``recovery_s`` (seconds from the fault to the first training step after the
+            restart), ``failure_seen_s`` (to the controller's failure event; None for a driver
+            kill), ``file`` (a ``write`` fault's half-written file) and ``detected`` (a ``hang``
+            fault: the controller failed the rank as hung).
         verdict: one of :data:`~ringtrain.chaos.plan.VERDICTS` (``"CLEAN"`` for the clean run).
         detail: why, in one sentence (for DIVERGED: which state differs from which step).
         wall_s: the run's wall time, all its drivers together (seconds).
