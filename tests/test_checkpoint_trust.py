@@ -21,6 +21,8 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ringtrain as rt
 import workloads
@@ -229,6 +231,27 @@ def test_manifest_paths_that_escape_are_refused_quickly(tmp_path, attack):
 def test_check_relpath_refuses_odd_names(rel):
     with pytest.raises(ValueError):
         storage.check_relpath(rel)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(["a", "b.pt", "..", ".", "", "/", "\\", "\0", "C:", "~", " ", "é"]),
+        min_size=1,
+        max_size=6,
+    ).map("/".join)
+    | st.text(max_size=20)
+)
+def test_an_accepted_manifest_path_always_stays_inside(rel):
+    """Generated hostile names: whatever check_relpath accepts names a file strictly inside
+    the checkpoint directory."""
+    root = "/ckpt/dir"
+    try:
+        storage.check_relpath(rel)
+    except ValueError:
+        return
+    full = os.path.normpath(os.path.join(root, rel))
+    assert full.startswith(root + "/") and not os.path.isabs(rel) and "\0" not in rel
 
 
 def test_files_are_hashed_as_they_are_read(tmp_path):
