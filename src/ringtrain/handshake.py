@@ -197,6 +197,7 @@ class HandshakeListener:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self.rejected = 0  # wrong answers (for tests and diagnostics)
         self.timed_out = 0  # dropped: no complete answer in time, or evicted as the oldest
+        self._warned_at = -1e9
         self.address: tuple[str, int] = sock.getsockname()[:2]
         self._thread = threading.Thread(target=self._loop, name="ringtrain-accept", daemon=True)
         self._thread.start()
@@ -240,11 +241,16 @@ class HandshakeListener:
                 conn, _addr = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and the like: make room, try later
-                logger.warning("ringtrain: channel accept failed: %s", exc)
+            except OSError as exc:  # EMFILE and the like: make room, try a moment later
+                now = time.monotonic()
+                if now - self._warned_at > 10.0:
+                    self._warned_at = now
+                    logger.warning("ringtrain: channel accept failed: %s", exc)
                 if self._pending:
                     self.timed_out += 1
                     self._drop(next(iter(self._pending.values())))
+                else:
+                    time.sleep(0.05)  # the listening socket stays readable: do not spin
                 return
             conn.setblocking(False)
             s_nonce = secrets.token_bytes(NONCE_BYTES)
