@@ -4,7 +4,8 @@
 workers exist, writes ``{"pid", "loaders"}`` to ``{pid_dir}/rank{R}.attempt{A}.json``; then by
 ``config["mode"]``: ``"hang"`` loops until it is stopped, ``"finish"`` returns after a few batches,
 ``"error"`` raises on rank 0, ``"kill_worker"`` SIGKILLs rank 1 in the first attempt (and the
-second attempt finishes).
+second attempt finishes). Rank 0 of the first attempt also starts ``sleep 600`` in a session of
+its own (``"escaped"``): a process that left the worker's process group.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
 import torch
@@ -57,6 +59,11 @@ def loader_fn(config):
             batches += 1
             if not written:
                 record = {"pid": os.getpid(), "loaders": children(os.getpid())}
+                if ctx.world_rank == 0 and ctx.attempt == 0:
+                    # A child that leaves the worker's process group (its own session): only
+                    # the run token in its environment can find it.
+                    escaped = subprocess.Popen(["sleep", "600"], start_new_session=True)
+                    record["escaped"] = escaped.pid
                 path = os.path.join(config["pid_dir"], f"rank{ctx.world_rank}.attempt{ctx.attempt}")
                 with open(path + ".tmp", "w") as f:
                     json.dump(record, f)
