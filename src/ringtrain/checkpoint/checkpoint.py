@@ -187,12 +187,18 @@ class Checkpoint:
             root = tempfile.mkdtemp(prefix="ringtrain_verified_")
             # .../checkpoint_NNNNNN/<name>: logs still say which checkpoint it came from.
             label = self.path.rstrip("/").rsplit("/", 1)[-1] or "checkpoint"
-            target = os.path.join(root, label, *name.split("/"))
+            target = os.path.join(root, label, name.replace("/", "_"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as f:
                 f.write(data)
             self._copies[name] = target
         return self._copies[name]
+
+    def release_verified_copies(self) -> None:
+        """Delete the private copies :meth:`verified_copy` made (once their reader is done)."""
+        for path in self._copies.values():
+            shutil.rmtree(os.path.dirname(os.path.dirname(path)), ignore_errors=True)
+        self._copies.clear()
 
     @contextlib.contextmanager
     def verified_directory(self, select: Any = None) -> Iterator[str]:

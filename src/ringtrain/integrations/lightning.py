@@ -451,6 +451,15 @@ class RingtrainCallback(pl.Callback):
             return
         restore_rng(state)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning has restored the checkpoint by now: its private verified copy can go.
+        ckpt = get_checkpoint()
+        if ckpt is not None:
+            ckpt.release_verified_copies()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.on_train_start(trainer, pl_module)  # a fit that had nothing left to train
+
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
