@@ -225,7 +225,8 @@ def test_below_min_falls_back_to_a_full_restart_from_disk(tmp_path):
 # ------------------------------------------------------------------ growing back to max
 
 GROW = {"elastic_grow_after_s": 0.0}  # start a joining worker as soon as the shrink resumed
-SLOW = {"slow_world": 2, "slow_s": 0.6}  # slow steps at 2 workers: time for a worker to start
+SLOW = {"slow_world": 2, "slow_s": 0.6, "hold_step": 15}  # slow steps at 2 workers, and a
+# wait at step 15 for the driver's GrowRequest: time for a worker to start, however loaded
 
 
 @pytest.fixture(scope="module")

@@ -170,6 +170,7 @@ def test_growing_back_starts_a_joiner_in_the_freed_bundle(cluster, tmp_path):
         kill_step=5,
         slow_world=2,  # slow steps at 2 workers: time for the joiner to start
         slow_s=0.4,
+        hold_step=STEPS - 3,  # and wait there for the GrowRequest, however loaded the machine
     )
     assert result.error is None and final["step"] == STEPS
     assert [f.kind for f in result.failures] == ["signal"]  # a grow is not a failure

@@ -412,7 +412,7 @@ def elastic_fn(config):
             kills = config.get("kill_ranks", ())
             if first_world and ctx.world_rank in kills and state.step == config["kill_step"]:
                 _kill_self()
-            _elastic_grow_hooks(config)
+            _elastic_grow_hooks(config, state.step)
             if state.step % every == 0:
                 rt.report({"loss": loss.item(), "step": state.step}, checkpoint=state)
             if state.step == config.get("stop_at"):
@@ -427,14 +427,27 @@ def elastic_fn(config):
         torch.save({"model": module.state_dict(), "step": state.step}, out)
 
 
-def _elastic_grow_hooks(config) -> None:
+def _elastic_grow_hooks(config, step: int) -> None:
     """Growing back (tests/test_elastic.py): ``slow_world``/``slow_s``: sleep ``slow_s`` per
     step while the world size is ``slow_world`` (so that a joining worker has time to start);
-    ``kill_joiner_once``: a marker path; the first worker that joined a running group (and
-    creates the marker) SIGKILLs itself after its first step."""
+    ``hold_step``: at that step, while the world size is ``slow_world``, wait (up to 300 s) until
+    the driver's GrowRequest has arrived, so that the grow happens before the run ends however
+    slowly the joining worker starts on a loaded machine; ``kill_joiner_once``: a marker path;
+    the first worker that joined a running group (and creates the marker) SIGKILLs itself after
+    its first step."""
     world = rt.get_context().world_size
     if config.get("slow_world") == world:
         time.sleep(config.get("slow_s", 0.2))
+        if step == config.get("hold_step"):
+            from ringtrain import session
+
+            elastic = session._session.elastic if session._session is not None else None
+            deadline = time.monotonic() + 300
+            while elastic is not None and not elastic.grow_requested:
+                if time.monotonic() > deadline:
+                    break
+                elastic._poll_driver()
+                time.sleep(0.05)
     marker = config.get("kill_joiner_once")
     if marker and os.environ.get("RINGTRAIN_ELASTIC", "")[-2:] == ",1":
         try:
