@@ -190,3 +190,44 @@ def test_a_killed_workers_loaders_die_with_it(tmp_path):
     assert not seen["left"], f"loader workers {seen['left']} outlived their SIGKILLed worker"
     assert seen["after_s"] <= GRACE_S, seen
     assert set(_records(pid_dir, attempt=1)) == {0, 1}  # the next attempt ran
+
+
+_FORKING_DRIVER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from ringtrain.launch.reaper import Reaper
+    group = subprocess.Popen(["sleep", "600"], start_new_session=True)  # as a worker's group
+    reaper = Reaper(sys.argv[1])
+    reaper.add(group.pid)
+    if os.fork() == 0:  # forked without exec: holds a copy of the reaper's pipe
+        time.sleep(600)
+        os._exit(0)
+    time.sleep(0.5)  # the reaper's Python is up
+    print(group.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_the_reaper_fires_even_if_a_fork_of_the_driver_holds_its_pipe(tmp_path):
+    """End of file never comes while a process the driver forked (without exec) holds the pipe:
+    the parent-death signal fires the reaper instead."""
+    token = uuid.uuid4().hex
+    env = dict(os.environ, **{MARK: token})
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_DRIVER, token], env=env, stdout=subprocess.PIPE
+    )
+    try:
+        assert driver.stdout is not None
+        group = int(driver.stdout.readline())
+        assert pid_alive(group)
+        driver.kill()
+        driver.wait(timeout=30)
+        time.sleep(GRACE_S)
+        assert not pid_alive(group), "the registered process group outlived the driver by 1 s"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for pid in _marked(token):  # the forked holder (not the run's: the test's to clean)
+            os.kill(pid, signal.SIGKILL)

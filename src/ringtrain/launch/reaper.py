@@ -9,8 +9,10 @@ How: :class:`Reaper` starts ``python -I reaper.py TOKEN`` (this file as a script
 only, no torch, about 30 ms to start) in its own session, with a pipe from the driver as its
 stdin. The driver writes ``+PGID`` when it starts a worker (each worker leads its own process
 group, which its DataLoader workers inherit) and ``-PGID`` once that group is dead. When the pipe
-reaches end of file, which the kernel guarantees the instant the driver exits or is killed, the
-reaper SIGKILLs every process group still registered, then every process whose environment
+reaches end of file, which the kernel guarantees the instant the driver exits or is killed (or,
+should a process the driver forked without exec still hold the pipe open, when the kernel sends
+the reaper ``SIGUSR1`` as its parent dies: ``PR_SET_PDEATHSIG``), the reaper SIGKILLs every
+process group still registered, then every process whose environment
 carries ``RINGTRAIN_RUN_TOKEN=TOKEN`` (the launcher sets it in each worker's environment, and
 children inherit it: this catches a process that left the group), repeating until none is left,
 and exits. It holds nothing else and does nothing else.
@@ -34,6 +36,7 @@ TOKEN_ENV = "RINGTRAIN_RUN_TOKEN"
 """The environment variable that marks every process of one local worker group."""
 
 _SWEEP_ROUNDS = 20  # a dying process may fork once more: sweep until nothing is found
+_PR_SET_PDEATHSIG = 1
 
 
 class Reaper:
@@ -51,7 +54,7 @@ class Reaper:
         self.token = token
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(__file__), token],
+            [sys.executable, "-I", os.path.abspath(__file__), token, str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C to the driver's terminal does not reach it
@@ -157,13 +160,20 @@ def _running(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def _main(argv: list[str]) -> int:
-    token = argv[1]
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_IGN)  # only end of file ends it
-    groups: set[int] = set()
-    for raw in sys.stdin.buffer:  # blocks until the driver writes, or exits
-        line = raw.strip()
+class _DriverDied(Exception):
+    """Raised by the parent-death signal: the driver is gone though the pipe is still open (a
+    process the driver forked without exec holds a copy of its end)."""
+
+
+def _on_parent_death(signum: int, frame: object) -> None:
+    raise _DriverDied
+
+
+def _apply(buf: bytes, groups: set[int]) -> bytes:
+    """Apply the complete ``+PGID``/``-PGID`` lines of ``buf``; return the incomplete rest.
+    Applying the same lines twice gives the same set (the last line on a pgid wins)."""
+    *lines, rest = buf.split(b"\n")
+    for line in lines:
         if not line[1:].isdigit():
             continue
         pgid = int(line[1:])
@@ -171,7 +181,37 @@ def _main(argv: list[str]) -> int:
             groups.add(pgid)
         elif line[:1] == b"-":
             groups.discard(pgid)
-    _reap(groups, token)
+    return rest
+
+
+def _die_with_driver(driver: int) -> None:
+    """Second trigger besides end of file: SIGUSR1 when the driver dies (Linux)."""
+    signal.signal(signal.SIGUSR1, _on_parent_death)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1)
+    if os.getppid() != driver:  # it died before prctl took effect
+        raise _DriverDied
+
+
+def _main(argv: list[str]) -> int:
+    token, driver = argv[1], int(argv[2])
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)  # only the driver's end ends it
+    groups: set[int] = set()
+    buf = b""
+    try:
+        _die_with_driver(driver)
+        while chunk := os.read(0, 65536):  # blocks until the driver writes, or exits
+            buf = _apply(buf + chunk, groups)
+    except _DriverDied:  # read what the driver wrote before it died, without waiting
+        os.set_blocking(0, False)
+        with contextlib.suppress(OSError):
+            while chunk := os.read(0, 65536):
+                buf = _apply(buf + chunk, groups)
+    _reap(groups, token)  # (an incomplete last line is not trusted: a pgid cut short)
     return 0
 
 
