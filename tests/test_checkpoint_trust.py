@@ -233,6 +233,11 @@ def test_check_relpath_refuses_odd_names(rel):
         storage.check_relpath(rel)
 
 
+@pytest.mark.parametrize("rel", ["model.pt", "sub/dir/x.bin", "model:v1.pt", ".metadata", "..a"])
+def test_check_relpath_accepts_plain_names(rel):
+    assert storage.check_relpath(rel) == rel
+
+
 @settings(max_examples=400, deadline=None)
 @given(
     st.lists(

@@ -39,6 +39,7 @@ CHUNK = 1 << 20
 MAX_MANIFEST_BYTES = 64 << 20
 _CKPT_RE = re.compile(r"^checkpoint_(\d{6,})$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_DRIVE_RE = re.compile(r"^[A-Za-z]:")  # C:x is absolute-ish on Windows
 
 
 class ManifestError(ValueError):
@@ -225,7 +226,7 @@ def run_name(run_path: str) -> str:
 def check_relpath(rel: Any, ckpt_path: str = "") -> str:
     """``rel`` if it is a safe path of a file inside a checkpoint directory: a non-empty
     relative POSIX path, already normalised, without ``..``, ``.``, empty or absolute parts,
-    backslashes, NUL or drive letters, and not the manifest itself.
+    backslashes, NUL or a drive letter (``C:``), and not the manifest itself.
 
     Raises:
         ManifestError: naming the path.
@@ -236,7 +237,7 @@ def check_relpath(rel: Any, ckpt_path: str = "") -> str:
         rel.startswith("/")
         or "\\" in rel
         or "\0" in rel
-        or ":" in rel.split("/", 1)[0]
+        or _DRIVE_RE.match(rel) is not None
         or posixpath.normpath(rel) != rel
         or any(part in ("", ".", "..") for part in rel.split("/"))
         or rel == MANIFEST
