@@ -259,6 +259,17 @@ def test_an_accepted_manifest_path_always_stays_inside(rel):
     assert full.startswith(root + "/") and not os.path.isabs(rel) and "\0" not in rel
 
 
+def test_a_file_name_no_manifest_may_hold_is_never_published(tmp_path):
+    run = tmp_path / "run"
+    staging = run / storage.staging_dirname(0)
+    staging.mkdir(parents=True)
+    (staging / "a\\b").write_bytes(b"x")
+    mgr = CheckpointManager(LOCAL, str(run), CheckpointConfig())
+    with pytest.raises(ValueError, match="not a plain relative path"):
+        mgr.publish(0, {"a\\b": storage.file_digest(LOCAL, str(staging / "a\\b"))}, {})
+    assert mgr.latest is None and not (run / storage.checkpoint_dirname(0)).exists()
+
+
 def test_files_are_hashed_as_they_are_read(tmp_path):
     """A file swapped after the driver checked it (a worker's copy of the table is all it
     trusts) is refused when read: the bytes checked are the bytes loaded."""

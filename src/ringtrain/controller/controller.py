@@ -576,7 +576,15 @@ class Controller(ElasticControl):
         for r in sorted(reports):  # a score attribute only some rank reported still counts
             for k, v in reports[r].metrics.items():
                 score_metrics.setdefault(k, v)
-        tracked = self.checkpoints.publish(round_, files, score_metrics)
+        try:
+            tracked = self.checkpoints.publish(round_, files, score_metrics)
+        except ValueError as bad:  # a file name no manifest may hold (a backslash, say)
+            message = f"checkpoint of round {round_} was not saved ({bad}); training continues"
+            logger.warning(message)
+            self.progress.message(message)
+            self.run_dir.event("checkpoint_failed", round=round_, errors=[str(bad)])
+            self.checkpoints.discard_staging(round_)
+            return
         name = tracked.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
         self.run_dir.event("checkpoint", round=round_, path=name, metrics=metrics)
         for path, reason in self.checkpoints.deleted:
