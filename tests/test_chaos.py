@@ -304,3 +304,30 @@ def test_processes_of_a_run_are_found_by_their_tag_and_killed(tmp_path):
     assert orphan.cmdline == "sleep 60" and tagged("another-run") == []
     kill_tagged("test-orphan")
     assert tagged("test-orphan") == []
+
+
+def test_each_checkpoint_knows_the_resume_and_driver_before_it(tmp_path):
+    events = [
+        {"type": "run_start", "world_size": 3, "attempt": 0},
+        {"type": "checkpoint", "round": 0},
+        {"type": "failure", "rank": 1, "kind": "signal"},
+        {"type": "resume", "attempt": 1, "checkpoint": str(tmp_path / "checkpoint_000000")},
+        {"type": "run_start", "world_size": 3, "attempt": 1},
+        {"type": "checkpoint", "round": 1},
+        {"type": "checkpoint", "round": 2},
+        # the driver was killed; a new one resumes at attempt 0
+        {"type": "resume", "attempt": 0, "checkpoint": str(tmp_path / "checkpoint_000002")},
+        {"type": "run_start", "world_size": 3, "attempt": 0},
+        {"type": "checkpoint", "round": 3},
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    writers = compare.writers_of(str(tmp_path))
+    assert "before any resume" in compare.context_of(writers[0])
+    assert compare.context_of(writers[1]) == (
+        "the first checkpoint after resuming from checkpoint_000000 at world size 3 (attempt 1)"
+    )
+    assert compare.context_of(writers[2]).startswith("a checkpoint after resuming from ")
+    assert compare.context_of(writers[3]) == (
+        "the first checkpoint after resuming from checkpoint_000002 at world size 3 "
+        "(attempt 0 of driver 2)"
+    )
