@@ -13,9 +13,8 @@ from conftest import wait_until
 ray = pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'")
 pytest.importorskip("ray.util.state", reason="the Ray state API needs ray[default]")
 
-from test_ray import assert_torn_down, cluster  # noqa: E402, F401  (the fixture)
-
 from ringtrain.launch.ray_worker import remote_worker_class  # noqa: E402
+from test_ray import assert_torn_down, cluster  # noqa: E402, F401  (the fixture)
 
 
 def test_the_rank0_actor_store_binds_the_node_address(cluster):  # noqa: F811

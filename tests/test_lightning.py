@@ -256,3 +256,38 @@ def test_ray_backend_gives_the_same_parameters(tmp_path, tmp_path_factory, ray_l
     assert [m["step"] for m in result.metrics_history] == [5, 10]
     assert result.checkpoint is not None and get_ckpt_path(result.checkpoint) is not None
     assert_same_parameters(final, clean["final"])
+
+
+class _Marker:
+    """Unpickling this creates ``path``: a stand-in for code run by a poisoned checkpoint."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_resumed_lightning_checkpoint_is_loaded_weights_only_even_when_torch_is_told_not_to(
+    tmp_path, monkeypatch
+):
+    """Lightning loads ``ckpt_path`` with ``weights_only=None``, which
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns into a full unpickle; the bridge forces
+    ``weights_only=True`` on the strategy it resumes."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from ringtrain.integrations.lightning import _force_weights_only
+
+    marker = tmp_path / "ran"
+    poisoned = tmp_path / "lightning.ckpt"
+    torch.save({"state_dict": {}, "x": _Marker(str(marker))}, poisoned)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    unguarded = SingleDeviceStrategy(device=torch.device("cpu"))
+    unguarded.load_checkpoint(str(poisoned))  # the hole: the environment wins over the default
+    assert marker.exists()
+    marker.unlink()
+    strategy = SingleDeviceStrategy(device=torch.device("cpu"))
+    _force_weights_only(strategy)
+    with pytest.raises(Exception, match=r"[Ww]eights.only|Unsupported global"):
+        strategy.load_checkpoint(str(poisoned), weights_only=False)
+    assert not marker.exists()

@@ -114,9 +114,9 @@ def test_random_and_tpe_run_num_samples_trials_in_bounds(tmp_path):
         lrs = [r.config["lr"] for r in grid]
         assert all(1e-3 <= lr <= 0.3 for lr in lrs) and len(set(lrs)) == 3
         assert all(r.config["nested"] == {"k": 3} and r.config["rounds"] == 2 for r in grid)
-        assert sorted(os.listdir(grid.path)) == sorted(
-            ["study.db", "tuner.json", "tuner.pkl", "trial_0000", "trial_0001", "trial_0002"]
-        )
+        trials = ["trial_0000", "trial_0001", "trial_0002"]
+        expected = ["study.db", "tuner.json", "tuner.pkl", "tuner.pkl.sig", *trials]
+        assert sorted(os.listdir(grid.path)) == sorted(expected)
         best = grid.get_best_result()
         assert best.metrics["score"] == max(r.metrics["score"] for r in grid)
         assert best.checkpoint is not None and best.path.endswith(

@@ -229,6 +229,7 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
         path = get_ckpt_path()
         if path is not None:
             trainer.ckpt_path = path
+            _force_weights_only(strategy)
             logger.info("rank %d: Lightning resumes from %s", ctx.world_rank, path)
     if not any(isinstance(cb, RingtrainCallback) for cb in getattr(trainer, "callbacks", [])):
         logger.warning(
@@ -340,6 +341,19 @@ def _reconcile(strategy: DDPStrategy, ctx: DistributedContext) -> None:
 
 
 # ------------------------------------------------------------------------------------- checkpoint
+
+
+def _force_weights_only(strategy: Any) -> None:
+    """Make ``strategy`` load checkpoints with ``torch.load(weights_only=True)`` whatever the
+    caller or the environment asks: Lightning passes ``weights_only=None``, which
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns into an unrestricted (code-running) load, and a
+    checkpoint from the run directory must never run code (docs/security.md)."""
+    original = strategy.load_checkpoint
+
+    def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        return original(checkpoint_path, weights_only=True)
+
+    strategy.load_checkpoint = load_checkpoint
 
 
 def get_ckpt_path(checkpoint: Checkpoint | None = None) -> str | None:
