@@ -655,6 +655,39 @@ def test_a_live_ranks_inflight_write_lands_before_the_group_is_stopped(tmp_path)
     assert result.failures[0].rank == 1  # the peer error of rank 0 is not the root cause
 
 
+def test_a_hung_ranks_pending_write_does_not_hold_the_restart(tmp_path):
+    """Both ranks report round 0 with a background write; rank 0 finishes it, rank 1 then
+    freezes (its progress ages) and is failed as hung. Its write will never land, so the
+    controller restarts at once instead of waiting ``checkpoint_grace_s`` for it (found by
+    ``ringtrain chaos``: a SIGSTOPped rank held every restart for 120 s)."""
+
+    class Frozen(_HeartbeatGroup):
+        guard_fired = False
+
+        def poll(self, timeout_s):
+            if time.monotonic() - self.started > self.guard_s:
+                self.guard_fired = True
+            return super().poll(timeout_s)
+
+    def pending(rank):
+        return Report(rank, 0, 0.0, {"step": 3}, checkpoint_pending=True)
+
+    frozen = Frozen(2, lambda rank, elapsed: 0.0 if rank == 0 else elapsed, guard_s=60.0)
+    frozen.script += [[pending(0), pending(1)], [CheckpointDone(0, 0, _stage(tmp_path, 0, 0))]]
+    attempts = [frozen, [[_report(0, 0, x=1), _report(1, 0, x=1)], _exits()]]
+    ctl = _controller(
+        tmp_path,
+        FakeLauncher(attempts),
+        max_failures=1,
+        worker_timeout_s=0.3,
+        checkpoint_grace_s=3600.0,
+    )
+    result = ctl.run()
+    assert not frozen.guard_fired and frozen.stopped
+    assert [(f.rank, f.kind) for f in result.failures] == [(1, "hang")]
+    assert ctl.state is RunState.FINISHED
+
+
 def test_a_resize_clears_the_straggler_flags_of_the_old_group(tmp_path):
     # Ranks are renumbered by a resize (old rank 2 becomes rank 1 of 2): the old group's timing
     # windows and flags would otherwise be compared against, and shown for, the wrong ranks.

@@ -387,11 +387,14 @@ class Controller(ElasticControl):
 
     def _writes_in_flight(self, attempt: Attempt) -> bool:
         """Whether a rank that is still running owes a background checkpoint write of a round
-        that can still be published (every report of it is in)."""
+        that can still be published (every report of it is in). A rank failed as hung is not
+        waited for: it is frozen or stuck, and will not finish its write (waiting for it would
+        hold the restart for ``checkpoint_grace_s``)."""
         for round_, (_reports, expected) in attempt.writing.items():
             done = attempt.outcomes.get(round_, {})
             missing = [r for r in expected if r not in done]
-            if missing and all(r not in attempt.exited for r in missing):
+            hung = {r for r, f in attempt.failures.items() if f.kind == "hang"}
+            if missing and all(r not in attempt.exited and r not in hung for r in missing):
                 return True  # publishable once the live ranks finish
         return False
 

@@ -243,6 +243,9 @@ class LocalWorkerGroup(ChannelGroup):
         alive = [p for p in everyone if p.poll() is None]
         for proc in alive:
             _signal_group(proc, signal.SIGTERM)
+            # A frozen (SIGSTOPped) worker acts on its SIGTERM only once continued; without
+            # this, stopping a group with a hung rank always waited the whole grace period.
+            _signal_group(proc, signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         for proc in alive:
             try:
