@@ -231,3 +231,29 @@ def test_the_reaper_fires_even_if_a_fork_of_the_driver_holds_its_pipe(tmp_path):
             driver.wait()
         for pid in _marked(token):  # the forked holder (not the run's: the test's to clean)
             os.kill(pid, signal.SIGKILL)
+
+
+def test_stopping_a_group_ends_a_frozen_worker_with_its_sigterm(tmp_path):
+    """A SIGSTOPped worker (a hang, or ``ringtrain chaos``) acts on nothing until continued:
+    ``stop()`` continues it after SIGTERM, so it ends by that SIGTERM, not by the SIGKILL that
+    follows the grace period (which every restart after a frozen rank used to wait for)."""
+    from ringtrain.launch.base import WorkerSpec
+    from ringtrain.launch.local import LocalWorkerGroup
+
+    script = tmp_path / "freeze.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)\n")
+    group = LocalWorkerGroup(
+        WorkerSpec(world_size=1, run_dir=str(tmp_path), script=str(script)),
+        forward_output=False,
+    )
+    proc = group._procs[0]
+
+    def frozen() -> bool:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+    try:
+        assert wait_until(frozen, timeout_s=120)
+    finally:
+        group.stop(grace_s=300)
+    assert proc.returncode is not None and proc.returncode != -signal.SIGKILL
