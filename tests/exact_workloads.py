@@ -207,19 +207,26 @@ def _fresh_vs_long_lived(variant: dict) -> list:
     opt = rt.prepare_optimizer(torch.optim.SGD(long_lived.parameters(), lr=0.1, momentum=0.9))
     for step in range(steps):
         _train_step(long_lived, opt, step, accum)
-    # The restarted worker: a new module with the saved parameters, a new DDP, a new optimizer
-    # loaded from the saved state (deep copies: nothing shared with the long-lived one).
-    twin.load_state_dict(copy.deepcopy(net.state_dict()))
-    fresh = rt.prepare_model(twin, **kwargs)
-    opt2 = rt.prepare_optimizer(torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9))
-    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    # What a checkpoint holds (deep copies: nothing shared with the long-lived objects).
     from ringtrain.state import _model_rank_state
 
-    mine = _model_rank_state(fresh)
-    for key, obj in _model_rank_state(long_lived).items():
-        if key in mine:
-            mine[key].load_state_dict(copy.deepcopy(obj.state_dict()))
+    saved_model = copy.deepcopy(net.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    scaler = getattr(opt, "grad_scaler", None)
+    saved_scaler = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+    saved_rank = {k: copy.deepcopy(o.state_dict()) for k, o in _model_rank_state(net).items()}
     _train_step(long_lived, opt, steps, accum)
+    # The restarted worker: a new module, a new DDP and a new optimizer, loaded from it.
+    twin.load_state_dict(saved_model)
+    fresh = rt.prepare_model(twin, **kwargs)
+    opt2 = rt.prepare_optimizer(torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9))
+    opt2.load_state_dict(saved_opt)
+    if saved_scaler is not None:
+        opt2.grad_scaler.load_state_dict(saved_scaler)
+    mine = _model_rank_state(fresh)
+    for key, sd in saved_rank.items():
+        if key in mine:
+            mine[key].load_state_dict(sd)
     _train_step(fresh, opt2, steps, accum)
     with torch.no_grad():
         pairs = list(zip(long_lived.parameters(), fresh.parameters(), strict=True))

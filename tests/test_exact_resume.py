@@ -75,6 +75,7 @@ VARIANTS = {
     "static_graph": {"static_graph": True},
     "accumulate_2": {"accum": 2},
     "bf16_mixed": {"precision": "bf16-mixed"},
+    "fp16_mixed_loss_scaling": {"precision": "16-mixed", "model": "300k", "bucket_cap_mb": 0.25},
     "bf16_hook": {"comm_hook": "bf16", "model": "300k", "bucket_cap_mb": 0.25},
     "fp16_hook": {"comm_hook": "fp16"},
     "powersgd": {
