@@ -88,7 +88,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("workers", [3, 4])
+@pytest.mark.parametrize("workers", [3, 4, 8])
 def test_a_fresh_ddp_reduces_its_first_step_like_a_long_lived_one(tmp_path, workers):
     result = rt.Trainer(
         ew.fresh_vs_long_lived_fn,
