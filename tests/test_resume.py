@@ -245,7 +245,10 @@ DRIVER = textwrap.dedent(
         rt.ScalingConfig(num_workers=2),
         rt.RunConfig(name="crashy", storage_path={storage!r}, callbacks=[DieAfter()],
                      progress="off"),
-        train_loop_config={{"epochs": {epochs}, "out": {out!r}, "kill": None, "kill_rank": 0}},
+        # Rank 0 waits after its 5th report (round 4): the driver dies at checkpoint_000004
+        # before the run can end, however slow it is next to its workers.
+        train_loop_config={{"epochs": {epochs}, "out": {out!r},
+                            "kill": ("hold_after_reports", 5, {hold!r}), "kill_rank": 0}},
     ).fit()
     """
 )
@@ -260,6 +263,7 @@ def _run_dying_driver(tmp_path):
             storage=str(tmp_path / "runs"),
             epochs=EPOCHS,
             out=str(out),
+            hold=str(tmp_path / "held"),
         )
     )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)

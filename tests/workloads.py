@@ -187,7 +187,10 @@ def exact_fn(config):
     checkpoints every ``every`` steps and at each epoch's end. On attempt 0, rank
     ``config["kill_rank"]`` SIGKILLs itself at ``config["kill"]``:
     ``("step", n)``, ``("epoch_start", e)`` or ``("write", round, bytes)``; or hangs after step
-    ``n`` with ``("hang", n)`` (sleeps) or ``("freeze", n)`` (SIGSTOPs itself).
+    ``n`` with ``("hang", n)`` (sleeps) or ``("freeze", n)`` (SIGSTOPs itself); or sleeps after
+    its ``n``-th report with ``("hold_after_reports", n, marker)``, once: the first to hold
+    creates ``marker`` (so that a driver killed at that round's checkpoint dies before the run
+    can end, however slow the driver is, and the resumed run, attempt 0 again, does not hold).
     Rank 0 saves the final parameters and optimizer state to ``config["out"]``."""
     import random
 
@@ -221,6 +224,7 @@ def exact_fn(config):
     )
     state.restore()
     every = config.get("every", 4)
+    reports = 0
     for epoch in state.epochs(config["epochs"]):
         if kill and kill == ("epoch_start", epoch):
             _kill_self()
@@ -240,13 +244,28 @@ def exact_fn(config):
                 os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops answering
             if state.step % every == 0:
                 rt.report({"loss": loss.item(), "step": state.step}, checkpoint=state)
+                reports += 1
+                _hold_once(kill, reports)
         rt.report({"loss": loss.item(), "step": state.step, "epoch_end": epoch}, checkpoint=state)
+        reports += 1
+        _hold_once(kill, reports)
     if ctx.world_rank == 0:
         module = model.module if hasattr(model, "module") else model
         torch.save(
             {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": state.step},
             config["out"],
         )
+
+
+def _hold_once(kill, reports: int) -> None:
+    """``kill == ("hold_after_reports", reports, marker)``: sleep, unless ``marker`` exists."""
+    if not kill or kill[0] != "hold_after_reports" or kill[1] != reports:
+        return
+    try:
+        os.close(os.open(kill[2], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return
+    time.sleep(3600)  # the driver dies at this round's checkpoint; its death ends this process
 
 
 class FlakyFileSystem(LocalFileSystem):
