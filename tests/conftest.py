@@ -47,6 +47,40 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def pids_with_environ(needle: bytes, *, whole_entry: bool = False) -> list[int]:
+    """Live (non-zombie) processes whose environment contains ``needle`` (with ``whole_entry``,
+    as one whole ``NAME=value`` entry), from ``/proc/*/environ``; sorted."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        hit = needle in environ.split(b"\0") if whole_entry else needle in environ
+        if hit and pid_alive(int(entry)):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def touch_marker(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("code ran")
+
+
+class Poisoned:
+    """Unpickling this calls ``touch_marker(marker)``: what a malicious file would do (the test
+    then checks that ``marker`` does not exist)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (touch_marker, (self.marker,))
+
+
 def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

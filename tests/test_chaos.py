@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ringtrain as rt
 import workloads
+from conftest import pids_with_environ
 from ringtrain.chaos import ChaosConfig, Fault, compare, make_plan, run_campaign
 from ringtrain.chaos.campaign import campaign_tag
 from ringtrain.chaos.display import Display
@@ -60,18 +61,7 @@ def leaky_rng_fn(config):
 
 def _chaos_procs(out_dir) -> list[int]:
     """Processes of the campaign in ``out_dir`` still alive (by their environment marker)."""
-    marker = f"{TAG_ENV}={campaign_tag(str(out_dir))}-".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    return pids_with_environ(f"{TAG_ENV}={campaign_tag(str(out_dir))}-".encode())
 
 
 # ------------------------------------------------------------------ campaigns (real processes)

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import ringtrain as rt
 import workloads
+from conftest import Poisoned
 from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint.checkpoint import CheckpointLoadError
 from ringtrain.checkpoint.manager import CheckpointManager
@@ -33,20 +34,6 @@ from ringtrain.config import CheckpointConfig
 from ringtrain.state import STATE_FILE, TrainState, rank_file
 
 LOCAL = fsspec.filesystem("file")
-
-
-def _touch(path: str) -> None:
-    Path(path).write_text("code ran")
-
-
-class _Evil:
-    """Unpickling this calls ``_touch(marker)``: what a malicious file would do."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (_touch, (self.marker,))
 
 
 def _publish_state(run: Path, round_: int, state: TrainState) -> Path:
@@ -371,7 +358,7 @@ def test_a_tampered_payload_is_refused_by_restore_and_the_cli(finished_run, tmp_
     run = _copy_run(finished_run, tmp_path)
     assert rt.Trainer.restore(str(run)).train_fn.__name__ == "metrics_fn"  # control
     marker = tmp_path / "marker"
-    (run / "payload.pkl").write_bytes(pickle.dumps(_Evil(str(marker))))
+    (run / "payload.pkl").write_bytes(pickle.dumps(Poisoned(str(marker))))
     with pytest.raises(ValueError, match=r"payload.pkl is not signed"):
         rt.Trainer.restore(str(run))
     with pytest.raises(ValueError, match=r"config.json is not signed"):  # read first
@@ -424,7 +411,7 @@ def test_a_tampered_sweep_pickle_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"tuner.pkl is not signed"):
         tune.Tuner.restore(str(tmp_path / "sweep"))  # the default key is another
     marker = tmp_path / "marker"
-    (tmp_path / "sweep" / "tuner.pkl").write_bytes(pickle.dumps(_Evil(str(marker))))
+    (tmp_path / "sweep" / "tuner.pkl").write_bytes(pickle.dumps(Poisoned(str(marker))))
     with pytest.raises(ValueError, match=r"tuner.pkl is not signed"):
         tune.Tuner.restore(str(tmp_path / "sweep"), signing_key="k" * 32)
     assert not marker.exists()
@@ -459,7 +446,7 @@ def test_an_unloadable_newest_checkpoint_is_set_aside_within_one_restart(tmp_pat
     newest = ckpts[-1]
     round_ = storage.parse_round(newest.name)
     marker = tmp_path / "marker"
-    torch.save({"format": 1, "objects": {"model": _Evil(str(marker))}}, newest / STATE_FILE)
+    torch.save({"format": 1, "objects": {"model": Poisoned(str(marker))}}, newest / STATE_FILE)
     _resign(newest, name, round_)
 
     result, out = fit(2)

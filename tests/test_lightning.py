@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ringtrain as rt
+from conftest import Poisoned
 from ringtrain import session as session_mod
 from ringtrain.env import DistributedContext
 
@@ -258,16 +259,6 @@ def test_ray_backend_gives_the_same_parameters(tmp_path, tmp_path_factory, ray_l
     assert_same_parameters(final, clean["final"])
 
 
-class _Marker:
-    """Unpickling this creates ``path``: a stand-in for code run by a poisoned checkpoint."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 def test_a_resumed_lightning_checkpoint_is_loaded_weights_only_even_when_torch_is_told_not_to(
     tmp_path, monkeypatch
 ):
@@ -280,7 +271,7 @@ def test_a_resumed_lightning_checkpoint_is_loaded_weights_only_even_when_torch_i
 
     marker = tmp_path / "ran"
     poisoned = tmp_path / "lightning.ckpt"
-    torch.save({"state_dict": {}, "x": _Marker(str(marker))}, poisoned)
+    torch.save({"state_dict": {}, "x": Poisoned(str(marker))}, poisoned)
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     unguarded = SingleDeviceStrategy(device=torch.device("cpu"))
     unguarded.load_checkpoint(str(poisoned))  # the hole: the environment wins over the default

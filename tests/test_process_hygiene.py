@@ -29,7 +29,7 @@ import pytest
 
 import hygiene_workloads
 import ringtrain as rt
-from conftest import pid_alive, wait_until
+from conftest import pid_alive, pids_with_environ, wait_until
 
 MARK = "RT_HYGIENE_TEST"
 GRACE_S = 1.0  # the requirement: nothing of the run alive 1 s after the driver is gone
@@ -46,19 +46,7 @@ _DRIVER = textwrap.dedent(
 
 def _marked(token: str) -> list[int]:
     """Live (non-zombie) processes whose environment holds ``MARK=token``."""
-    needle = f"{MARK}={token}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and pid_alive(int(entry)):
-            found.append(int(entry))
-    return sorted(found)
+    return pids_with_environ(f"{MARK}={token}".encode(), whole_entry=True)
 
 
 def _describe(pids: list[int]) -> str:

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringtrain as rt
+from conftest import Poisoned
 from ringtrain import session as session_mod
 from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint.checkpoint import CheckpointLoadError
@@ -393,25 +394,11 @@ def test_restore_without_this_ranks_file_raises(tmp_path):
         TrainState(torch.nn.Linear(2, 2)).restore(rt.Checkpoint(str(tmp_path / "ckpt")))
 
 
-def _touch(path: str) -> None:
-    Path(path).write_text("code ran")
-
-
-class _Evil:
-    """Unpickling this calls ``_touch(marker)``: what a malicious checkpoint would do."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (_touch, (self.marker,))
-
-
 @pytest.mark.parametrize("evil_file", [STATE_FILE, rank_file(0)])
 def test_checkpoint_files_are_loaded_weights_only(tmp_path, evil_file):
     ckpt = _write(TrainState(torch.nn.Linear(2, 2)), tmp_path / "ckpt", stage=False)
     marker = tmp_path / "marker"
-    torch.save({"format": 1, "objects": {"model": _Evil(str(marker))}}, ckpt / evil_file)
+    torch.save({"format": 1, "objects": {"model": Poisoned(str(marker))}}, ckpt / evil_file)
     assert not marker.exists()
 
     with pytest.raises(CheckpointLoadError, match=r"SHA-256|bytes"):  # not what was signed
