@@ -165,8 +165,15 @@ class _DriverDied(Exception):
     process the driver forked without exec holds a copy of its end)."""
 
 
+_reaping = [False]  # once True, the parent-death signal is ignored (the reap is under way)
+
+
 def _on_parent_death(signum: int, frame: object) -> None:
-    raise _DriverDied
+    # Both triggers fire when the driver is SIGKILLed: EOF on the pipe and this signal. Raising
+    # after EOF was seen would abort the reap half-way (the process groups killed, the token
+    # sweep not done: a child that left its worker's group survived, 2 runs in 5).
+    if not _reaping[0]:
+        raise _DriverDied
 
 
 def _apply(buf: bytes, groups: set[int]) -> bytes:
@@ -206,7 +213,9 @@ def _main(argv: list[str]) -> int:
         _die_with_driver(driver)
         while chunk := os.read(0, 65536):  # blocks until the driver writes, or exits
             buf = _apply(buf + chunk, groups)
+        _reaping[0] = True
     except _DriverDied:  # read what the driver wrote before it died, without waiting
+        _reaping[0] = True
         os.set_blocking(0, False)
         with contextlib.suppress(OSError):
             while chunk := os.read(0, 65536):
