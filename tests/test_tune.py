@@ -298,3 +298,137 @@ def test_sweep_resumes_after_the_driver_is_killed(tmp_path):
     resumes = [e for e in events if e["type"] == "resume"]
     assert resumes and "checkpoint_00000" in resumes[0]["checkpoint"]  # from its checkpoint
     assert [r.metrics["step"] for r in grid] == [16, 16, 16]
+
+
+# ------------------------------------------------------------------------------ the numbers shown
+
+
+def _scored_rows():
+    """Trial 3 ends at 0.967 after a peak of 0.969; trial 1 ends lower (0.960) after a higher
+    peak (0.968); trial 2 failed: the case where "best" by last and by peak differ."""
+    from ringtrain.tune.progress import TrialRow
+
+    return [
+        TrialRow(0, {"lr": 0.1}, "COMPLETE", 3, 0.951, 0.951, started=0.0, ended=1.0),
+        TrialRow(1, {"lr": 0.2}, "COMPLETE", 3, 0.960, 0.968, started=0.0, ended=1.0),
+        TrialRow(2, {"lr": 0.3}, "FAILED", 1, None, None, started=0.0, ended=1.0, error="x"),
+        TrialRow(3, {"lr": 0.4}, "COMPLETE", 3, 0.967, 0.969, started=0.0, ended=1.0),
+    ]
+
+
+def _cells(text, trial):
+    """The header cells and trial ``trial``'s cells of a rendered rich table."""
+    lines = text.splitlines()
+    header = next(line for line in lines if "trial" in line and "status" in line)
+    row = next(line for line in lines if line.strip("│┃ ").startswith(f"{trial:04d}"))
+    split = lambda line: [
+        c.strip() for c in line.strip().strip("│┃").split("│" if "│" in line else "┃")
+    ]
+    return split(header), split(row)
+
+
+def test_the_best_trial_and_its_value_are_the_same_everywhere():
+    """One definition of a trial's value (its last report, what Optuna records): the headline,
+    the star, the table's cells and ``get_best_result()`` agree, and no column called "best"
+    shows another number."""
+    import io
+
+    from rich.console import Console
+
+    from ringtrain.result import Result
+    from ringtrain.tune.progress import SweepDisplay
+    from ringtrain.tune.result import ResultGrid
+
+    rows = _scored_rows()
+    display = SweepDisplay("sweep", "val_acc", "max", ["lr"], mode_display="off")
+    for row in rows:
+        display.add(row)
+    headline = display.counts_text()
+    assert "best trial 0003: val_acc=0.967" in headline, headline
+    buf = io.StringIO()
+    Console(file=buf, width=200, color_system=None).print(display.table())
+    header, cells = _cells(buf.getvalue(), 3)
+    assert cells[0] == "0003 *", cells
+    assert cells[header.index("val_acc")] == "0.967", (header, cells)
+    for name, cell in zip(header, cells, strict=True):
+        if "best" in name:  # a "best" column must not contradict the headline
+            assert cell == "0.967", (name, cell, buf.getvalue())
+    assert cells[header.index("peak val_acc")] == "0.969", (header, cells)
+
+    histories = {0: [0.9, 0.951], 1: [0.968, 0.960], 2: [], 3: [0.969, 0.967]}
+    results = [
+        Result(
+            metrics={"val_acc": histories[r.number][-1]} if histories[r.number] else {},
+            path=f"trial_{r.number:04d}",
+            metrics_history=[{"val_acc": v} for v in histories[r.number]],
+        )
+        for r in rows
+    ]
+    grid = ResultGrid(results, rows, path="sweep", metric="val_acc", mode="max", columns=["lr"])
+    assert grid.get_best_result().path == "trial_0003"
+    assert grid.get_best_result(scope="all").path == "trial_0003"  # 0.969 is its peak too
+    # Minimising: the lowest last value wins, ties go to the lower trial number.
+    display_min = SweepDisplay("sweep", "loss", "min", ["lr"], mode_display="off")
+    for row in _scored_rows():
+        row.last = 0.5 if row.last is not None else None
+        display_min.add(row)
+    best = display_min.best_row()
+    assert best is not None and best.number == 0
+
+
+@pytest.mark.timeout(60)
+def test_the_final_table_is_shown_once_in_a_terminal(tmp_path):
+    """In a real terminal (tmux), the live table is replaced by the final one: not both."""
+    import pickle
+    import shutil
+    import time
+
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (apt-get install tmux)")
+    script = tmp_path / "sweep_screen.py"
+    done = tmp_path / "done"
+    rows = tmp_path / "rows.pkl"
+    rows.write_bytes(pickle.dumps(_scored_rows()))
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time
+            sys.path.insert(0, {os.path.join(HERE, os.pardir, "src")!r})
+            import pickle
+            from ringtrain.tune.progress import SweepDisplay
+
+            with open({str(rows)!r}, "rb") as f:
+                rows = pickle.load(f)
+            display = SweepDisplay("sweep", "val_acc", "max", ["lr"], mode_display="rich")
+            display.start("4 trials")
+            for row in rows:
+                display.add(row)
+                time.sleep(0.3)  # the live table redraws (4 times a second)
+            display.summary()
+            display.close()
+            print("SWEEP-SCREEN-DONE", flush=True)
+            open({str(done)!r}, "w").close()
+            time.sleep(120)
+            """
+        )
+    )
+    sock = f"ringtrain-test-{os.getpid()}"
+    tmux = ["tmux", "-L", sock]
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-x", "100", "-y", "50", f"{sys.executable} {script}"],
+        check=True,
+        env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "100"},
+    )
+    try:
+        assert wait_until(done.exists, timeout_s=45), "the sweep screen script did not finish"
+        time.sleep(0.2)
+        screen = subprocess.run(
+            [*tmux, "capture-pane", "-p", "-S", "-200"], check=True, capture_output=True, text=True
+        ).stdout
+    finally:
+        subprocess.run([*tmux, "kill-server"], check=False)
+    assert "SWEEP-SCREEN-DONE" in screen, screen
+    headers = [line for line in screen.splitlines() if "trial" in line and "status" in line]
+    assert len(headers) == 1, screen
+    assert screen.count("sweep finished:") == 1, screen
+    assert "best trial 0003: val_acc=0.967" in " ".join(screen.split()), screen

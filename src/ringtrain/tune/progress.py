@@ -133,11 +133,13 @@ class SweepDisplay:
 
     # ------------------------------------------------------------------ rendering
     def best_row(self) -> TrialRow | None:
+        """The best trial: the best *last* reported value (the value Optuna records for the
+        trial, and what ``ResultGrid.get_best_result()`` ranks by); the lowest number on ties."""
         scored = [r for r in self.rows.values() if r.last is not None and r.status != "FAILED"]
         if not scored:
             return None
-        pick = max if self.mode == "max" else min
-        return pick(scored, key=lambda r: r.last if r.last is not None else 0.0)
+        sign = -1.0 if self.mode == "max" else 1.0
+        return min(scored, key=lambda r: (sign * (r.last or 0.0), r.number))
 
     def counts_text(self) -> str:
         counts: dict[str, int] = {}
@@ -146,7 +148,7 @@ class SweepDisplay:
         parts = [f"{n} {s.lower()}" for s, n in sorted(counts.items())]
         best = self.best_row()
         if best is not None and best.last is not None:
-            parts.append(f"best {self.metric}={best.last:.4g} (trial {best.number:04d})")
+            parts.append(f"best trial {best.number:04d}: {self.metric}={best.last:.4g}")
         return ", ".join(parts)
 
     def table(self, rows: Sequence[TrialRow] | None = None, title: str | None = None) -> Table:
@@ -160,7 +162,8 @@ class SweepDisplay:
             table.add_column(c, justify="right")
         table.add_column("iter", justify="right")
         table.add_column(self.metric, justify="right")
-        table.add_column(f"best {self.metric}", justify="right")
+        # The best value of any round; a trial counts by its last one (the column before).
+        table.add_column(f"peak {self.metric}", justify="right")
         table.add_column("time", justify="right")
         for r in rows:
             d = r.duration_s
@@ -190,8 +193,13 @@ class SweepDisplay:
             rows = list(self.rows.values())
         sign = -1.0 if self.mode == "max" else 1.0
         rows.sort(key=lambda r: (r.last is None or r.status == "FAILED", sign * (r.last or 0.0)))
+        final = self.table(rows, title=f"{self.name} finished: {self.counts_text()}")
+        if self._live is not None:  # the live table becomes the final one: shown once
+            self._live.update(final, refresh=True)
+            self.close()
+            return
         console = self.console if self.display == "rich" else Console(file=self._stream)
-        console.print(self.table(rows, title=f"{self.name} finished: {self.counts_text()}"))
+        console.print(final)
 
 
 def _order(r: TrialRow) -> tuple[int, int]:

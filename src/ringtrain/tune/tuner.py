@@ -551,8 +551,8 @@ class Tuner:
                 f"with Tuner.restore({sweep.uri!r}) or `ringtrain tune --resume {sweep.uri}`"
             )
             raise
+        display.summary()  # replaces the live table, so that the final one is shown once
         display.close()
-        display.summary()
         return self._grid(study, sweep, rows)
 
     # ------------------------------------------------------------------ one trial
