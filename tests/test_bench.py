@@ -30,7 +30,8 @@ from ringtrain.bench.analysis import (
     scaling_points,
 )
 from ringtrain.bench.report import build_report, render_html, write_report
-from ringtrain.bench.runner import load_timing_windows, parse_workers
+from ringtrain.bench.runner import amdahl_line, load_timing_windows, parse_workers
+from ringtrain.monitor.timing import StepLimitReached, StepTimer, warmup_steps
 
 # --------------------------------------------------------------------------------------------
 # Synthetic timing windows, as the workers send them (docs/run-directory.md, "timing")
@@ -196,6 +197,42 @@ def test_amdahl_clamps_and_rejects() -> None:
         fit_amdahl([1, 2], [1.0, 0.0])
 
 
+def test_amdahl_says_clamped_whenever_the_least_squares_p_is_outside_0_1() -> None:
+    # W = 2 slower than W = 1, W = 4 barely faster: one point alone would give p > 0, but the
+    # least-squares p is below 0, so the p = 0 shown is a bound, not a fit.
+    mixed = fit_amdahl([1, 2, 4], [1.0, 0.8, 1.05])
+    assert mixed.p == 0.0 and mixed.clamped
+    superlinear = fit_amdahl([1, 2, 4], [1.0, 1.9, 4.5])
+    assert superlinear.p == 1.0 and superlinear.clamped
+    inside = fit_amdahl([1, 2, 4], [1.0, 1.5, 2.5])
+    assert 0.0 < inside.p < 1.0 and not inside.clamped
+    line = amdahl_line(mixed.to_dict())
+    assert "p clamped to 0" in line and "do not fit Amdahl's law" in line, line
+    assert "p clamped to 1" in amdahl_line(superlinear.to_dict())
+    assert "clamped" not in amdahl_line(inside.to_dict())
+    assert f"p = {inside.p:.4f}" in amdahl_line(inside.to_dict())
+
+
+def test_step_timer_ends_a_window_at_the_documented_warmup() -> None:
+    # 20 steps in one heartbeat interval: the warm-up (max(2, ceil(0.2 * 20)) = 4 steps) still
+    # comes as a window of its own, so the bench measures the other 16.
+    for max_steps, warm in ((20, 4), (5, 2), (50, 10)):
+        assert warmup_steps(max_steps) == warm
+        timer = StepTimer(max_steps=max_steps)
+        with pytest.raises(StepLimitReached):
+            while True:
+                timer.loader_fetch_start()
+                timer.loader_fetch_end(8)
+        first, second = timer.take_window(), timer.take_window()
+        assert first is not None and second is not None, max_steps
+        assert (first["steps"], first["step"]) == (warm, warm)
+        assert (second["steps"], second["step"]) == (max_steps - warm, max_steps)
+        assert second["samples"] == 8 * (max_steps - warm)
+        assert timer.take_window() is None
+        run = aggregate_windows(1, [{"rank": 0, **first}, {"rank": 0, **second}])
+        assert (run.steps, run.warmup_steps) == (max_steps - warm, warm)
+
+
 # --------------------------------------------------------------------------------------------
 # Alpha-beta model
 # --------------------------------------------------------------------------------------------
@@ -312,9 +349,10 @@ def test_conclusions_compression_halves_the_bandwidth_term() -> None:
     step = 0.012 + 0.012
     assert f"{0.012 / step:.0%} of the step" in text
     assert f"would cut it to ~{0.006 / (step - 0.006):.0%}" in text
-    # Latency-bound: compression barely helps, and the sentence says why.
+    # Latency-bound: compression barely helps, and the sentence says so in that order.
     latency = conclusions([base, two], AlphaBetaFit(5e-3, 1e12, 0.0))[0]
-    assert "latency-bound" in latency
+    assert "would help little (to ~" in latency and "latency-bound" in latency, latency
+    assert ": little" not in latency and "would cut it" not in latency, latency
 
 
 def test_conclusions_flag_communication_slower_than_the_allreduce_alone() -> None:
@@ -533,7 +571,8 @@ def test_bench_end_to_end(tmp_path: Any, capsys: Any) -> None:
     )
     for run in data["runs"]:
         assert run["throughput"] > 0
-        assert run["steps"] > 0 and run["steps"] + run["warmup_steps"] <= 30
+        # The documented warm-up, max(2, ceil(0.2 * 30)) = 6, however coarse the windows.
+        assert (run["steps"], run["warmup_steps"]) == (24, 6), run
         assert sum(run["parts"].values()) == pytest.approx(run["step_s"], rel=1e-9)
         assert all(v >= 0 for v in run["parts"].values())
     by_w = {r["workers"]: r for r in data["runs"]}
@@ -560,3 +599,6 @@ def test_bench_end_to_end(tmp_path: Any, capsys: Any) -> None:
             result = json.load(f)
         assert result["status"] == "FINISHED"
     assert "samples/s" in printed.out and str(out / "scaling.html") in printed.out
+    flat = " ".join(printed.out.split())  # rich wraps at the terminal's width
+    assert flat.count("(24 steps per rank measured after 6 warm-up)") == 2, printed.out
+    assert ("p clamped to" in flat) == data["amdahl"]["clamped"], printed.out

@@ -109,8 +109,7 @@ class Session:
         """Send the steps timed since the last window to the driver (nothing when none)."""
         if self.timer is None or self.channel is None:
             return
-        window = self.timer.take_window()
-        if window is not None:
+        while (window := self.timer.take_window()) is not None:  # the warm-up apart
             self.channel.send(Timing(rank=self.context.world_rank, time=time.time(), window=window))
 
     def wait_for_checkpoint(self, timeout_s: float | None = None) -> None:

@@ -25,7 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from ringtrain.monitor.timing import PARTS  # a step's parts; they sum to the mean step time
+from ringtrain.monitor.timing import (  # a step's parts; they sum to the mean step time
+    PARTS,
+    warmup_steps,
+)
 
 __all__ = [
     "PARTS",
@@ -132,11 +135,6 @@ def _number(window: Mapping[str, Any], key: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise BenchError(f"{where}: timing window field {key!r} is {value!r}, not a number")
     return float(value)
-
-
-def warmup_steps(total_steps: int, fraction: float = 0.2, minimum: int = 2) -> int:
-    """Steps left out at the start: ``max(minimum, ceil(fraction * total_steps))``."""
-    return max(minimum, math.ceil(fraction * total_steps))
 
 
 def aggregate_windows(
@@ -355,7 +353,8 @@ class AmdahlFit:
     Attributes:
         p: the parallel fraction, in [0, 1].
         rmse: root-mean-square error of the fitted speedups against the measured ones.
-        clamped: the unconstrained best p lay outside [0, 1] (speedup above W, or below 1).
+        clamped: the unconstrained least-squares p lay outside [0, 1] (speedups below 1, or
+            above W: the measured times do not follow Amdahl's law), so ``p`` is the bound.
     """
 
     p: float
@@ -399,11 +398,10 @@ def fit_amdahl(workers: Sequence[int], speedups: Sequence[float]) -> AmdahlFit:
     if not np.any(keep):
         raise BenchError("the Amdahl fit needs a speedup measured at some W >= 2")
     w, s = w[keep], s[keep]
-    # Unconstrained estimates per point tell whether the optimum sits on a bound.
     raw = (1.0 - 1.0 / s) / (1.0 - 1.0 / w)
-    clamped = bool(np.all(raw > 1.0) or np.all(raw < 0.0))
     if len(w) == 1:
         p = float(min(1.0, max(0.0, raw[0])))
+        clamped = not 0.0 <= float(raw[0]) <= 1.0
     else:
         grid = np.linspace(0.0, 1.0, 2001)
         sse = np.array([_amdahl_sse(float(g), w, s) for g in grid])
@@ -419,6 +417,14 @@ def fit_amdahl(workers: Sequence[int], speedups: Sequence[float]) -> AmdahlFit:
             else:
                 a = c
         p = (a + b) / 2.0
+        # The least-squares p lies outside [0, 1] when the error still falls past a bound.
+        step = 1e-6
+        if i == 0 and _amdahl_sse(-step, w, s) < _amdahl_sse(0.0, w, s):
+            p, clamped = 0.0, True
+        elif i == len(grid) - 1 and _amdahl_sse(1.0 + step, w, s) < _amdahl_sse(1.0, w, s):
+            p, clamped = 1.0, True
+        else:
+            clamped = False
     rmse = math.sqrt(_amdahl_sse(p, w, s) / len(w))
     return AmdahlFit(p=p, rmse=rmse, clamped=clamped)
 
@@ -773,18 +779,24 @@ def conclusions(
             sentence = (
                 f"Communication is {_pct(share)} of the step at W = {w} "
                 f"({_ms(big.parts[top])} of {_ms(big.step_s)} waiting for the gradient allreduce, "
-                f"not hidden behind the backward pass); bf16 gradient compression (half the "
-                f"bytes) would cut it to ~{_pct(after)}"
+                "not hidden behind the backward pass); "
             )
+            lat = total = 0.0
             if fit is not None and big.comm_bytes > 0:
                 lat = fit.latency_s(w)
                 total = fit.time_s(big.comm_bytes, w)
-                if lat >= 0.5 * total:
-                    sentence += (
-                        f": little, because at {_fmt_bytes(big.comm_bytes)} per step the "
-                        f"allreduce is latency-bound ({_ms(lat)} of the modelled "
-                        f"{_ms(total)} is the 2(W-1)*alpha latency term)"
-                    )
+            if total > 0 and lat >= 0.5 * total:
+                sentence += (
+                    "bf16 gradient compression (half the bytes) would help little "
+                    f"(to ~{_pct(after)} of the step): at {_fmt_bytes(big.comm_bytes)} per step "
+                    f"the allreduce is latency-bound ({_ms(lat)} of the modelled {_ms(total)} is "
+                    "the 2(W-1)*alpha latency term, which compression does not shorten)"
+                )
+            else:
+                sentence += (
+                    "bf16 gradient compression (half the bytes) would cut it to "
+                    f"~{_pct(after)} of the step"
+                )
             out.append(sentence + ".")
         elif top == "data_s":
             out.append(

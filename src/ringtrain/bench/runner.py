@@ -25,7 +25,7 @@ from ringtrain.bench.allreduce import measure_allreduce
 from ringtrain.bench.analysis import PARTS, BenchError, RunTiming, aggregate_windows
 from ringtrain.bench.report import build_report, require_matplotlib, write_report
 
-__all__ = ["BenchConfig", "load_timing_windows", "parse_workers", "run_bench"]
+__all__ = ["BenchConfig", "amdahl_line", "load_timing_windows", "parse_workers", "run_bench"]
 
 #: Timing window length of the benchmark runs (seconds): short, so that the warm-up steps can be
 #: left out of short runs window by window.
@@ -312,6 +312,22 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> dict[str, 
     return paths
 
 
+def amdahl_line(amdahl: dict[str, Any]) -> str:
+    """The terminal's Amdahl line; says so when the fitted p was clamped to [0, 1].
+
+    Args:
+        amdahl: the report's ``amdahl`` entry (``p``, ``rmse``, ``clamped``).
+    """
+    p = amdahl["p"]
+    if not amdahl.get("clamped"):
+        return f"Amdahl fit: p = {p:.4f} (RMS error of S: {amdahl['rmse']:.3f})"
+    why = "speedups below 1" if p <= 0.5 else "speedups above W"
+    return (
+        f"Amdahl fit: p clamped to {p:.0f}: the measured times do not fit Amdahl's law "
+        f"({why}; the least-squares p lies outside [0, 1])"
+    )
+
+
 def _print_summary(report: dict[str, Any], console: Console) -> None:
     table = Table(
         title="Scaling (weak: per-worker batch fixed)",
@@ -344,7 +360,7 @@ def _print_summary(report: dict[str, Any], console: Console) -> None:
         "times in ms per step (mean over ranks); comm = communication not hidden behind "
         "backward; compute = forward + backward"
     )
-    console.print(f"Amdahl fit: p = {report['amdahl']['p']:.4f}")
+    console.print(amdahl_line(report["amdahl"]))
     fit = (report.get("allreduce") or {}).get("fit")
     if fit:
         console.print(

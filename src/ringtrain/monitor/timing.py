@@ -38,6 +38,7 @@ The cost is a few ``time.perf_counter()`` calls per step plus one per parameter 
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -50,6 +51,12 @@ _now = time.perf_counter
 
 PARTS = ("data_s", "compute_s", "comm_exposed_s", "optimizer_s", "other_s")
 """The disjoint parts of a step, in seconds; they add up to the step time."""
+
+
+def warmup_steps(total_steps: int, fraction: float = 0.2, minimum: int = 2) -> int:
+    """Steps of a ``total_steps``-step run that are warm-up: ``max(minimum, ceil(fraction *
+    total_steps))`` (``ringtrain bench``'s rule, docs/scaling.md)."""
+    return max(minimum, math.ceil(fraction * total_steps))
 
 
 class StepLimitReached(BaseException):
@@ -96,11 +103,15 @@ class StepTimer:
 
     Args:
         max_steps: raise :class:`StepLimitReached` when the loader is asked for a batch after
-            this many steps (``None``: no limit).
+            this many steps (``None``: no limit). With a limit, no window mixes warm-up steps
+            (the first :func:`warmup_steps` ``(max_steps)``) with later ones, so that a
+            benchmark can leave out exactly the warm-up however long its windows are.
     """
 
     def __init__(self, max_steps: int | None = None) -> None:
         self.max_steps = max_steps
+        # The step count at which a window ends early (the warm-up's end), or None.
+        self.cut_at = warmup_steps(max_steps) if max_steps else None
         self.comm_timing = "auto"
         # Set when DDP's allreduce runs without a timing hook (MonitorConfig.comm_timing="wait"):
         # the bytes it allreduces per step.
@@ -236,7 +247,9 @@ class StepTimer:
             self.steps_total += 1
 
     def take_window(self) -> dict[str, Any] | None:
-        """Aggregate the steps closed since the last call (``None`` when there are none).
+        """Aggregate the steps closed since the last call (``None`` when there are none). When
+        they straddle the warm-up's end (``max_steps`` given), only the warm-up steps are
+        aggregated; the rest stay for the next call (callers that flush call until ``None``).
 
         Returns:
             The window: ``steps``, ``step`` (cumulative), ``step_s`` (median, seconds),
@@ -248,6 +261,11 @@ class StepTimer:
         with self._lock:
             records, self._closed = self._closed, []
             steps_total = self.steps_total
+            first = steps_total - len(records) + 1  # the step number of records[0]
+            if self.cut_at is not None and first <= self.cut_at < steps_total:
+                keep = self.cut_at - first + 1
+                records, self._closed = records[:keep], records[keep:]
+                steps_total = self.cut_at
         if not records:
             return None
         n = len(records)
