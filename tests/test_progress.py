@@ -9,6 +9,7 @@ import pytest
 from rich.console import Console
 from rich.file_proxy import FileProxy
 
+from ringtrain.monitor.eta import RunProgress
 from ringtrain.monitor.progress import (
     NullProgress,
     PlainProgress,
@@ -168,10 +169,10 @@ def test_rich_renders_panel_and_messages() -> None:
     assert "epoch 2" in final
     assert "loss=0.1667" in final
     assert "val_acc=0.9712" in final
-    assert "1 running, 1 failed" in final
+    assert "1 finished, 1 failed" in final  # close() settles the running worker
     assert "/abs/runs/mnist" in final
     rows = [line for line in final.splitlines() if "0.1667" in line and "│" in line]
-    assert any("running" in r for r in rows) and any("failed" in r for r in rows)
+    assert any("finished" in r for r in rows) and any("failed" in r for r in rows)
     # The message was printed (above the panel), before the final panel was drawn.
     assert "checkpoint saved: checkpoint_000002" in out
     assert out.index("checkpoint saved") < out.rindex("ringtrain · mnist")
@@ -184,7 +185,7 @@ def test_rich_report_moves_starting_worker_to_running() -> None:
     p.close("FINISHED")
     final = buf.getvalue()[buf.getvalue().rindex("ringtrain · run") :]
     row = next(line for line in final.splitlines() if "1.5" in line and "│" in line)
-    assert "running" in row
+    assert "finished" in row  # running when the run ended: close() settles it
     assert "starting" not in final
 
 
@@ -219,8 +220,87 @@ def test_rich_many_workers_are_summarised() -> None:
     p.close("ABORTED")
     final = buf.getvalue()[buf.getvalue().rindex("ringtrain · big") :]
     assert "36 more" in final
-    assert "40 starting" in final
+    assert "40 stopped" in final  # aborted while starting: none is left "starting"
     assert "ABORTED" in final
+
+
+def test_plain_writes_every_round() -> None:
+    """The guide's promise: one line per round, however fast the rounds come (the old
+    one-line-a-second throttle printed rounds 0 and 2 of a 3-round run)."""
+    clock = FakeClock()
+    out = io.StringIO()
+    p = PlainProgress(out, clock=clock)
+    p.start("tiny", 2, "runs/tiny")
+    for rnd in range(3):
+        clock.t += 0.01
+        p.round_complete(rnd, {"epoch": rnd})
+    p.close("FINISHED")
+    rounds = [line for line in out.getvalue().splitlines() if " round " in line]
+    assert [line.split()[2] for line in rounds] == ["0", "1", "2"]
+
+
+def _window(epoch: int, step: int, *, epochs: int = 4, steps: int = 10) -> dict[str, object]:
+    """A timing window as a worker inside TrainState.epochs(epochs) sends it."""
+    return {
+        "step": step,
+        "step_s": 0.1,
+        "samples_per_s": 40.0,
+        "progress_epoch": epoch,
+        "progress_epochs": epochs,
+        "progress_epoch_steps": steps,
+        "progress_epoch_start_step": epoch * steps,
+    }
+
+
+def test_run_progress_fraction_eta_and_label() -> None:
+    prog = RunProgress()
+    assert prog.fraction is None and prog.epoch_label() is None and prog.eta_s(0.0) is None
+    prog.update({"step": 3, "step_s": 0.1}, 1.0)  # no progress fields: still unknown
+    assert prog.fraction is None
+    prog.update(_window(0, 5), 10.0)  # half of epoch 1 of 4
+    assert prog.fraction == pytest.approx(0.125)
+    assert prog.epoch_label() == "1/4"
+    prog.update(_window(1, 15), 20.0)  # half of epoch 2: 0.25 more in 10 s
+    assert prog.fraction == pytest.approx(0.375)
+    assert prog.epoch_label() == "2/4"
+    assert prog.eta_s(20.0) == pytest.approx(25.0)  # 0.625 left at 0.025/s
+    assert prog.eta_s(24.0) == pytest.approx(21.0)  # counts down between windows
+    prog.update(_window(1, 12), 21.0)  # a stale window never moves the bar back
+    assert prog.fraction == pytest.approx(0.375)
+    prog.epoch_done(3, 30.0)  # round with metric epoch=3 (0-based): the last epoch is done
+    assert prog.fraction == 1.0 and prog.epoch_label() == "4/4"
+
+
+def test_run_progress_resumed_run_counts_its_rate_from_the_resume() -> None:
+    prog = RunProgress()
+    prog.update(_window(2, 20, steps=10), 100.0)  # resumed at the start of epoch 3 of 4
+    prog.update(_window(2, 25, steps=10), 110.0)  # half an epoch (0.125) in 10 s
+    assert prog.fraction == pytest.approx(0.625)
+    assert prog.eta_s(110.0) == pytest.approx(30.0)
+
+
+def test_rich_panel_bar_eta_and_epochs_as_the_worker_prints_them() -> None:
+    p, buf, clock = _rich()
+    p.start("tiny", 2, "runs/tiny")
+    for rank in range(2):
+        p.worker_state(rank, "running")
+    p.timing(0, _window(0, 5))
+    clock.t += 10.0
+    p.timing(0, _window(1, 15))
+    p.report(0, 0, {"epoch": 0, "loss": 1.0})
+    p.round_complete(0, {"epoch": 0, "loss": 1.0})
+    live = p._render()
+    console = Console(width=80, record=True, color_system=None, file=io.StringIO())
+    console.print(live)
+    text = console.export_text()
+    assert "epoch 2/4" in text  # the epoch being trained, 1-based, as the worker prints it
+    assert "ETA" in text and "37.5%" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    clock.t += 5.0
+    p.close("ABORTED")
+    final = buf.getvalue()[buf.getvalue().rindex("ringtrain · tiny") :]
+    assert "ABORTED" in final and "2 stopped" in final and "running" not in final
+    assert "ETA" not in final  # a stopped run has no ETA
 
 
 # --------------------------------------------------------------------------------------------

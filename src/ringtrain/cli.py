@@ -370,21 +370,24 @@ def _with_backend(scaling: Any, args: argparse.Namespace) -> Any:
 def _cmd_ls(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ringtrain.monitor.runs import list_runs, render_runs
+    from ringtrain.monitor.render import render_runs
+    from ringtrain.monitor.runs import list_runs
+    from ringtrain.monitor.sweeps import list_sweeps
 
     try:
         runs = list_runs(args.storage)
     except FileNotFoundError as exc:
         print(f"ringtrain ls: {exc}", file=sys.stderr)
         return 1
-    render_runs(runs, Console())
+    render_runs(runs, Console(), list_sweeps(args.storage))
     return 0
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ringtrain.monitor.runs import load_run, render_run
+    from ringtrain.monitor.render import render_run
+    from ringtrain.monitor.runs import load_run
 
     try:
         details = load_run(args.run_dir)

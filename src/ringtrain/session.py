@@ -57,6 +57,8 @@ class Session:
     warned_no_storage: bool = False
     timer: Any = None
     timing_interval_s: float = 2.0
+    # Where training is (note_epoch): sent with each timing window for the driver's progress bar.
+    progress_hint: dict[str, Any] = field(default_factory=dict)
     elastic: Any = None  # the ElasticRuntime of an elastic run (ringtrain.elastic.worker)
     # Called with every new TrainState.step, on the training thread (ringtrain.chaos's faults).
     step_listeners: list[Any] = field(default_factory=list)
@@ -110,6 +112,7 @@ class Session:
         if self.timer is None or self.channel is None:
             return
         while (window := self.timer.take_window()) is not None:  # the warm-up apart
+            window = {**window, **self.progress_hint}
             self.channel.send(Timing(rank=self.context.world_rank, time=time.time(), window=window))
 
     def wait_for_checkpoint(self, timeout_s: float | None = None) -> None:
@@ -143,6 +146,22 @@ def _reset_session() -> None:
     global _session
     with _session_lock:
         _session = None
+
+
+def note_epoch(epoch: int, num_epochs: int, loader: Any = None) -> None:
+    """Record that training enters ``epoch`` (0-based) of ``num_epochs`` (``TrainState.epochs``
+    calls it). The next timing windows carry it (``progress_epoch``, ``progress_epochs``,
+    ``progress_epoch_steps``: the loader's length, ``progress_epoch_start_step``: the timer's
+    step count now), from which the driver draws its progress bar and ETA."""
+    session = current_session()
+    hint: dict[str, Any] = {"progress_epoch": int(epoch), "progress_epochs": int(num_epochs)}
+    if session.timer is not None:
+        hint["progress_epoch_start_step"] = int(session.timer.steps_total)
+    try:
+        hint["progress_epoch_steps"] = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    session.progress_hint = hint
 
 
 def current_session() -> Session:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ringtrain.checkpoint.checkpoint import Checkpoint, CheckpointLoadError
-from ringtrain.session import get_checkpoint, get_context, mark_progress
+from ringtrain.session import get_checkpoint, get_context, mark_progress, note_epoch
 
 logger = logging.getLogger("ringtrain")
 
@@ -354,6 +354,7 @@ class TrainState:
             loader = self.data_loader
             if loader is not None and hasattr(loader, "set_epoch"):
                 loader.set_epoch(self.epoch)
+            note_epoch(self.epoch, num_epochs, loader)  # the driver's progress bar and ETA
             yield self.epoch
             self.epoch += 1
 

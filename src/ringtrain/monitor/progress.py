@@ -30,10 +30,12 @@ from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ringtrain.monitor.runs import format_duration, format_metrics, format_value
+from ringtrain.monitor.eta import RunProgress
+from ringtrain.monitor.render import format_duration, format_metrics, format_value
 
 __all__ = [
     "WORKER_STATES",
@@ -196,9 +198,10 @@ class NullProgress(_ReporterBase):
 class PlainProgress(_ReporterBase):
     """Plain log lines, for logs and pipes.
 
-    One line when the run starts, one per completed round (at most one per ``min_interval_s``;
-    a round line held back by the throttle is written before the next message and at close, so
-    the last round always shows), one per message and one at close::
+    One line when the run starts, one per completed round (every round by default; with
+    ``min_interval_s`` > 0 at most one per that many seconds, a round line held back being
+    written before the next message and at close, so the last round always shows), one per
+    message and one at close::
 
         [mnist] started: 2 workers, run directory /abs/runs/mnist
         [mnist] round 3 epoch=2 loss=0.1234 val_acc=0.9712 (12.3s)
@@ -206,7 +209,8 @@ class PlainProgress(_ReporterBase):
 
     Args:
         stream: Where to write; ``sys.stdout`` if None.
-        min_interval_s: Shortest time between two round lines, in seconds.
+        min_interval_s: Shortest time between two round lines, in seconds; 0 (the default)
+            writes every round.
         clock: Monotonic clock in seconds (injectable for tests).
     """
 
@@ -214,7 +218,7 @@ class PlainProgress(_ReporterBase):
         self,
         stream: TextIO | None = None,
         *,
-        min_interval_s: float = 1.0,
+        min_interval_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._stream = stream if stream is not None else sys.stdout
@@ -366,6 +370,7 @@ class RichProgress(_ReporterBase):
         self._metrics: dict[str, Any] = {}
         self._status: str | None = None
         self._closed = False
+        self._progress = RunProgress()
 
     @property
     def console(self) -> Console:
@@ -411,11 +416,17 @@ class RichProgress(_ReporterBase):
         with self._lock:
             self._round = round
             self._metrics = dict(metrics)
+            epoch = metrics.get("epoch")
+            if isinstance(epoch, int) and not isinstance(epoch, bool):
+                self._progress.epoch_done(epoch, self._clock())
 
     def timing(self, rank: int, window: dict[str, Any]) -> None:
-        """Records a rank's timing window (step time and samples/s columns)."""
+        """Records a rank's timing window (step time and samples/s columns); rank 0's
+        ``progress_*`` fields (``TrainState.epochs``) move the progress bar."""
         with self._lock:
             self._workers.setdefault(rank, _Worker()).timing = dict(window)
+            if rank == 0:
+                self._progress.update(window, self._clock())
 
     def straggler(self, rank: int, flagged: bool) -> None:
         """Marks or unmarks a rank as a straggler (its row turns red)."""
@@ -443,6 +454,13 @@ class RichProgress(_ReporterBase):
             with self._lock:
                 self._status = status
                 self._t_end = self._clock()
+                # Workers still shown as busy are not any more: the final panel says so.
+                after = "finished" if status == "FINISHED" else "stopped"
+                for worker in self._workers.values():
+                    if worker.state in ("starting", "running"):
+                        worker.state = after
+                if status == "FINISHED":
+                    self._progress.finish()
         finally:
             if live is not None:
                 live.stop()
@@ -470,9 +488,12 @@ class RichProgress(_ReporterBase):
         header.append(format_duration(elapsed))
         header.append("   round ", style="dim")
         header.append("-" if self._round is None else str(self._round))
-        if "epoch" in self._metrics:
+        epoch = self._progress.epoch_label()
+        if epoch is None and "epoch" in self._metrics:
+            epoch = format_value(self._metrics["epoch"])
+        if epoch is not None:
             header.append("   epoch ", style="dim")
-            header.append(format_value(self._metrics["epoch"]))
+            header.append(epoch)
         header.append("   workers ", style="dim")
         order = [s for s in WORKER_STATES if s in counts]
         order += sorted(s for s in counts if s not in WORKER_STATES)
@@ -490,9 +511,15 @@ class RichProgress(_ReporterBase):
             metrics_line.append(speed)
 
         parts: list[RenderableType] = [header, metrics_line]
+        bar = self._progress_bar(elapsed)
+        if bar is not None:
+            parts.append(bar)
         if self._workers:
             parts.append(self._worker_table())
         border = _STATUS_STYLES.get(self._status or "", "blue")
+        # Two columns short of the terminal: the "^C" a terminal echoes after the panel's last
+        # line then does not wrap it, which would leave a stray top border on the next redraw.
+        width = max(20, self._console.width - 2)
         return Panel(
             Group(*parts),
             title=Text(f"ringtrain · {self._name}", style="bold"),
@@ -500,7 +527,35 @@ class RichProgress(_ReporterBase):
             subtitle=Text(self._run_dir, style="dim") if self._run_dir else None,
             subtitle_align="right",
             border_style=border,
+            width=width,
         )
+
+    def _cell(self, metrics: dict[str, Any], key: str) -> str:
+        """A worker table cell; ``epoch`` 1-based of the total when it is known, as the header
+        (and the worker's ``epoch k/N`` line) shows it."""
+        if key not in metrics:
+            return ""
+        value = metrics[key]
+        total = self._progress.epochs
+        if key == "epoch" and total is not None and isinstance(value, int):
+            return f"{min(value + 1, total)}/{total}"
+        return format_value(value, 12)
+
+    def _progress_bar(self, elapsed: float) -> RenderableType | None:
+        """The bar with percent and ETA, when the run's length is known (else None)."""
+        fraction = self._progress.fraction
+        if fraction is None:
+            return None
+        text = Text(f" {fraction * 100:5.1f}%", no_wrap=True)
+        if self._status is None:
+            eta = self._progress.eta_s(self._clock())
+            text.append("   ETA ", style="dim")
+            text.append("-" if eta is None else format_duration(eta))
+        grid = Table.grid(expand=True)
+        grid.add_column(ratio=1)
+        grid.add_column(no_wrap=True)
+        grid.add_row(ProgressBar(total=1.0, completed=fraction), text)
+        return grid
 
     def _worker_table(self) -> Table:
         ranks = sorted(self._workers)
@@ -538,7 +593,7 @@ class RichProgress(_ReporterBase):
                 state,
                 "-" if w.round is None else str(w.round),
                 *speed,
-                *(format_value(w.metrics[k], 12) if k in w.metrics else "" for k in shown_keys),
+                *(self._cell(w.metrics, k) for k in shown_keys),
                 style="red" if w.straggler else None,
             )
         hidden = len(ranks) - len(shown)

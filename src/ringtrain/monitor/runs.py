@@ -20,14 +20,10 @@ import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-from rich import box
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 __all__ = [
     "CheckpointInfo",
@@ -39,17 +35,38 @@ __all__ = [
     "WorldSizeChange",
     "departed_ranks",
     "elastic_history",
-    "format_bytes",
-    "format_duration",
-    "format_metrics",
-    "format_timestamp",
-    "format_value",
     "list_runs",
     "load_run",
-    "render_run",
-    "render_runs",
     "worker_range",
 ]
+
+#: Rendering lives in :mod:`ringtrain.monitor.render`; these names are re-exported from here
+#: (lazily: render imports this module) so that ``from ringtrain.monitor.runs import render_runs``
+#: keeps working.
+_RENDER_NAMES = frozenset(
+    {
+        "format_bytes",
+        "format_duration",
+        "format_metrics",
+        "format_timestamp",
+        "format_value",
+        "render_run",
+        "render_runs",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENDER_NAMES:
+        from ringtrain.monitor import render
+
+        return getattr(render, name)
+    if name in ("SweepSummary", "list_sweeps"):
+        from ringtrain.monitor import sweeps
+
+        return getattr(sweeps, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 CONFIG_FILE = "config.json"
 EVENTS_FILE = "events.jsonl"
@@ -60,15 +77,6 @@ MANIFEST_FILE = "manifest.json"
 TERMINAL_STATUSES = frozenset({"FINISHED", "ERRORED", "ABORTED", "STOPPED"})
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
-
-_STATUS_STYLES = {
-    "RUNNING": "bold cyan",
-    "FINISHED": "green",
-    "ERRORED": "bold red",
-    "ABORTED": "yellow",
-    "STOPPED": "magenta",
-    "UNKNOWN": "dim",
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,6 +165,9 @@ class FailureInfo:
         message: One-line description of the failure.
         traceback: The worker's formatted traceback, if there was one.
         time: When the failure was recorded, Unix time in seconds, or None if unknown.
+        follow_on: True for a peer's error caused by another rank's failure (e.g. the gloo
+            "Connection closed by peer" of the rank whose partner died): the record's
+            ``"follow_on"`` flag; absent means False (a root cause).
     """
 
     rank: int | None
@@ -164,6 +175,7 @@ class FailureInfo:
     message: str
     traceback: str | None = None
     time: float | None = None
+    follow_on: bool = False
 
 
 @dataclass
@@ -247,116 +259,6 @@ class RunDetails:
     resizes: list[ResizeInfo] = field(default_factory=list)
     world_sizes: list[WorldSizeChange] = field(default_factory=list)
     skipped_event_lines: int = 0
-
-
-# --------------------------------------------------------------------------------------------
-# Formatting
-# --------------------------------------------------------------------------------------------
-
-
-def format_duration(seconds: float | None) -> str:
-    """Formats a duration for people.
-
-    Args:
-        seconds: The duration in seconds, or None.
-
-    Returns:
-        ``"-"`` for None or a non-finite value, ``"12.3s"`` under a minute, then ``"1m 32s"``,
-        ``"2h 05m"`` and ``"3d 04h"``.
-    """
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    seconds = max(0.0, float(seconds))
-    if seconds < 59.95:  # what rounds to 60.0 is shown as "1m 00s"
-        return f"{seconds:.1f}s"
-    total = round(seconds)
-    minutes, secs = divmod(total, 60)
-    if minutes < 60:
-        return f"{minutes}m {secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h {minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d {hours:02d}h"
-
-
-def format_value(value: Any, max_len: int = 40) -> str:
-    """Formats one metric value: floats with 4 significant digits, other values as text.
-
-    Args:
-        value: The value.
-        max_len: Longest result in characters; longer text is cut with an ellipsis.
-
-    Returns:
-        The formatted value, e.g. ``"0.1235"`` for ``0.123456`` and ``"3"`` for ``3``.
-    """
-    if isinstance(value, bool) or value is None:
-        text = str(value)
-    elif isinstance(value, float):
-        text = f"{value:.4g}"
-    elif isinstance(value, int):
-        text = str(value)
-    else:
-        text = str(value)
-    if len(text) > max_len:
-        text = text[: max(1, max_len - 1)] + "…"
-    return text
-
-
-def format_metrics(
-    metrics: Mapping[str, Any], max_items: int | None = None, first: Sequence[str] = ()
-) -> str:
-    """Formats metrics as ``key=value`` pairs separated by spaces.
-
-    Args:
-        metrics: The metrics.
-        max_items: Show at most this many pairs, then ``(+N more)``; None shows all.
-        first: Keys to put first when present (e.g. ``("epoch",)``); the rest keep their order.
-
-    Returns:
-        The formatted metrics, e.g. ``"epoch=2 loss=0.1234"``; empty for no metrics.
-    """
-    keys = [k for k in first if k in metrics]
-    keys += [k for k in metrics if k not in keys]
-    shown = keys if max_items is None else keys[:max_items]
-    text = " ".join(f"{k}={format_value(metrics[k])}" for k in shown)
-    if len(shown) < len(keys):
-        text += f" (+{len(keys) - len(shown)} more)"
-    return text
-
-
-def format_bytes(size: int | None) -> str:
-    """Formats a size in bytes with binary units, e.g. ``"1.5 KiB"``.
-
-    Args:
-        size: The size in bytes, or None.
-
-    Returns:
-        The formatted size; ``"-"`` for None.
-    """
-    if size is None:
-        return "-"
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"  # pragma: no cover - loop always returns
-
-
-def format_timestamp(t: float | None, seconds: bool = True) -> str:
-    """Formats a Unix time as local time, ``YYYY-mm-dd HH:MM:SS``.
-
-    Args:
-        t: The time, Unix time in seconds, or None.
-        seconds: Whether to show the seconds.
-
-    Returns:
-        The formatted time; ``"-"`` for None.
-    """
-    if t is None or not math.isfinite(t):
-        return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M", time.localtime(t))
 
 
 # --------------------------------------------------------------------------------------------
@@ -655,6 +557,7 @@ def _failure_from(obj: Mapping[str, Any], t: float | None) -> FailureInfo:
         message=str(obj.get("message") or ""),
         traceback=tb if isinstance(tb, str) and tb else None,
         time=t,
+        follow_on=obj.get("follow_on") is True,
     )
 
 
@@ -917,291 +820,3 @@ def _invalidate(fs: Any) -> None:
     """Drops cached listings, so a run that is still being written is read as it is now."""
     with contextlib.suppress(Exception):  # best effort
         fs.invalidate_cache()
-
-
-# --------------------------------------------------------------------------------------------
-# Rendering
-# --------------------------------------------------------------------------------------------
-
-
-def _status_text(status: str) -> Text:
-    return Text(status, style=_STATUS_STYLES.get(status, ""))
-
-
-def render_runs(runs: Sequence[RunSummary], console: Console) -> None:
-    """Prints the ``ringtrain ls`` table.
-
-    Args:
-        runs: The runs, as :func:`list_runs` returns them.
-        console: Where to print.
-    """
-    if not runs:
-        console.print("No runs found.")
-        return
-    headers = ("Status", "Started", "Duration", "Workers", "Rounds", "Ckpts")
-    rows = [
-        (
-            run.status,
-            format_timestamp(run.start_time, seconds=False),
-            format_duration(run.duration_s),
-            "-" if run.world_size is None else str(run.world_size),
-            "-" if run.rounds is None else str(run.rounds),
-            str(run.num_checkpoints),
-        )
-        for run in runs
-    ]
-    # The name and the metrics share what the fixed columns leave: the name gets its full length
-    # when it can (folded past that), up to half of that room or all but 24 columns of it.
-    fixed = sum(max(len(h), *(len(r[i]) for r in rows)) + 2 for i, h in enumerate(headers))
-    room = max(0, console.width - fixed - 4)
-    longest = max(len("Name"), *(len(run.name) for run in runs))
-    name_width = max(8, min(longest, max(room // 2, min(room - 24, 32))))
-
-    # expand + ratio: every other column gets its natural width, the metrics the rest.
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, expand=True)
-    table.add_column("Name", style="bold", overflow="fold", width=name_width)
-    for header in headers:
-        justify: Literal["left", "right"] = "left" if header in ("Status", "Started") else "right"
-        table.add_column(header, justify=justify, no_wrap=True)
-    table.add_column("Last metrics", no_wrap=True, overflow="ellipsis", ratio=1)
-    for run, row in zip(runs, rows, strict=True):
-        table.add_row(
-            Text(run.name),
-            _status_text(row[0]),
-            *row[1:],
-            Text(format_metrics(run.metrics, max_items=8, first=("epoch",))),
-        )
-    console.print(table)
-
-
-def _metric_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    keys: dict[str, None] = {}
-    for row in rows:
-        for key in row:
-            keys.setdefault(key, None)
-    return list(keys)
-
-
-def render_run(
-    details: RunDetails,
-    console: Console,
-    *,
-    max_rounds: int = 30,
-    max_columns: int = 12,
-) -> None:
-    """Prints the ``ringtrain show`` report: summary, metrics per round, workers, checkpoints,
-    an elastic run's resizes, and failures.
-
-    Args:
-        details: The run, as :func:`load_run` returns it.
-        console: Where to print.
-        max_rounds: Show at most the last this many rounds of the metrics table; a note says how
-            many were hidden.
-        max_columns: Show at most this many metric columns; a note names the hidden ones.
-    """
-    s = details.summary
-    header = Table.grid(padding=(0, 2))
-    header.add_column(style="bold")
-    header.add_column()
-    header.add_row("Run", Text(s.name))
-    header.add_row("Path", Text(s.path))
-    header.add_row("Status", _status_text(s.status))
-    header.add_row("Started", format_timestamp(s.start_time))
-    header.add_row("Duration", format_duration(s.duration_s))
-    header.add_row("Workers", _workers_text(details))
-    header.add_row("Rounds", "-" if s.rounds is None else str(s.rounds))
-    config = details.config or {}
-    scaling = _as_dict(config.get("scaling_config"))
-    if scaling:
-        header.add_row("Scaling", Text(format_metrics(scaling)))
-    loop_config = config.get("train_loop_config")
-    if isinstance(loop_config, dict) and loop_config:
-        header.add_row("Config", Text(format_metrics(loop_config)))
-    if s.metrics:
-        metrics_text = format_metrics(s.metrics, max_items=max_columns, first=("epoch",))
-        header.add_row("Metrics", Text(metrics_text))
-    result = details.result or {}
-    if isinstance(result.get("checkpoint"), str):
-        header.add_row("Checkpoint", Text(result["checkpoint"]))
-    if s.error:
-        header.add_row("Error", Text(s.error, style="red"))
-    console.print(header)
-
-    if details.skipped_event_lines:
-        n = details.skipped_event_lines
-        console.print(
-            Text(f"({n} unreadable line{'s' if n != 1 else ''} in {EVENTS_FILE} skipped)", "dim")
-        )
-
-    _render_metrics_table(details, console, max_rounds=max_rounds, max_columns=max_columns)
-    if len(details.rank_metrics) > 1:
-        _render_rank_table(details, console, max_columns=max_columns)
-    _render_checkpoints(details, console)
-    _render_resizes(details, console)
-    _render_failures(details, console)
-
-
-def _workers_text(details: RunDetails) -> str:
-    """The header's world size: the current one, and an elastic run's range and history."""
-    s = details.summary
-    text = "-" if s.world_size is None else str(s.world_size)
-    notes = []
-    limits = worker_range(details.config)
-    if limits is not None:
-        notes.append(f"elastic {limits[0]}-{limits[1]}")
-    sizes = [c.world_size for c in details.world_sizes]
-    steps = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]
-    if len(steps) > 1:
-        notes.append(" -> ".join(map(str, steps)))
-    return text + (f" ({'; '.join(notes)})" if notes else "")
-
-
-def _render_metrics_table(
-    details: RunDetails, console: Console, *, max_rounds: int, max_columns: int
-) -> None:
-    console.print()
-    if not details.rounds:
-        console.print(Text("No metrics reported yet.", style="dim"))
-        return
-    keys = _metric_columns([r.metrics for r in details.rounds])
-    shown_keys = keys[: max(0, max_columns)]
-    hidden_keys = keys[len(shown_keys) :]
-    rows = details.rounds[-max_rounds:] if max_rounds > 0 else []
-    hidden_rounds = len(details.rounds) - len(rows)
-    start = details.summary.start_time
-
-    table = Table(title="Metrics (rank 0)", title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("Round", justify="right", no_wrap=True)
-    table.add_column("Time", justify="right", no_wrap=True)
-    for key in shown_keys:
-        table.add_column(key, justify="right", no_wrap=True, overflow="ellipsis")
-    for row in rows:
-        elapsed = None if row.time is None or start is None else row.time - start
-        table.add_row(
-            str(row.round),
-            format_duration(elapsed),
-            *(format_value(row.metrics[k]) if k in row.metrics else "" for k in shown_keys),
-        )
-    console.print(table)
-    notes = []
-    if hidden_rounds:
-        notes.append(f"{hidden_rounds} earlier round{'s' if hidden_rounds != 1 else ''} hidden")
-    if hidden_keys:
-        notes.append(
-            f"{len(hidden_keys)} metric column{'s' if len(hidden_keys) != 1 else ''} hidden: "
-            + ", ".join(hidden_keys)
-        )
-    if notes:
-        console.print(Text("(" + "; ".join(notes) + ")", style="dim"))
-
-
-def _render_rank_table(details: RunDetails, console: Console, *, max_columns: int) -> None:
-    keys = _metric_columns([r.metrics for r in details.rank_metrics.values()])
-    shown_keys = keys[: max(0, max_columns)]
-    table = Table(title="Last report per rank", title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("Rank", justify="right", no_wrap=True)
-    table.add_column("Round", justify="right", no_wrap=True)
-    for key in shown_keys:
-        table.add_column(key, justify="right", no_wrap=True, overflow="ellipsis")
-    for rank, row in details.rank_metrics.items():
-        table.add_row(
-            str(rank),
-            str(row.round),
-            *(format_value(row.metrics[k]) if k in row.metrics else "" for k in shown_keys),
-        )
-    console.print(table)
-
-
-def _render_checkpoints(details: RunDetails, console: Console) -> None:
-    console.print()
-    if not details.checkpoints:
-        console.print(Text("No checkpoints.", style="dim"))
-        return
-    result = details.result or {}
-    latest = result.get("checkpoint")
-    latest_name = _basename(latest) if isinstance(latest, str) else None
-    best_names = {
-        _basename(b["path"])
-        for b in result.get("best_checkpoints") or []
-        if isinstance(b, dict) and isinstance(b.get("path"), str)
-    }
-    table = Table(title="Checkpoints", title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("Checkpoint", no_wrap=True)
-    table.add_column("Round", justify="right", no_wrap=True)
-    table.add_column("Size", justify="right", no_wrap=True)
-    table.add_column("Created", no_wrap=True)
-    table.add_column("Metrics", overflow="fold")
-    table.add_column("", no_wrap=True)
-    for ckpt in details.checkpoints:
-        tags = []
-        if ckpt.name == latest_name:
-            tags.append("latest")
-        if ckpt.name in best_names:
-            tags.append("best")
-        table.add_row(
-            Text(ckpt.name),
-            str(ckpt.round),
-            format_bytes(ckpt.size_bytes),
-            format_timestamp(ckpt.created),
-            Text(format_metrics(ckpt.metrics, first=("epoch",))),
-            ", ".join(tags),
-        )
-    console.print(table)
-
-
-def _render_resizes(details: RunDetails, console: Console) -> None:
-    """The ``Resizes`` table: an elastic run's resizes in place and fallbacks to a restart."""
-    if not details.resizes:
-        if worker_range(details.config) is not None:
-            console.print()
-            console.print(Text("No resizes.", style="dim"))
-        return
-    console.print()
-    table = Table(
-        title=f"Resizes ({len(details.resizes)})", title_justify="left", box=box.SIMPLE_HEAD
-    )
-    table.add_column("Time", no_wrap=True)
-    table.add_column("Change", no_wrap=True)
-    table.add_column("Cause", overflow="fold")
-    table.add_column("Resumed after", justify="right", no_wrap=True)
-    table.add_column("Rolled back", justify="right", no_wrap=True)
-    for r in details.resizes:
-        if r.kind == "fallback":
-            change = Text("restart from disk", style="yellow")
-        else:
-            old = "?" if r.old_world_size is None else str(r.old_world_size)
-            new = "?" if r.new_world_size is None else str(r.new_world_size)
-            change = Text(f"{old} -> {new} workers")
-        resumed = "-" if r.resume_s is None else f"{r.resume_s:.2f} s"
-        if r.steps_rolled_back is None:
-            rolled = "-"
-        else:
-            rolled = f"{r.steps_rolled_back} step{'s' if r.steps_rolled_back != 1 else ''}"
-            if r.snapshot_step is not None:
-                rolled += f" (to step {r.snapshot_step})"
-        table.add_row(format_timestamp(r.time), change, Text(r.cause), resumed, rolled)
-    console.print(table)
-
-
-def _render_failures(details: RunDetails, console: Console) -> None:
-    if not details.failures:
-        return
-    console.print()
-    table = Table(
-        title=f"Failures ({len(details.failures)})",
-        title_justify="left",
-        title_style="bold red",
-        box=box.SIMPLE_HEAD,
-    )
-    table.add_column("Time", no_wrap=True)
-    table.add_column("Rank", justify="right", no_wrap=True)
-    table.add_column("Kind", no_wrap=True)
-    table.add_column("Message", overflow="fold")
-    for failure in details.failures:
-        table.add_row(
-            format_timestamp(failure.time),
-            "-" if failure.rank is None else str(failure.rank),
-            failure.kind,
-            Text(failure.message),
-        )
-    console.print(table)

@@ -1,0 +1,595 @@
+"""Rendering run directories for people: ``ringtrain ls``, ``ringtrain show`` and the formatting
+helpers the live progress display shares.
+
+Everything here takes what :mod:`ringtrain.monitor.runs` read (``RunSummary``, ``RunDetails``,
+``SweepSummary``) and prints it with rich, fitting the console's width: at 80 columns a run's name
+is cut in the middle (its end, the default name's timestamp, stays), failed runs show their reason
+in place of their metrics, and a sweep is one row with its trial counts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ringtrain.monitor.runs import (
+    EVENTS_FILE,
+    RunDetails,
+    RunSummary,
+    _as_dict,
+    _basename,
+    worker_range,
+)
+from ringtrain.monitor.sweeps import SweepSummary
+
+__all__ = [
+    "fit_metrics",
+    "format_bytes",
+    "format_duration",
+    "format_metrics",
+    "format_timestamp",
+    "format_value",
+    "render_run",
+    "render_runs",
+    "truncate_middle",
+]
+
+_STATUS_STYLES = {
+    "RUNNING": "bold cyan",
+    "FINISHED": "green",
+    "ERRORED": "bold red",
+    "ABORTED": "yellow",
+    "STOPPED": "magenta",
+    "UNKNOWN": "dim",
+}
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------------------------
+
+
+def format_duration(seconds: float | None) -> str:
+    """Formats a duration for people.
+
+    Args:
+        seconds: The duration in seconds, or None.
+
+    Returns:
+        ``"-"`` for None or a non-finite value, ``"12.3s"`` under a minute, then ``"1m 32s"``,
+        ``"2h 05m"`` and ``"3d 04h"``.
+    """
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    seconds = max(0.0, float(seconds))
+    if seconds < 59.95:  # what rounds to 60.0 is shown as "1m 00s"
+        return f"{seconds:.1f}s"
+    total = round(seconds)
+    minutes, secs = divmod(total, 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h {minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours:02d}h"
+
+
+def format_value(value: Any, max_len: int = 40) -> str:
+    """Formats one metric value: floats with 4 significant digits, other values as text.
+
+    Args:
+        value: The value.
+        max_len: Longest result in characters; longer text is cut with an ellipsis.
+
+    Returns:
+        The formatted value, e.g. ``"0.1235"`` for ``0.123456`` and ``"3"`` for ``3``.
+    """
+    if isinstance(value, bool) or value is None:
+        text = str(value)
+    elif isinstance(value, float):
+        text = f"{value:.4g}"
+    elif isinstance(value, int):
+        text = str(value)
+    else:
+        text = str(value)
+    if len(text) > max_len:
+        text = text[: max(1, max_len - 1)] + "…"
+    return text
+
+
+def format_metrics(
+    metrics: Mapping[str, Any], max_items: int | None = None, first: Sequence[str] = ()
+) -> str:
+    """Formats metrics as ``key=value`` pairs separated by spaces.
+
+    Args:
+        metrics: The metrics.
+        max_items: Show at most this many pairs, then ``(+N more)``; None shows all.
+        first: Keys to put first when present (e.g. ``("epoch",)``); the rest keep their order.
+
+    Returns:
+        The formatted metrics, e.g. ``"epoch=2 loss=0.1234"``; empty for no metrics.
+    """
+    keys = [k for k in first if k in metrics]
+    keys += [k for k in metrics if k not in keys]
+    shown = keys if max_items is None else keys[:max_items]
+    text = " ".join(f"{k}={format_value(metrics[k])}" for k in shown)
+    if len(shown) < len(keys):
+        text += f" (+{len(keys) - len(shown)} more)"
+    return text
+
+
+def format_bytes(size: int | None) -> str:
+    """Formats a size in bytes with binary units, e.g. ``"1.5 KiB"``.
+
+    Args:
+        size: The size in bytes, or None.
+
+    Returns:
+        The formatted size; ``"-"`` for None.
+    """
+    if size is None:
+        return "-"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover - loop always returns
+
+
+def format_timestamp(t: float | None, seconds: bool = True) -> str:
+    """Formats a Unix time as local time, ``YYYY-mm-dd HH:MM:SS``.
+
+    Args:
+        t: The time, Unix time in seconds, or None.
+        seconds: Whether to show the seconds.
+
+    Returns:
+        The formatted time; ``"-"`` for None.
+    """
+    if t is None or not math.isfinite(t):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M", time.localtime(t))
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+
+def _status_text(status: str) -> Text:
+    return Text(status, style=_STATUS_STYLES.get(status, ""))
+
+
+def truncate_middle(text: str, width: int) -> str:
+    """Cuts ``text`` to ``width`` characters by replacing its middle with ``…``.
+
+    The end is kept longer than the start: a default run name ends in its timestamp
+    (``train_fn_2026-11-24_03-14-53``), which is what tells runs apart.
+
+    Args:
+        text: The text (one line).
+        width: The most characters of the result; at least 1.
+
+    Returns:
+        ``text`` itself when it fits, else e.g. ``"train…4_03-14-53"``.
+    """
+    width = max(1, width)
+    if len(text) <= width:
+        return text
+    if width < 4:
+        return text[: width - 1] + "…"
+    head = (width - 1) // 3
+    tail = width - 1 - head
+    return text[:head] + "…" + text[len(text) - tail :]
+
+
+#: Metrics ``ls`` shows first, when present: progress, then the usual quality measures.
+_USEFUL_FIRST = ("epoch", "step")
+_USEFUL_WORDS = ("acc", "loss", "f1", "auc", "score", "ppl", "perplexity", "error")
+
+
+def _useful_order(metrics: Mapping[str, Any]) -> list[str]:
+    """The keys of ``metrics`` with progress and quality metrics first, timings last."""
+
+    def rank(item: tuple[int, str]) -> tuple[int, int]:
+        i, key = item
+        low = key.lower()
+        if key in _USEFUL_FIRST:
+            return (0, _USEFUL_FIRST.index(key))
+        if low.startswith(("val", "test", "eval")) and any(w in low for w in _USEFUL_WORDS):
+            return (1, i)
+        if any(w in low for w in _USEFUL_WORDS):
+            return (2, i)
+        if low.endswith(("_s", "_ms", "time", "per_s")):
+            return (4, i)
+        return (3, i)
+
+    return [k for _, k in sorted(enumerate(metrics), key=rank)]
+
+
+def fit_metrics(metrics: Mapping[str, Any], width: int) -> str:
+    """As many whole ``key=value`` pairs as fit in ``width`` characters, most useful first.
+
+    Args:
+        metrics: The metrics.
+        width: The room in characters.
+
+    Returns:
+        E.g. ``"epoch=9 val_acc=0.982 loss=0.05 +3"``: the pairs that fit, then ``+N`` for those
+        left out (when that fits too); empty for no metrics.
+    """
+    keys = _useful_order(metrics)
+    pairs = [f"{k}={format_value(metrics[k], 16)}" for k in keys]
+    text = ""
+    for i, pair in enumerate(pairs):
+        candidate = f"{text} {pair}" if text else pair
+        more = len(pairs) - i - 1
+        room = width - (len(f" +{more}") if more else 0)
+        if len(candidate) > room:
+            rest = f"+{len(pairs) - i}"
+            if not text:
+                return truncate_middle(pair, width) if width >= len(pair) // 2 else rest
+            return f"{text} {rest}" if len(text) + 1 + len(rest) <= width else text
+        text = candidate
+    return text
+
+
+def _reason(run: RunSummary) -> str:
+    """A failed run's reason in one line: the first line of its error (or its status)."""
+    if not run.error:
+        return "driver gone" if run.status == "ABORTED" else ""
+    first = run.error.strip().splitlines()[0] if run.error.strip() else run.error
+    return first
+
+
+def render_runs(
+    runs: Sequence[RunSummary], console: Console, sweeps: Sequence[SweepSummary] = ()
+) -> None:
+    """Prints the ``ringtrain ls`` table: one row per run and one per sweep, fitting the
+    console's width (no row wraps at 80 columns).
+
+    The name is cut in the middle when it does not fit; the last column shows the most useful
+    metrics that fit, a failed run's reason (its error's first line, in red) instead, and for a
+    sweep its trial counts (completed, pruned, failed) and best value. Under 100 columns the
+    start time drops its year and the checkpoint count is left out.
+
+    Args:
+        runs: The runs, as :func:`ringtrain.monitor.runs.list_runs` returns them.
+        console: Where to print (its ``width`` is the room).
+        sweeps: The sweeps, as :func:`ringtrain.monitor.sweeps.list_sweeps` returns them.
+    """
+    if not runs and not sweeps:
+        console.print("No runs found.")
+        return
+    narrow = console.width < 100
+    stamp = "%m-%d %H:%M" if narrow else "%Y-%m-%d %H:%M"
+    headers = ["Status", "Started", "Time", "W" if narrow else "Workers", "Rounds", "Ckpts"]
+    if narrow:
+        headers = headers[:-1]
+
+    def started(t: float | None) -> str:
+        return "-" if t is None or not math.isfinite(t) else time.strftime(stamp, time.localtime(t))
+
+    # One row: name, status, the fixed cells, and how to fill the last column in a given width.
+    rows: list[tuple[str, str, list[str], Any]] = []
+    any_failed = False
+    for run in runs:
+        cells = [
+            started(run.start_time),
+            format_duration(run.duration_s),
+            "-" if run.world_size is None else str(run.world_size),
+            "-" if run.rounds is None else str(run.rounds),
+            str(run.num_checkpoints),
+        ]
+        reason = _reason(run) if run.status in ("ERRORED", "ABORTED") else ""
+        any_failed = any_failed or bool(reason)
+        if reason:
+            last: Any = lambda w, reason=reason: Text(reason, style="red")
+        else:
+            last = lambda w, m=run.metrics: Text(fit_metrics(m, w))
+        rows.append((run.name, run.status, cells, last))
+    for sweep in sweeps:
+        cells = [
+            started(sweep.start_time),
+            format_duration(sweep.duration_s),
+            "-" if sweep.world_size is None else str(sweep.world_size),
+            "-",
+            "-",
+        ]
+        rows.append((sweep.name, sweep.status, cells, lambda w, sw=sweep: _sweep_text(sw, w)))
+    widths = [len(headers[0]), *(len(h) for h in headers[1:])]
+    for _, status, cells, _ in rows:
+        for i, cell in enumerate([status, *cells[: len(headers) - 1]]):
+            widths[i] = max(widths[i], len(cell))
+    last_header = (
+        ("Metrics / reason" if narrow else "Last metrics / reason")
+        if any_failed
+        else ("Last metrics")
+    )
+    # Each column is followed by 2 spaces (collapse_padding); the table has no edges.
+    room = max(0, console.width - sum(w + 2 for w in widths) - 1)
+    longest = max(len("Name"), *(len(r[0]) for r in rows))
+    name_width = max(8, min(longest, max(room // 2, room - 48)))
+    last_room = max(len(last_header), room - name_width - 1)
+    lasts = [r[3](last_room) for r in rows]
+    last_width = max(len(last_header), *(t.cell_len for t in lasts))
+    last_width = min(last_width, last_room)
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
+    table.add_column("Name", style="bold", no_wrap=True, width=name_width)
+    for header, width in zip(headers, widths, strict=True):
+        justify: Literal["left", "right"] = "left" if header in ("Status", "Started") else "right"
+        table.add_column(header, justify=justify, no_wrap=True, width=width)
+    table.add_column(last_header, no_wrap=True, overflow="ellipsis", width=last_width)
+    for (name, status, cells, _), last_text in zip(rows, lasts, strict=True):
+        table.add_row(
+            Text(truncate_middle(name, name_width)),
+            _status_text(status),
+            *cells[: len(headers) - 1],
+            last_text,
+        )
+    console.print(table)
+
+
+def _sweep_text(sweep: SweepSummary, width: int) -> Text:
+    """A sweep's last cell: ``sweep 6/6 trials: 4 completed, 1 pruned, 1 failed, best ...``;
+    the best value only when it fits (the rest is cut at its end)."""
+    text = "sweep " + sweep.counts_text()
+    if sweep.best is not None and sweep.best_trial is not None:
+        best = f", best {sweep.metric}={format_value(sweep.best)} (#{sweep.best_trial})"
+        text += best if len(text) + len(best) <= width else ""
+    return Text(text)
+
+
+def _metric_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    keys: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            keys.setdefault(key, None)
+    return list(keys)
+
+
+def render_run(
+    details: RunDetails,
+    console: Console,
+    *,
+    max_rounds: int = 30,
+    max_columns: int = 12,
+) -> None:
+    """Prints the ``ringtrain show`` report: summary, metrics per round, workers, checkpoints,
+    an elastic run's resizes, and failures.
+
+    Args:
+        details: The run, as :func:`load_run` returns it.
+        console: Where to print.
+        max_rounds: Show at most the last this many rounds of the metrics table; a note says how
+            many were hidden.
+        max_columns: Show at most this many metric columns; a note names the hidden ones.
+    """
+    s = details.summary
+    header = Table.grid(padding=(0, 2))
+    header.add_column(style="bold")
+    header.add_column()
+    header.add_row("Run", Text(s.name))
+    header.add_row("Path", Text(s.path))
+    header.add_row("Status", _status_text(s.status))
+    header.add_row("Started", format_timestamp(s.start_time))
+    header.add_row("Duration", format_duration(s.duration_s))
+    header.add_row("Workers", _workers_text(details))
+    header.add_row("Rounds", "-" if s.rounds is None else str(s.rounds))
+    config = details.config or {}
+    scaling = _as_dict(config.get("scaling_config"))
+    if scaling:
+        header.add_row("Scaling", Text(format_metrics(scaling)))
+    loop_config = config.get("train_loop_config")
+    if isinstance(loop_config, dict) and loop_config:
+        header.add_row("Config", Text(format_metrics(loop_config)))
+    if s.metrics:
+        metrics_text = format_metrics(s.metrics, max_items=max_columns, first=("epoch",))
+        header.add_row("Metrics", Text(metrics_text))
+    result = details.result or {}
+    if isinstance(result.get("checkpoint"), str):
+        header.add_row("Checkpoint", Text(result["checkpoint"]))
+    if s.error:
+        header.add_row("Error", Text(s.error, style="red"))
+    console.print(header)
+
+    if details.skipped_event_lines:
+        n = details.skipped_event_lines
+        console.print(
+            Text(f"({n} unreadable line{'s' if n != 1 else ''} in {EVENTS_FILE} skipped)", "dim")
+        )
+
+    _render_metrics_table(details, console, max_rounds=max_rounds, max_columns=max_columns)
+    if len(details.rank_metrics) > 1:
+        _render_rank_table(details, console, max_columns=max_columns)
+    _render_checkpoints(details, console)
+    _render_resizes(details, console)
+    _render_failures(details, console)
+
+
+def _workers_text(details: RunDetails) -> str:
+    """The header's world size: the current one, and an elastic run's range and history."""
+    s = details.summary
+    text = "-" if s.world_size is None else str(s.world_size)
+    notes = []
+    limits = worker_range(details.config)
+    if limits is not None:
+        notes.append(f"elastic {limits[0]}-{limits[1]}")
+    sizes = [c.world_size for c in details.world_sizes]
+    steps = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]
+    if len(steps) > 1:
+        notes.append(" -> ".join(map(str, steps)))
+    return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _render_metrics_table(
+    details: RunDetails, console: Console, *, max_rounds: int, max_columns: int
+) -> None:
+    console.print()
+    if not details.rounds:
+        console.print(Text("No metrics reported yet.", style="dim"))
+        return
+    keys = _metric_columns([r.metrics for r in details.rounds])
+    shown_keys = keys[: max(0, max_columns)]
+    hidden_keys = keys[len(shown_keys) :]
+    rows = details.rounds[-max_rounds:] if max_rounds > 0 else []
+    hidden_rounds = len(details.rounds) - len(rows)
+    start = details.summary.start_time
+
+    table = Table(title="Metrics (rank 0)", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("Round", justify="right", no_wrap=True)
+    table.add_column("Time", justify="right", no_wrap=True)
+    for key in shown_keys:
+        table.add_column(key, justify="right", no_wrap=True, overflow="ellipsis")
+    for row in rows:
+        elapsed = None if row.time is None or start is None else row.time - start
+        table.add_row(
+            str(row.round),
+            format_duration(elapsed),
+            *(format_value(row.metrics[k]) if k in row.metrics else "" for k in shown_keys),
+        )
+    console.print(table)
+    notes = []
+    if hidden_rounds:
+        notes.append(f"{hidden_rounds} earlier round{'s' if hidden_rounds != 1 else ''} hidden")
+    if hidden_keys:
+        notes.append(
+            f"{len(hidden_keys)} metric column{'s' if len(hidden_keys) != 1 else ''} hidden: "
+            + ", ".join(hidden_keys)
+        )
+    if notes:
+        console.print(Text("(" + "; ".join(notes) + ")", style="dim"))
+
+
+def _render_rank_table(details: RunDetails, console: Console, *, max_columns: int) -> None:
+    keys = _metric_columns([r.metrics for r in details.rank_metrics.values()])
+    shown_keys = keys[: max(0, max_columns)]
+    table = Table(title="Last report per rank", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("Rank", justify="right", no_wrap=True)
+    table.add_column("Round", justify="right", no_wrap=True)
+    for key in shown_keys:
+        table.add_column(key, justify="right", no_wrap=True, overflow="ellipsis")
+    for rank, row in details.rank_metrics.items():
+        table.add_row(
+            str(rank),
+            str(row.round),
+            *(format_value(row.metrics[k]) if k in row.metrics else "" for k in shown_keys),
+        )
+    console.print(table)
+
+
+def _render_checkpoints(details: RunDetails, console: Console) -> None:
+    console.print()
+    if not details.checkpoints:
+        console.print(Text("No checkpoints.", style="dim"))
+        return
+    result = details.result or {}
+    latest = result.get("checkpoint")
+    latest_name = _basename(latest) if isinstance(latest, str) else None
+    best_names = {
+        _basename(b["path"])
+        for b in result.get("best_checkpoints") or []
+        if isinstance(b, dict) and isinstance(b.get("path"), str)
+    }
+    table = Table(title="Checkpoints", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("Checkpoint", no_wrap=True)
+    table.add_column("Round", justify="right", no_wrap=True)
+    table.add_column("Size", justify="right", no_wrap=True)
+    table.add_column("Created", no_wrap=True)
+    table.add_column("Metrics", overflow="fold")
+    table.add_column("", no_wrap=True)
+    for ckpt in details.checkpoints:
+        tags = []
+        if ckpt.name == latest_name:
+            tags.append("latest")
+        if ckpt.name in best_names:
+            tags.append("best")
+        table.add_row(
+            Text(ckpt.name),
+            str(ckpt.round),
+            format_bytes(ckpt.size_bytes),
+            format_timestamp(ckpt.created),
+            Text(format_metrics(ckpt.metrics, first=("epoch",))),
+            ", ".join(tags),
+        )
+    console.print(table)
+
+
+def _render_resizes(details: RunDetails, console: Console) -> None:
+    """The ``Resizes`` table: an elastic run's resizes in place and fallbacks to a restart."""
+    if not details.resizes:
+        if worker_range(details.config) is not None:
+            console.print()
+            console.print(Text("No resizes.", style="dim"))
+        return
+    console.print()
+    table = Table(
+        title=f"Resizes ({len(details.resizes)})", title_justify="left", box=box.SIMPLE_HEAD
+    )
+    table.add_column("Time", no_wrap=True)
+    table.add_column("Change", no_wrap=True)
+    table.add_column("Cause", overflow="fold")
+    table.add_column("Resumed after", justify="right", no_wrap=True)
+    table.add_column("Rolled back", justify="right", no_wrap=True)
+    for r in details.resizes:
+        if r.kind == "fallback":
+            change = Text("restart from disk", style="yellow")
+        else:
+            old = "?" if r.old_world_size is None else str(r.old_world_size)
+            new = "?" if r.new_world_size is None else str(r.new_world_size)
+            change = Text(f"{old} -> {new} workers")
+        resumed = "-" if r.resume_s is None else f"{r.resume_s:.2f} s"
+        if r.steps_rolled_back is None:
+            rolled = "-"
+        else:
+            rolled = f"{r.steps_rolled_back} step{'s' if r.steps_rolled_back != 1 else ''}"
+            if r.snapshot_step is not None:
+                rolled += f" (to step {r.snapshot_step})"
+        table.add_row(format_timestamp(r.time), change, Text(r.cause), resumed, rolled)
+    console.print(table)
+
+
+def _render_failures(details: RunDetails, console: Console) -> None:
+    """Root causes in a ``Failures (N)`` table, follow-on errors (a peer's error caused by
+    another rank's failure, ``follow_on: true``) folded below it, one line each, so that N
+    agrees with the count in the Error field."""
+    if not details.failures:
+        return
+    roots = [f for f in details.failures if not f.follow_on]
+    follow = [f for f in details.failures if f.follow_on]
+    console.print()
+    title = f"Failures ({len(roots)})"
+    if follow:
+        title += f" + {len(follow)} follow-on"
+    table = Table(title=title, title_justify="left", title_style="bold red", box=box.SIMPLE_HEAD)
+    table.add_column("Time", no_wrap=True)
+    table.add_column("Rank", justify="right", no_wrap=True)
+    table.add_column("Kind", no_wrap=True)
+    table.add_column("Message", overflow="fold")
+    for failure in roots:
+        table.add_row(
+            format_timestamp(failure.time),
+            "-" if failure.rank is None else str(failure.rank),
+            failure.kind,
+            Text(failure.message),
+        )
+    if roots:
+        console.print(table)
+    else:
+        console.print(Text(title, style="bold red"))
+    for failure in follow:
+        who = "a rank" if failure.rank is None else f"rank {failure.rank}"
+        message = failure.message.strip().splitlines()[0] if failure.message.strip() else ""
+        console.print(
+            Text.assemble(("  ", ""), (f"{who}: {message} (follow-on)", "dim")), overflow="fold"
+        )
