@@ -158,7 +158,7 @@ def note_epoch(epoch: int, num_epochs: int, loader: Any = None) -> None:
     if session.timer is not None:
         hint["progress_epoch_start_step"] = int(session.timer.steps_total)
     try:
-        hint["progress_epoch_steps"] = len(loader)  # type: ignore[arg-type]
+        hint["progress_epoch_steps"] = len(loader)
     except TypeError:
         pass
     session.progress_hint = hint
