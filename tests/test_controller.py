@@ -708,7 +708,7 @@ def test_a_resize_clears_the_straggler_flags_of_the_old_group(tmp_path):
     for rank in range(3):
         detector.update(rank, window)
     detector.flagged.add(2)
-    new = ctl._next_generation(Attempt(0, 3), 2, {"old_world_size": 3})
+    new = ctl.coordinator.next_generation(Attempt(0, 3), 2, {"old_world_size": 3})
     assert (new.world_size, ctl.world_size, new.resize) == (2, 2, {"old_world_size": 3})
     assert ctl.progress.cleared == [(2, False)]
     assert detector.flagged == set() and detector.latest == {}

@@ -1,63 +1,59 @@
 """The driver-side state machine.
 
-``run()`` → ``_run_attempt()`` → ``_handle(event)``, top to bottom::
+``run()`` calls ``step()`` until the state is terminal; ``step(event)`` handles one worker event
+(or polls the group once) in the current state and returns the :class:`Transition` it made. The
+states and their data are in :mod:`ringtrain.controller.states`::
 
-    INITIALIZING ──▶ RUNNING ──▶ FINISHED
-                       │  ▲
-             failure   ▼  │ FailurePolicy: RESTART
-                     RESTARTING
-                       │ FailurePolicy: RAISE
-                       ▼
-                     ERRORED            (Ctrl-C anywhere: ABORTED)
+    Starting ──▶ Running ──▶ Finished | Stopped
+                   │ a rank failed
+                   ▼
+                 Restarting ──▶ Starting (FailurePolicy: RESTART) | Errored (RAISE)
+
+Elastic runs (``ScalingConfig(num_workers=(min, max))``) go through ``Resizing`` after a failure
+(the group continues in place with fewer ranks) and ``Growing`` when capacity returns: those
+handlers call :class:`~ringtrain.controller.elastic.ElasticCoordinator`. Round book-keeping and
+checkpoint publication are in :mod:`ringtrain.controller.rounds`, liveness (hangs) in
+:mod:`ringtrain.controller.health`, one worker group's book-keeping in
+:mod:`ringtrain.controller.generation`.
 
 A caller may also ask a running job to stop early (``stop_event``, e.g. a sweep pruning a trial):
 its group is stopped at once and the run ends ``STOPPED``, its published checkpoints kept.
-
-One attempt = one worker group. Every rank's n-th ``report()`` belongs to round n; when all ranks
-have reported a round, its checkpoint files (if any rank attached some) are published and retention
-applied. On the first failure the controller keeps collecting events for ``failure_grace_s`` (the
-peers of a crashed rank usually fail a moment later with a connection error, and the real cause
-must win), stops the group, and asks the FailurePolicy what to do.
-
-Elastic runs (``ScalingConfig(num_workers=(min, max))``) may instead resize the group in place
-(the ``RESIZING`` path) and grow it back: that side is :class:`~ringtrain.controller.elastic.
-ElasticControl`, mixed in here. The per-group book-keeping is in :mod:`ringtrain.controller.
-attempt`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ringtrain.channel import (
-    CheckpointDone,
-    Done,
-    Event,
-    Exited,
-    Heartbeat,
-    Hello,
-    Interrupted,
-    Report,
-    Resumed,
-    Timing,
-    WorkerError,
-)
+from ringtrain.channel import Event
 from ringtrain.checkpoint.manager import CheckpointManager, TrackedCheckpoint
-from ringtrain.controller.attempt import (
-    HELLO_TIMEOUT_S,
-    Attempt,
-    Grow,
-    root_cause,
-    signal_name,
-)
-from ringtrain.controller.elastic import ElasticControl
+from ringtrain.controller.attempt import root_cause
+from ringtrain.controller.elastic import ElasticCoordinator
+from ringtrain.controller.events import GroupEvents
+from ringtrain.controller.generation import Generation
+from ringtrain.controller.outputs import build_result, write_result
 from ringtrain.controller.policy import Decision, FailurePolicy
+from ringtrain.controller.rounds import Publisher
+from ringtrain.controller.states import (
+    Aborted,
+    Errored,
+    Finished,
+    Growing,
+    Preempted,
+    Preempting,
+    PreemptionNotice,
+    Resizing,
+    Restarting,
+    Running,
+    RunState,
+    Starting,
+    State,
+    Stopped,
+    Transition,
+)
 from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
 from ringtrain.launch.base import Launcher, WorkerGroup, WorkerSpec
 from ringtrain.monitor.progress import ProgressReporter
@@ -65,24 +61,18 @@ from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure
 from ringtrain.rundir import RunDirectory
 
+__all__ = ["Controller", "RunState", "SpecFactory", "Transition"]
+
 logger = logging.getLogger("ringtrain")
-
-
-class RunState(enum.Enum):
-    INITIALIZING = "INITIALIZING"
-    RUNNING = "RUNNING"
-    RESTARTING = "RESTARTING"
-    FINISHED = "FINISHED"
-    ERRORED = "ERRORED"
-    ABORTED = "ABORTED"
-    STOPPED = "STOPPED"
-
 
 SpecFactory = Callable[[int, int, "str | None"], WorkerSpec]
 """(attempt, start_round, latest checkpoint URI) -> the spec of that attempt's workers."""
 
+_Live = Running | Growing | Resizing | Restarting
+"""The states with a worker group whose events are handled."""
 
-class Controller(ElasticControl):
+
+class Controller:
     """Runs a training job to completion through restarts.
 
     Args:
@@ -146,14 +136,11 @@ class Controller(ElasticControl):
         self.stragglers = stragglers
         self.elastic = elastic
         self.stop_event = stop_event
-        self.generation = 0  # elastic: rendezvous generation of the worker group
-        # Elastic growth back to max: the grow in progress, consecutive failed grows, and since
-        # when (monotonic) the group has been below max without trying (None: it is not).
-        self._grow: Grow | None = None
-        self._grow_failures = 0
-        self._grow_idle_since: float | None = None
+        self.coordinator = ElasticCoordinator(self, elastic)
+        self.publisher = Publisher(checkpoints, run_dir, progress, self._callback)
+        self.events = GroupEvents(self)
 
-        self.state = RunState.INITIALIZING
+        self.current: State = Starting(0)
         self.group: WorkerGroup | None = None
         self.failures: list[WorkerFailure] = []
         self.error: TrainingFailedError | None = None
@@ -161,46 +148,34 @@ class Controller(ElasticControl):
         self._history: dict[int, dict[str, Any]] = {}  # round -> rank 0's metrics
         self.next_round = checkpoints.next_round
         self.start_time = time.time()
-        self._attempt: Attempt | None = None
         self._resumed: TrackedCheckpoint | None = None  # what this attempt's workers resumed
         self._resume_uri: str | None = None  # ... at this location (a local copy for memory://)
 
+    @property
+    def state(self) -> RunState:
+        """The kind of the current state."""
+        return self.current.kind
+
+    @property
+    def generation(self) -> int:
+        """The elastic rendezvous generation of the worker group (0 for fresh processes)."""
+        return self.coordinator.generation
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> Result:
-        """Run attempts until the job finishes or the FailurePolicy says stop."""
+        """Step until the job finishes or the FailurePolicy says stop."""
         self.progress.start(self.run_dir.name, self.world_size, self.run_dir.uri)
         self._write_result()
-        attempt = 0
         try:
-            while True:
-                failure = self._run_attempt(attempt)
-                if failure is None:
-                    self.state = RunState.STOPPED if self._stop_requested() else RunState.FINISHED
-                    break
-                if self._set_aside_unloadable(failure):
-                    self.state = RunState.RESTARTING
-                    attempt += 1
-                    continue  # bounded: each time, one checkpoint fewer is left to resume from
-                self.failures.append(failure)
-                self._callback("on_failure", failure)
-                decision = self.failure_policy.decide(failure, len(self.failures))
-                logger.warning(decision.reason)
-                self.progress.message(decision.reason)
-                self.run_dir.event(
-                    "decision", decision=decision.decision.value, reason=decision.reason
-                )
-                if decision.decision is Decision.RAISE:
-                    self.state = RunState.ERRORED
-                    self.error = TrainingFailedError(self.failures)
-                    break
-                self.state = RunState.RESTARTING
-                attempt += 1
-        except BaseException:
-            self.state = RunState.ABORTED
+            while not self.state.terminal:
+                self.step()
+        except BaseException as exc:
+            self._enter(Transition(self.current, Aborted(type(exc).__name__), repr(exc)))
             raise
         finally:
             if self.group is not None:
                 self.group.stop(grace_s=self.stop_grace_s)
+                self.group = None
             result = self.result()
             self.run_dir.event(
                 "run_end", status=self.state.value, duration_s=time.time() - self.start_time
@@ -212,16 +187,180 @@ class Controller(ElasticControl):
                 self._callback("on_end", result)
         return result
 
-    def _run_attempt(self, number: int) -> WorkerFailure | None:
+    def step(self, event: Event | PreemptionNotice | None = None) -> Transition:
+        """Advance the state machine by one step.
+
+        Args:
+            event: one worker event to handle (``None``: poll the group once, waiting up to
+                ``poll_interval_s``), or a :class:`PreemptionNotice`.
+
+        Returns:
+            The transition made; ``transition.changed`` is False when the state stayed.
+            Changes are logged and written as ``transition`` events (from, to, reason).
+        """
+        state = self.current
+        if isinstance(event, PreemptionNotice):
+            transition = self._preempt(state, event)
+        elif isinstance(state, Starting):
+            transition = self._step_starting(state)
+        elif isinstance(state, Running | Growing):
+            transition = self._step_running(state, event)
+        elif isinstance(state, Resizing):
+            transition = self._step_resizing(state, event)
+        elif isinstance(state, Restarting):
+            transition = self._step_restarting(state, event)
+        elif isinstance(state, Preempting):
+            transition = self._step_preempting(state)
+        else:
+            transition = Transition(state, state)  # terminal
+        if transition.changed:
+            self._enter(transition)
+        return transition
+
+    def _enter(self, transition: Transition) -> None:
+        self.current = transition.target
+        logger.info("%s -> %s: %s", transition.from_.value, transition.to.value, transition.reason)
+        fields = {"from": transition.from_.value, "to": transition.to.value}
+        self.run_dir.event("transition", **fields, reason=transition.reason)
+
+    # ------------------------------------------------------------------ state handlers
+    def _step_starting(self, state: Starting) -> Transition:
+        gen, resumed = self._start_generation(state.attempt)
+        how = f", resuming from {resumed}" if resumed else ""
+        reason = f"started {gen.world_size} workers (attempt {state.attempt}{how})"
+        return Transition(state, Running(gen), reason)
+
+    def _step_running(self, state: Running | Growing, event: Event | None) -> Transition:
+        gen = state.generation
+        self._take(gen, event)
+        if self._stop_requested():
+            return self._stop(state)
+        if gen.first_failure_at is None and not gen.all_exited:
+            if self.elastic is not None:
+                moved = self._grow_step(state)
+                if moved is not None:
+                    return moved
+            self.events.check_hang(gen)
+        if gen.first_failure_at is not None:
+            return self._failed(state, gen)
+        if gen.all_exited:
+            self._stop_group(gen)
+            return Transition(state, Finished(), "every worker finished")
+        return Transition(state, state)
+
+    def _grow_step(self, state: Running | Growing) -> Transition | None:
+        gen = state.generation
+        grown = self.coordinator.grow_tick(gen)
+        if grown is not None:
+            info = grown.resize or {}
+            reason = (
+                f"re-formed the group: {info.get('old_world_size')} -> {grown.world_size} "
+                f"workers ({info.get('cause')})"
+            )
+            return Transition(state, Running(grown), reason)
+        plan = self.coordinator.grow
+        if plan is not None and not isinstance(state, Growing):
+            reason = f"capacity returned: starting ranks {plan.ranks} to join"
+            return Transition(state, Growing(gen, plan), reason)
+        if plan is None and isinstance(state, Growing):
+            return Transition(state, Running(gen), "growing back failed; the group trains on")
+        return None
+
+    def _failed(self, state: State, gen: Generation) -> Transition:
+        """A failure (or, elastic runs, a survivor's Interrupted) was seen in ``gen``."""
+        failures = list(gen.failures.values())
+        failure = failures[0] if failures else None
+        reason = failure.message if failure else "a rank was interrupted"
+        if self.elastic is not None and not gen.elastic_fallback:
+            return Transition(state, Resizing(gen, failure), f"{reason}; resizing in place")
+        return Transition(state, Restarting(gen, failure), reason)
+
+    def _step_resizing(self, state: Resizing, event: Event | None) -> Transition:
+        gen = state.generation
+        self._take(gen, event)
+        if self._stop_requested():
+            return self._stop(state)
+        if gen.all_exited:
+            return Transition(state, Restarting(gen, state.failure), "every worker exited")
+        decision, new = self.coordinator.after_failure(gen)
+        if decision.action is ElasticAction.RESIZE:
+            return Transition(state, Running(new), decision.reason)
+        if decision.action is ElasticAction.FALLBACK:
+            return Transition(state, Restarting(gen, state.failure), decision.reason)
+        return Transition(state, state)  # waiting for the survivors
+
+    def _step_restarting(self, state: Restarting, event: Event | None) -> Transition:
+        gen = state.generation
+        if self.group is not None:
+            # Checked before taking more events too: the step that saw the failure handled the
+            # events of its poll, and a grace of 0 s ends the collection there.
+            if not self._drained(gen):
+                self._take(gen, event)
+                if self._stop_requested():
+                    return self._stop(state)
+                if not self._drained(gen):
+                    return Transition(state, state)
+            self._stop_group(gen)
+        if not gen.failures:
+            return Transition(state, Finished(), "the group ended without a failure")
+        failure = root_cause(list(gen.failures.values()))
+        if self._set_aside_unloadable(failure):
+            # Bounded: each time, one checkpoint fewer is left to resume from.
+            reason = f"the checkpoint could not be loaded ({failure.message}); set aside"
+            return Transition(state, Starting(gen.number + 1), reason)
+        self.failures.append(failure)
+        self._callback("on_failure", failure)
+        decision = self.failure_policy.decide(failure, len(self.failures))
+        logger.warning(decision.reason)
+        self.progress.message(decision.reason)
+        self.run_dir.event("decision", decision=decision.decision.value, reason=decision.reason)
+        if decision.decision is Decision.RAISE:
+            self.error = TrainingFailedError(self.failures)
+            return Transition(state, Errored(self.error), decision.reason)
+        return Transition(state, Starting(gen.number + 1), decision.reason)
+
+    def _drained(self, gen: Generation) -> bool:
+        """Whether the failed group's remaining events are in: every rank exited, or every rank
+        failed or the ``failure_grace_s`` passed (held while a live rank finishes a checkpoint
+        write, up to ``checkpoint_grace_s``)."""
+        if gen.all_exited:
+            return True
+        assert gen.first_failure_at is not None
+        since = time.monotonic() - gen.first_failure_at
+        hung = {r for r, f in gen.failures.items() if f.kind == "hang"}
+        if gen.rounds.writes_in_flight(hung | set(gen.exited)):
+            return since >= self.checkpoint_grace_s
+        return gen.all_failed_or_exited or since > self.failure_grace_s
+
+    def _preempt(self, state: State, notice: PreemptionNotice) -> Transition:
+        if not isinstance(state, _Live):
+            return Transition(state, state)
+        reason = f"preemption notice: the workers go in {notice.deadline_s:g} s"
+        if notice.reason:
+            reason += f" ({notice.reason})"
+        return Transition(state, Preempting(state.generation, notice), reason)
+
+    def _step_preempting(self, state: Preempting) -> Transition:
+        self._stop_group(state.generation)
+        return Transition(state, Preempted(), "the group was stopped before the deadline")
+
+    def _stop(self, state: State) -> Transition:
+        self.run_dir.event("stop_requested", round=self.next_round - 1)
+        if self.group is not None:
+            self.group.stop(grace_s=self.stop_grace_s)
+            self.group = None
+        self.coordinator.grow = None
+        return Transition(state, Stopped(), f"stop requested after round {self.next_round - 1}")
+
+    # ------------------------------------------------------------------ a group's life
+    def _start_generation(self, number: int) -> tuple[Generation, str | None]:
+        """Start attempt ``number``'s worker group from the newest valid checkpoint. Returns
+        the generation and the checkpoint it resumes from (None: from scratch)."""
         # No worker runs now: what a previous attempt left half-written goes, and the checkpoint
         # to resume from is checked byte by byte (a corrupt one is set aside, the one before used).
         self.checkpoints.remove_staging()
         latest = self.checkpoints.latest_verified()
-        for note in self.checkpoints.notes:
-            logger.warning(note)
-            self.progress.message(note)
-            self.run_dir.event("checkpoint_invalid", reason=note)
-        self.checkpoints.notes.clear()
+        self._notes("checkpoint_invalid")
         # Rounds after the checkpoint we resume from are recomputed: their report indices must
         # line up with the restored state, and their metrics replace the lost attempt's.
         self.next_round = latest.round + 1 if latest is not None else 0
@@ -234,58 +373,31 @@ class Controller(ElasticControl):
             if number == 0:
                 self.progress.message(f"resuming from {latest.checkpoint.uri}")
         spec = self.make_spec(number, self.next_round, resume_from)
-        self._attempt = attempt = Attempt(number, spec.world_size)
+        gen = Generation(number, spec.world_size)
         self._reset_stragglers()
         self.run_dir.event("run_start", world_size=spec.world_size, attempt=number)
         for rank in range(spec.world_size):
             self.progress.worker_state(rank, "starting")
         self.group = self.launcher.start(spec)
-        self.state = RunState.RUNNING
-        self._grow, self._grow_idle_since = None, None  # a (re)start has max workers
-        self._grow_failures = 0
-        self.generation = 0  # fresh worker processes start at generation 0
-        try:
-            while not attempt.all_exited:
-                for event in self.group.poll(self.poll_interval_s):
-                    self._handle(event)
-                    if self._stop_requested():
-                        break  # the reports still queued belong to rounds after the stop
-                if self._stop_requested():
-                    self.run_dir.event("stop_requested", round=self.next_round - 1)
-                    return None  # the finally below stops the group
-                if (
-                    self.elastic is not None
-                    and attempt.first_failure_at is None
-                    and self._grow_tick(attempt)
-                ):
-                    attempt = self._attempt  # the grown generation
-                    continue
-                if (
-                    self.elastic is not None
-                    and attempt.first_failure_at is not None
-                    and not attempt.elastic_fallback
-                    and self._elastic(attempt) is not ElasticAction.FALLBACK
-                ):
-                    attempt = self._attempt  # the same, or the resized generation
-                    continue
-                if attempt.first_failure_at is None:
-                    self._check_hang(attempt)
-                elif self._writes_in_flight(attempt) and (
-                    time.monotonic() - attempt.first_failure_at < self.checkpoint_grace_s
-                ):
-                    continue  # a live rank is finishing a checkpoint write: let it land
-                elif attempt.all_failed_or_exited or (
-                    time.monotonic() - attempt.first_failure_at > self.failure_grace_s
-                ):
-                    break
-        finally:
+        self.coordinator.reset()  # a (re)start has max workers, at generation 0
+        return gen, latest.checkpoint.uri if latest is not None else None
+
+    def _take(self, gen: Generation, event: Event | None) -> None:
+        """Handle ``event``, or what one poll of the group brings (stopping at a stop request:
+        the reports still queued belong to rounds after it)."""
+        assert self.group is not None
+        events = [event] if event is not None else self.group.poll(self.poll_interval_s)
+        for ev in events:
+            self.events.handle(gen, ev)
+            if self._stop_requested():
+                break
+
+    def _stop_group(self, gen: Generation) -> None:
+        if self.group is not None:
             self.group.stop(grace_s=self.stop_grace_s)
             self.group = None
-            self._grow = None
-        self._end_attempt(attempt)
-        if not attempt.failures:
-            return None
-        return root_cause(list(attempt.failures.values()))
+        self.coordinator.grow = None
+        self._end_generation(gen)
 
     def _set_aside_unloadable(self, failure: WorkerFailure) -> bool:
         """A worker could not load the checkpoint this attempt resumed from (it passed the
@@ -310,396 +422,54 @@ class Controller(ElasticControl):
         why = found[0].split(": ", 1)[-1]
         if not self.checkpoints.set_aside_unloadable(resumed, f"rank {failure.rank}: {why}"):
             return False
+        self._notes("checkpoint_invalid", rank=failure.rank)
+        self._resumed = None
+        return True
+
+    def _notes(self, kind: str, **fields: Any) -> None:
+        """Log, show and write (as ``kind`` events) the checkpoint manager's notes."""
         for note in self.checkpoints.notes:
             logger.warning(note)
             self.progress.message(note)
-            self.run_dir.event("checkpoint_invalid", reason=note, rank=failure.rank)
+            self.run_dir.event(kind, reason=note, **fields)
         self.checkpoints.notes.clear()
-        self._resumed = None
-        return True
 
     def _stop_requested(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()
 
-    # ------------------------------------------------------------------ events
-    def _handle(self, event: Event) -> None:
-        attempt = self._attempt
-        assert attempt is not None
-        rank = getattr(event, "rank", None)
-        if isinstance(rank, int) and rank >= attempt.world_size:
-            # Elastic runs: a worker started to join, or a stale event of a rank that left.
-            if self._grow is not None and rank in self._grow.ranks:
-                self._on_joiner_event(self._grow, event)
-            return
-        if isinstance(rank, int) and not isinstance(event, Exited):
-            now = time.monotonic()
-            attempt.last_seen[rank] = now
-            if isinstance(event, Heartbeat):
-                if event.progress_age_s is not None:
-                    attempt.last_progress[rank] = max(
-                        attempt.last_progress.get(rank, 0.0), now - event.progress_age_s
-                    )
-                if event.step is not None:
-                    attempt.last_step[rank] = event.step
-                attempt.progress_count[rank] = event.progress_count
-                return
-            if isinstance(event, Report):
-                attempt.last_progress[rank] = now
-        if isinstance(event, Hello):
-            self.progress.worker_state(event.rank, "running")
-        elif isinstance(event, Interrupted):
-            if 0 <= event.generation < self.generation:
-                return  # it left a generation already replaced; its Resize is on its way
-            attempt.interrupted[event.rank] = event
-            if event.grow:  # paused at a step boundary to let workers join: not a failure
-                pass
-            elif attempt.first_failure_at is None:
-                attempt.first_failure_at = time.monotonic()
-        elif isinstance(event, Resumed):
-            self._on_resumed(attempt, event)
-        elif isinstance(event, Report):
-            self._on_report(attempt, event)
-        elif isinstance(event, Timing):
-            self._on_timing(attempt, event)
-        elif isinstance(event, CheckpointDone):
-            outcome = ("files", event.files) if event.error is None else ("error", event.error)
-            attempt.outcomes.setdefault(event.round, {})[event.rank] = outcome
-            self._try_publish(attempt, event.round)
-        elif isinstance(event, Done):
-            attempt.done.add(event.rank)
-        elif isinstance(event, WorkerError):
-            self._on_failure(
-                attempt,
-                WorkerFailure(
-                    rank=event.rank,
-                    kind="exception",
-                    message=f"rank {event.rank} raised {event.exc_type}: {event.message}",
-                    exc_type=event.exc_type,
-                    traceback=event.traceback,
-                    attempt=attempt.number,
-                    round=attempt.last_round.get(event.rank, -1),
-                    time=event.time,
-                    step=attempt.last_step.get(event.rank),
-                ),
-            )
-        elif isinstance(event, Exited):
-            self._on_exit(attempt, event)
+    def _reset_stragglers(self) -> None:
+        """A new group (restart or resize): clear every straggler flag, since ranks are
+        renumbered and their timing windows describe the old group."""
+        if self.stragglers is not None:
+            for rank in sorted(self.stragglers.flagged):
+                self.progress.straggler(rank, False)
+            self.stragglers.reset()
 
-    def _writes_in_flight(self, attempt: Attempt) -> bool:
-        """Whether a rank that is still running owes a background checkpoint write of a round
-        that can still be published (every report of it is in). A rank failed as hung is not
-        waited for: it is frozen or stuck, and will not finish its write (waiting for it would
-        hold the restart for ``checkpoint_grace_s``)."""
-        for round_, (_reports, expected) in attempt.writing.items():
-            done = attempt.outcomes.get(round_, {})
-            missing = [r for r in expected if r not in done]
-            hung = {r for r, f in attempt.failures.items() if f.kind == "hang"}
-            if missing and all(r not in attempt.exited and r not in hung for r in missing):
-                return True  # publishable once the live ranks finish
-        return False
-
-    def _check_hang(self, attempt: Attempt) -> None:
-        """Fail a rank that is stuck longer than ``worker_timeout_s``: one that made progress
-        once and then none (its peers usually wait on it inside a collective: the one that
-        stopped first, by progress count and then time, is blamed), one whose process stopped
-        answering, or one that never connected (within the timeout, but at least
-        ``HELLO_TIMEOUT_S``). Start-up, before a rank's first progress, is never a hang:
-        collectives there time out on their own."""
-        timeout = self.worker_timeout_s
-        if timeout is None:
-            return
-        now = time.monotonic()
-        live = [r for r in range(attempt.world_size) if r not in attempt.exited]
-        silent = [r for r in live if now - attempt.last_seen.get(r, now) > timeout]
-        unborn = [
-            r
-            for r in live
-            if r not in attempt.last_seen
-            and now - attempt.started_at > max(timeout, HELLO_TIMEOUT_S)
-        ]
-        idle = [
-            r
-            for r in live
-            if r in attempt.last_progress and now - attempt.last_progress[r] > timeout
-        ]
-        if unborn:
-            rank = unborn[0]
-            how = f"never connected to the driver in {now - attempt.started_at:.1f} s"
-        elif silent or idle:
-            # Data-parallel ranks progress in lockstep: the one stuck first has counted the
-            # fewest batches and steps (its peers fetched the next batch, then blocked on it).
-            rank = min(
-                silent + idle,
-                key=lambda r: (
-                    attempt.progress_count.get(r, 0),
-                    attempt.last_progress.get(r, attempt.last_seen[r]),
-                    r,
-                ),
-            )
-            if rank in silent:
-                how = (
-                    f"stopped answering for {now - attempt.last_seen[rank]:.1f} s "
-                    "(the process is frozen or stopped)"
-                )
-            else:
-                how = (
-                    f"made no progress for {now - attempt.last_progress[rank]:.1f} s (alive, "
-                    "but stuck: a deadlock, an endless loop, or waiting on a collective)"
-                )
-        else:
-            return
-        others = sorted(set(silent + idle) - {rank})
-        waiting = f"; ranks {others} are stuck too, waiting on it" if others else ""
-        self._on_failure(
-            attempt,
-            WorkerFailure(
-                rank=rank,
-                kind="hang",
-                message=f"rank {rank} {how}, beyond worker_timeout_s={timeout:g}{waiting}",
-                attempt=attempt.number,
-                round=attempt.last_round.get(rank, -1),
-                time=time.time(),
-                step=attempt.last_step.get(rank),
-            ),
-        )
-
-    def _on_report(self, attempt: Attempt, report: Report) -> None:
-        self.metrics_per_rank[report.rank] = report.metrics
-        attempt.last_round[report.rank] = report.round
-        step = report.metrics.get("step")
-        if isinstance(step, int) and not isinstance(step, bool):
-            attempt.last_step[report.rank] = step
-        self.run_dir.event(
-            "report",
-            time=report.time,
-            rank=report.rank,
-            round=report.round,
-            metrics=report.metrics,
-            checkpoint=report.checkpoint_files is not None or report.checkpoint_pending,
-        )
-        self.progress.report(report.rank, report.round, report.metrics)
-        self._callback("on_report", report.rank, report.round, report.metrics)
-        if report.checkpoint_files is not None:
-            attempt.outcomes.setdefault(report.round, {})[report.rank] = (
-                "files",
-                report.checkpoint_files,
-            )
-        elif report.checkpoint_error is not None:
-            attempt.outcomes.setdefault(report.round, {})[report.rank] = (
-                "error",
-                report.checkpoint_error,
-            )
-        reports = attempt.pending.setdefault(report.round, {})
-        reports[report.rank] = report
-        if len(reports) == attempt.world_size:
-            del attempt.pending[report.round]
-            self._complete_round(attempt, report.round, reports)
-
-    def _on_timing(self, attempt: Attempt, timing: Timing) -> None:
-        window = timing.window
-        self.run_dir.event(
-            "timing", time=timing.time, rank=timing.rank, attempt=attempt.number, **window
-        )
-        self.progress.timing(timing.rank, window)
-        self._callback("on_timing", timing.rank, window)
-        if self.stragglers is None:
-            return
-        for ev in self.stragglers.update(timing.rank, window):
-            logger.info(ev.message)
-            self.progress.message(ev.message)
-            self.progress.straggler(ev.rank, ev.flagged)
-            if ev.flagged:
-                self.run_dir.event(
-                    "straggler",
-                    rank=ev.rank,
-                    attempt=attempt.number,
-                    busy_s=ev.busy_s,
-                    median_s=ev.median_s,
-                    ratio=ev.ratio,
-                    reason=ev.reason,
-                    message=ev.message,
-                )
-            else:
-                self.run_dir.event(
-                    "straggler_cleared", rank=ev.rank, attempt=attempt.number, message=ev.message
-                )
-            self._callback("on_straggler", ev)
-
-    def _complete_round(self, attempt: Attempt, round_: int, reports: dict[int, Report]) -> None:
-        metrics = reports[0].metrics if 0 in reports else next(iter(reports.values())).metrics
-        self._history[round_] = metrics
-        self.next_round = round_ + 1
-        self.progress.round_complete(round_, metrics)
-        self._callback("on_round", round_, metrics)
-        expected = {
-            rank
-            for rank, r in reports.items()
-            if r.checkpoint_files is not None or r.checkpoint_pending or r.checkpoint_error
-        }
-        if expected:
-            attempt.writing[round_] = (reports, expected)
-            self._try_publish(attempt, round_)
-
-    def _try_publish(self, attempt: Attempt, round_: int) -> None:
-        """Publish round ``round_``'s checkpoint once all its reports are in and every rank that
-        attached files has finished writing them."""
-        if round_ not in attempt.writing:
-            return
-        reports, expected = attempt.writing[round_]
-        outcomes = attempt.outcomes.get(round_, {})
-        if not expected <= outcomes.keys():
-            return
-        del attempt.writing[round_]
-        attempt.outcomes.pop(round_, None)
-        metrics = reports[0].metrics if 0 in reports else next(iter(reports.values())).metrics
-        errors = [why for kind, why in (outcomes[r] for r in sorted(expected)) if kind == "error"]
-        if errors:
-            message = (
-                f"checkpoint of round {round_} was not saved ({'; '.join(errors)}); "
-                "training continues, a restart would resume from the previous checkpoint"
-            )
-            logger.warning(message)
-            self.progress.message(message)
-            self.run_dir.event("checkpoint_failed", round=round_, errors=errors)
-            self.checkpoints.discard_staging(round_)
-            return
-        files: dict[str, dict[str, Any]] = {}
-        owners: dict[str, int] = {}
-        for rank in sorted(expected):
-            rank_files = outcomes[rank][1]
-            for rel, info in rank_files.items():
-                if rel in files:
-                    self.progress.message(
-                        f"round {round_}: ranks {owners[rel]} and {rank} both wrote checkpoint "
-                        f"file {rel!r}; the last write wins (use distinct file names per rank)"
-                    )
-                    info = _digest_on_storage(self.checkpoints, round_, rel)
-                files[rel] = {**info, "rank": owners.setdefault(rel, rank)}
-        score_metrics = dict(metrics)
-        for r in sorted(reports):  # a score attribute only some rank reported still counts
-            for k, v in reports[r].metrics.items():
-                score_metrics.setdefault(k, v)
-        try:
-            tracked = self.checkpoints.publish(round_, files, score_metrics)
-        except ValueError as bad:  # a file name no manifest may hold (a backslash, say)
-            message = f"checkpoint of round {round_} was not saved ({bad}); training continues"
-            logger.warning(message)
-            self.progress.message(message)
-            self.run_dir.event("checkpoint_failed", round=round_, errors=[str(bad)])
-            self.checkpoints.discard_staging(round_)
-            return
-        name = tracked.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
-        self.run_dir.event("checkpoint", round=round_, path=name, metrics=metrics)
-        for path, reason in self.checkpoints.deleted:
-            self.run_dir.event("checkpoint_deleted", path=path, reason=reason)
-        self.checkpoints.deleted.clear()
-        self._callback("on_checkpoint", tracked.checkpoint, metrics)
-
-    def _on_failure(self, attempt: Attempt, failure: WorkerFailure) -> None:
-        previous = attempt.failures.get(failure.rank)
-        if previous is not None and previous.kind == "exception":
-            return  # the exception says more than the exit status that follows it
-        attempt.failures[failure.rank] = failure
-        if attempt.first_failure_at is None:
-            attempt.first_failure_at = time.monotonic()
-        self.progress.worker_state(failure.rank, "failed")
-        self.run_dir.event(
-            "failure",
-            time=failure.time,
-            rank=failure.rank,
-            kind=failure.kind,
-            message=failure.message,
-            traceback=failure.traceback,
-            attempt=attempt.number,
-        )
-
-    def _on_exit(self, attempt: Attempt, event: Exited) -> None:
-        attempt.exited[event.rank] = event.returncode
-        if event.returncode == 0:
-            self.progress.worker_state(event.rank, "finished")
-            return
-        # Events are only handled before the group is stopped, so a non-zero exit here is a real
-        # failure of this rank (perhaps caused by a peer's: root_cause sorts that out).
-        if event.returncode < 0:
-            kind, what = "signal", f"was killed by {signal_name(-event.returncode)}"
-        else:
-            kind, what = "exit", f"exited with status {event.returncode}"
-        if event.rank in attempt.failures:
-            return
-        self._on_failure(
-            attempt,
-            WorkerFailure(
-                rank=event.rank,
-                kind=kind,
-                message=f"rank {event.rank} {what}",
-                returncode=event.returncode,
-                attempt=attempt.number,
-                round=attempt.last_round.get(event.rank, -1),
-                time=event.time,
-                step=attempt.last_step.get(event.rank),
-            ),
-        )
-
-    def _end_attempt(self, attempt: Attempt) -> None:
-        if attempt.resize is not None:  # no step completed after the resize
-            info = {k: v for k, v in attempt.resize.items() if k != "pause_time"}
+    def _end_generation(self, gen: Generation) -> None:
+        if gen.resize is not None:  # no step completed after the resize
+            info = {k: v for k, v in gen.resize.items() if k != "pause_time"}
             self.run_dir.event("resize", **info, resume_s=None)
-            attempt.resize = None
-        if attempt.failures or not attempt.pending:
+            gen.resize = None
+        if gen.failures or not gen.rounds.pending:
             return
-        counts = {rank: attempt.last_round.get(rank, -1) + 1 for rank in range(attempt.world_size)}
+        counts = {rank: gen.last_round(rank) + 1 for rank in range(gen.world_size)}
         self.progress.message(
             "ranks called report() a different number of times "
             f"({', '.join(f'rank {r}: {n}' for r, n in counts.items())}); "
-            f"rounds {sorted(attempt.pending)} never completed and their checkpoints were dropped"
+            f"rounds {sorted(gen.rounds.pending)} never completed and their checkpoints were "
+            "dropped"
         )
 
     # ------------------------------------------------------------------ outputs
     def result(self) -> Result:
-        best = [(t.checkpoint, t.metrics) for t in self.checkpoints.ranked()]
-        latest = self.checkpoints.latest
-        return Result(
-            metrics=dict(self.metrics_per_rank.get(0, {})),
-            metrics_per_rank={r: dict(m) for r, m in sorted(self.metrics_per_rank.items())},
-            checkpoint=latest.checkpoint if latest else None,
-            best_checkpoints=best,
-            path=self.run_dir.uri,
-            error=self.error,
-            failures=list(self.failures),
-            metrics_history=[self._history[r] for r in sorted(self._history)],
-        )
+        """The run's result so far."""
+        return build_result(self)
 
     def _write_result(self) -> None:
-        result = self.result()
-        now = time.time()
-        finished = self.state in (
-            RunState.FINISHED,
-            RunState.ERRORED,
-            RunState.ABORTED,
-            RunState.STOPPED,
-        )
-        self.run_dir.write_json(
-            "result.json",
-            {
-                "status": self.state.value if finished else "RUNNING",
-                "name": self.run_dir.name,
-                "path": self.run_dir.uri,
-                "driver_pid": os.getpid(),
-                "start_time": self.start_time,
-                "end_time": now if finished else None,
-                "duration_s": now - self.start_time,
-                "world_size": self.world_size,
-                "rounds": self.next_round,
-                "metrics": result.metrics,
-                "metrics_per_rank": {str(r): m for r, m in result.metrics_per_rank.items()},
-                "checkpoint": result.checkpoint.uri if result.checkpoint else None,
-                "best_checkpoints": [
-                    {"path": c.uri, "metrics": m} for c, m in result.best_checkpoints
-                ],
-                "error": str(self.error) if self.error else None,
-                "failures": [f.to_dict() for f in self.failures],
-            },
-        )
+        write_result(self)
+
+    def _on_failure(self, gen: Generation, failure: WorkerFailure) -> None:
+        self.events.on_failure(gen, failure)
 
     def _callback(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
@@ -712,10 +482,3 @@ class Controller(ElasticControl):
                 logger.exception(
                     "callback %s.%s raised; the run continues", type(cb).__name__, hook
                 )
-
-
-def _digest_on_storage(checkpoints: CheckpointManager, round_: int, rel: str) -> dict[str, Any]:
-    from ringtrain.checkpoint import storage
-
-    fs, staging = checkpoints.staging_path(round_)
-    return storage.file_digest(fs, storage.join(fs, staging, rel))

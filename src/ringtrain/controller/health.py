@@ -1,0 +1,98 @@
+"""Liveness of one worker group's ranks: when each was last heard from, when it last made
+progress, and which one is hung (``worker_timeout_s``)."""
+
+from __future__ import annotations
+
+import time
+
+from ringtrain.channel import Heartbeat
+
+HELLO_TIMEOUT_S = 60.0
+"""A worker process that has not connected after this long (or ``worker_timeout_s`` if longer)
+is failed as hung."""
+
+
+class Health:
+    """What the driver knows of each rank's liveness (monotonic seconds).
+
+    ``last_seen``: the last message of any kind (absent until its Hello); ``last_progress``: the
+    last progress (absent until the rank's first batch, step or report); ``progress_count`` and
+    ``last_step``: what its heartbeats said. Updating is O(1) per message; :meth:`check` is
+    O(world size) and is run at most every ``check_interval_s``.
+    """
+
+    def __init__(self, world_size: int, check_interval_s: float = 0.1) -> None:
+        self.world_size = world_size
+        self.started_at = time.monotonic()
+        self.last_seen: dict[int, float] = {}
+        self.last_progress: dict[int, float] = {}
+        self.progress_count: dict[int, int] = {}
+        self.last_step: dict[int, int] = {}
+        self.check_interval_s = check_interval_s
+        self._next_check = 0.0
+
+    def seen(self, rank: int, now: float) -> None:
+        self.last_seen[rank] = now
+
+    def progressed(self, rank: int, now: float) -> None:
+        self.last_progress[rank] = now
+
+    def heartbeat(self, beat: Heartbeat, now: float) -> None:
+        rank = beat.rank
+        if beat.progress_age_s is not None:
+            self.last_progress[rank] = max(
+                self.last_progress.get(rank, 0.0), now - beat.progress_age_s
+            )
+        if beat.step is not None:
+            self.last_step[rank] = beat.step
+        self.progress_count[rank] = beat.progress_count
+
+    def hung(self, timeout_s: float, exited: dict[int, int], now: float) -> tuple[int, str] | None:
+        """The rank stuck longer than ``timeout_s`` seconds, and how, or None.
+
+        One that made progress once and then none (its peers usually wait on it inside a
+        collective: the one that stopped first, by progress count and then time, is blamed), one
+        whose process stopped answering, or one that never connected (within the timeout, but at
+        least ``HELLO_TIMEOUT_S``). Start-up, before a rank's first progress, is never a hang:
+        collectives there time out on their own. Ranks in ``exited`` are not looked at.
+        """
+        if now < self._next_check:
+            return None
+        self._next_check = now + min(self.check_interval_s, timeout_s / 4)
+        live = [r for r in range(self.world_size) if r not in exited]
+        silent = [r for r in live if now - self.last_seen.get(r, now) > timeout_s]
+        idle = [
+            r for r in live if r in self.last_progress and now - self.last_progress[r] > timeout_s
+        ]
+        unborn = []
+        if now - self.started_at > max(timeout_s, HELLO_TIMEOUT_S):
+            unborn = [r for r in live if r not in self.last_seen]
+        if unborn:
+            rank = unborn[0]
+            how = f"never connected to the driver in {now - self.started_at:.1f} s"
+        elif silent or idle:
+            # Data-parallel ranks progress in lockstep: the one stuck first has counted the
+            # fewest batches and steps (its peers fetched the next batch, then blocked on it).
+            rank = min(
+                silent + idle,
+                key=lambda r: (
+                    self.progress_count.get(r, 0),
+                    self.last_progress.get(r, self.last_seen[r]),
+                    r,
+                ),
+            )
+            if rank in silent:
+                how = (
+                    f"stopped answering for {now - self.last_seen[rank]:.1f} s "
+                    "(the process is frozen or stopped)"
+                )
+            else:
+                how = (
+                    f"made no progress for {now - self.last_progress[rank]:.1f} s (alive, "
+                    "but stuck: a deadlock, an endless loop, or waiting on a collective)"
+                )
+        else:
+            return None
+        others = sorted(set(silent + idle) - {rank})
+        waiting = f"; ranks {others} are stuck too, waiting on it" if others else ""
+        return rank, f"{how}, beyond worker_timeout_s={timeout_s:g}{waiting}"

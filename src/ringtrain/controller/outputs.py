@@ -1,0 +1,55 @@
+"""The controller's outputs: the :class:`~ringtrain.result.Result` and ``result.json``."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from ringtrain.result import Result
+
+if TYPE_CHECKING:
+    from ringtrain.controller.controller import Controller
+
+
+def build_result(ctl: Controller) -> Result:
+    """What ``Trainer.fit`` returns, from the controller's state now."""
+    best = [(t.checkpoint, t.metrics) for t in ctl.checkpoints.ranked()]
+    latest = ctl.checkpoints.latest
+    return Result(
+        metrics=dict(ctl.metrics_per_rank.get(0, {})),
+        metrics_per_rank={r: dict(m) for r, m in sorted(ctl.metrics_per_rank.items())},
+        checkpoint=latest.checkpoint if latest else None,
+        best_checkpoints=best,
+        path=ctl.run_dir.uri,
+        error=ctl.error,
+        failures=list(ctl.failures),
+        metrics_history=[ctl._history[r] for r in sorted(ctl._history)],
+    )
+
+
+def write_result(ctl: Controller) -> None:
+    """Write ``result.json`` (status ``RUNNING`` until the state is terminal)."""
+    result = build_result(ctl)
+    now = time.time()
+    finished = ctl.state.terminal
+    ctl.run_dir.write_json(
+        "result.json",
+        {
+            "status": ctl.state.value if finished else "RUNNING",
+            "name": ctl.run_dir.name,
+            "path": ctl.run_dir.uri,
+            "driver_pid": os.getpid(),
+            "start_time": ctl.start_time,
+            "end_time": now if finished else None,
+            "duration_s": now - ctl.start_time,
+            "world_size": ctl.world_size,
+            "rounds": ctl.next_round,
+            "metrics": result.metrics,
+            "metrics_per_rank": {str(r): m for r, m in result.metrics_per_rank.items()},
+            "checkpoint": result.checkpoint.uri if result.checkpoint else None,
+            "best_checkpoints": [{"path": c.uri, "metrics": m} for c, m in result.best_checkpoints],
+            "error": str(ctl.error) if ctl.error else None,
+            "failures": [f.to_dict() for f in ctl.failures],
+        },
+    )

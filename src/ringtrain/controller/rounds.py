@@ -1,0 +1,184 @@
+"""Round book-keeping of one worker group, and the publication of each round's checkpoint.
+
+Every rank's n-th ``report()`` belongs to round n. When all ranks have reported a round, the
+round is complete; its checkpoint (if any rank attached files, or said it is writing them in the
+background) is published once every such rank's write outcome is in, and retention is applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ringtrain.channel import Report
+from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.monitor.progress import ProgressReporter
+from ringtrain.rundir import RunDirectory
+
+logger = logging.getLogger("ringtrain")
+
+Outcome = tuple[str, Any]
+"""A rank's checkpoint write: ``("files", {rel: info})`` or ``("error", "why")``."""
+
+
+class Rounds:
+    """The reports and checkpoint outcomes of one worker group's rounds. Each update is O(1)
+    (a round completes when its report count reaches the world size)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.pending: dict[int, dict[int, Report]] = {}  # round -> rank -> report
+        self.last_round: dict[int, int] = {}  # rank -> last round it reported
+        self.outcomes: dict[int, dict[int, Outcome]] = {}  # round -> rank -> outcome
+        # Rounds whose reports are all in but whose files are still being written.
+        self.writing: dict[int, tuple[dict[int, Report], set[int]]] = {}
+
+    def add_report(self, report: Report) -> dict[int, Report] | None:
+        """Record ``report``; returns its round's reports once every rank's is in."""
+        self.last_round[report.rank] = report.round
+        if report.checkpoint_files is not None:
+            self.add_outcome(report.round, report.rank, ("files", report.checkpoint_files))
+        elif report.checkpoint_error is not None:
+            self.add_outcome(report.round, report.rank, ("error", report.checkpoint_error))
+        reports = self.pending.setdefault(report.round, {})
+        reports[report.rank] = report
+        if len(reports) < self.world_size:
+            return None
+        del self.pending[report.round]
+        return reports
+
+    def add_outcome(self, round_: int, rank: int, outcome: Outcome) -> None:
+        self.outcomes.setdefault(round_, {})[rank] = outcome
+
+    def complete(self, round_: int, reports: dict[int, Report]) -> bool:
+        """A round every rank reported: whether it has a checkpoint to publish."""
+        expected = {
+            rank
+            for rank, r in reports.items()
+            if r.checkpoint_files is not None or r.checkpoint_pending or r.checkpoint_error
+        }
+        if expected:
+            self.writing[round_] = (reports, expected)
+        return bool(expected)
+
+    def take_publishable(
+        self, round_: int
+    ) -> tuple[dict[int, Report], set[int], dict[int, Outcome]] | None:
+        """Round ``round_``'s reports, writer ranks and outcomes once every writer's outcome is
+        in (the round is then forgotten), else None."""
+        if round_ not in self.writing:
+            return None
+        reports, expected = self.writing[round_]
+        outcomes = self.outcomes.get(round_, {})
+        if not expected <= outcomes.keys():
+            return None
+        del self.writing[round_]
+        self.outcomes.pop(round_, None)
+        return reports, expected, outcomes
+
+    def writes_in_flight(self, gone: set[int] | dict[int, Any]) -> bool:
+        """Whether a rank not in ``gone`` (exited, or failed as hung) owes a background write
+        of a round that can still be published (every report of it is in)."""
+        for round_, (_reports, expected) in self.writing.items():
+            done = self.outcomes.get(round_, {})
+            missing = [r for r in expected if r not in done]
+            if missing and all(r not in gone for r in missing):
+                return True
+        return False
+
+    def open_rounds(self) -> list[int]:
+        """Rounds some rank never reported, or whose checkpoint is still being written."""
+        return sorted(set(self.writing) | set(self.pending))
+
+
+def round_metrics(reports: dict[int, Report]) -> dict[str, Any]:
+    """A round's metrics: rank 0's (or the lowest reporting rank's)."""
+    return reports[0].metrics if 0 in reports else next(iter(reports.values())).metrics
+
+
+class Publisher:
+    """Turns a round's staged checkpoint files into a published checkpoint (or says why not).
+
+    Args:
+        checkpoints: publication and retention.
+        run_dir: where ``checkpoint``, ``checkpoint_failed`` and ``checkpoint_deleted`` events go.
+        progress: the live display.
+        callback: the controller's callback dispatcher (``on_checkpoint``).
+    """
+
+    def __init__(
+        self,
+        checkpoints: CheckpointManager,
+        run_dir: RunDirectory,
+        progress: ProgressReporter,
+        callback: Callable[..., None],
+    ) -> None:
+        self.checkpoints = checkpoints
+        self.run_dir = run_dir
+        self.progress = progress
+        self.callback = callback
+
+    def try_publish(self, rounds: Rounds, round_: int) -> None:
+        """Publish round ``round_``'s checkpoint once all its reports are in and every rank that
+        attached files has finished writing them."""
+        ready = rounds.take_publishable(round_)
+        if ready is None:
+            return
+        reports, expected, outcomes = ready
+        metrics = round_metrics(reports)
+        errors = [why for kind, why in (outcomes[r] for r in sorted(expected)) if kind == "error"]
+        if errors:
+            self._not_saved(
+                round_,
+                f"checkpoint of round {round_} was not saved ({'; '.join(errors)}); "
+                "training continues, a restart would resume from the previous checkpoint",
+                errors,
+            )
+            return
+        files = self._merge_files(round_, expected, outcomes)
+        score_metrics = dict(metrics)
+        for r in sorted(reports):  # a score attribute only some rank reported still counts
+            for k, v in reports[r].metrics.items():
+                score_metrics.setdefault(k, v)
+        try:
+            tracked = self.checkpoints.publish(round_, files, score_metrics)
+        except ValueError as bad:  # a file name no manifest may hold (a backslash, say)
+            message = f"checkpoint of round {round_} was not saved ({bad}); training continues"
+            self._not_saved(round_, message, [str(bad)])
+            return
+        name = tracked.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+        self.run_dir.event("checkpoint", round=round_, path=name, metrics=metrics)
+        for path, reason in self.checkpoints.deleted:
+            self.run_dir.event("checkpoint_deleted", path=path, reason=reason)
+        self.checkpoints.deleted.clear()
+        self.callback("on_checkpoint", tracked.checkpoint, metrics)
+
+    def _not_saved(self, round_: int, message: str, errors: list[str]) -> None:
+        logger.warning(message)
+        self.progress.message(message)
+        self.run_dir.event("checkpoint_failed", round=round_, errors=errors)
+        self.checkpoints.discard_staging(round_)
+
+    def _merge_files(
+        self, round_: int, expected: set[int], outcomes: dict[int, Outcome]
+    ) -> dict[str, dict[str, Any]]:
+        files: dict[str, dict[str, Any]] = {}
+        owners: dict[str, int] = {}
+        for rank in sorted(expected):
+            for rel, info in outcomes[rank][1].items():
+                if rel in files:
+                    self.progress.message(
+                        f"round {round_}: ranks {owners[rel]} and {rank} both wrote checkpoint "
+                        f"file {rel!r}; the last write wins (use distinct file names per rank)"
+                    )
+                    info = _digest_on_storage(self.checkpoints, round_, rel)
+                files[rel] = {**info, "rank": owners.setdefault(rel, rank)}
+        return files
+
+
+def _digest_on_storage(checkpoints: CheckpointManager, round_: int, rel: str) -> dict[str, Any]:
+    from ringtrain.checkpoint import storage
+
+    fs, staging = checkpoints.staging_path(round_)
+    return storage.file_digest(fs, storage.join(fs, staging, rel))

@@ -1,0 +1,198 @@
+"""The controller's states, each carrying its data, and the :class:`Transition` between two.
+
+::
+
+    Starting(attempt) ──▶ Running(generation) ──▶ Finished
+                            │  ▲   │  ▲     │ stop_event: Stopped
+             a rank failed  │  │   │  │ grown (or the grow failed)
+                            │  │   ▼  │
+                            │  │  Growing(plan)           elastic runs only
+                            │  │ resized in place
+                            │  └── Resizing(failure, decision) ──┐ fallback
+                            ▼                                    ▼
+                          Restarting(failure) ──▶ Starting(attempt + 1) | Errored(error)
+
+    Preempting(notice) ──▶ Preempted          (nothing produces a notice yet: a later issue)
+    Ctrl-C (or any exception of the driver) in any state ──▶ Aborted
+
+Every state's ``kind`` is a :class:`RunState`; ``Controller.state`` is the current kind (the
+``status`` of ``result.json`` and of the ``run_end`` event once terminal).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from ringtrain.controller.generation import Generation, Grow
+    from ringtrain.elastic.policy import ElasticDecision
+    from ringtrain.result import TrainingFailedError, WorkerFailure
+
+
+class RunState(enum.Enum):
+    """The kind of a controller state."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    GROWING = "GROWING"
+    RESIZING = "RESIZING"
+    RESTARTING = "RESTARTING"
+    PREEMPTING = "PREEMPTING"
+    FINISHED = "FINISHED"
+    ERRORED = "ERRORED"
+    ABORTED = "ABORTED"
+    STOPPED = "STOPPED"
+    PREEMPTED = "PREEMPTED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = {
+    RunState.FINISHED,
+    RunState.ERRORED,
+    RunState.ABORTED,
+    RunState.STOPPED,
+    RunState.PREEMPTED,
+}
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """The cluster will take the workers away (a spot instance's two-minute warning, a SLURM
+    ``--signal``). Args: ``time`` (Unix seconds), ``deadline_s`` (seconds from ``time`` until
+    the workers are killed), ``reason`` (free text, logged)."""
+
+    time: float
+    deadline_s: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class State:
+    """A controller state; subclasses carry the data that state needs."""
+
+    kind: ClassVar[RunState]
+
+
+@dataclass(frozen=True)
+class Starting(State):
+    """About to start worker group ``attempt`` (0 first, +1 per restart) from the newest valid
+    checkpoint."""
+
+    kind: ClassVar[RunState] = RunState.STARTING
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class Running(State):
+    """The worker group ``generation`` trains; its events are handled as they come."""
+
+    kind: ClassVar[RunState] = RunState.RUNNING
+    generation: Generation = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Growing(State):
+    """Elastic runs below ``max`` workers: ``plan``'s workers were started to join; the members
+    keep training until they are all ready, then pause at a step boundary and the group is
+    re-formed (back to ``Running``)."""
+
+    kind: ClassVar[RunState] = RunState.GROWING
+    generation: Generation = field(repr=False, compare=False)
+    plan: Grow = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Resizing(State):
+    """Elastic runs: ``failure`` lost a rank; the survivors are waited for (each says
+    ``Interrupted``), then the group continues in place with fewer ranks (``Running``) or, when
+    that cannot be done (``decision``'s reason says why), is restarted (``Restarting``)."""
+
+    kind: ClassVar[RunState] = RunState.RESIZING
+    generation: Generation = field(repr=False, compare=False)
+    failure: WorkerFailure | None
+    decision: ElasticDecision | None = None
+
+
+@dataclass(frozen=True)
+class Restarting(State):
+    """A rank failed (``failure``: the first one seen). The group's remaining events are still
+    collected for ``failure_grace_s`` (the real cause must win over its peers' connection
+    errors) and while a live rank finishes a checkpoint write; then the group is stopped and the
+    FailurePolicy decides: ``Starting(attempt + 1)`` or ``Errored``."""
+
+    kind: ClassVar[RunState] = RunState.RESTARTING
+    generation: Generation = field(repr=False, compare=False)
+    failure: WorkerFailure | None
+
+
+@dataclass(frozen=True)
+class Preempting(State):
+    """The workers will be taken away (``notice``): stop the group and end ``Preempted``."""
+
+    kind: ClassVar[RunState] = RunState.PREEMPTING
+    generation: Generation = field(repr=False, compare=False)
+    notice: PreemptionNotice
+
+
+@dataclass(frozen=True)
+class Finished(State):
+    kind: ClassVar[RunState] = RunState.FINISHED
+
+
+@dataclass(frozen=True)
+class Errored(State):
+    """The FailurePolicy gave up; ``error`` is what ``Trainer.fit`` raises."""
+
+    kind: ClassVar[RunState] = RunState.ERRORED
+    error: TrainingFailedError | None = None
+
+
+@dataclass(frozen=True)
+class Aborted(State):
+    """The driver itself raised (Ctrl-C, a bug): ``reason`` names the exception."""
+
+    kind: ClassVar[RunState] = RunState.ABORTED
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Stopped(State):
+    """A caller asked the run to stop early (``stop_event``); its checkpoints are kept."""
+
+    kind: ClassVar[RunState] = RunState.STOPPED
+
+
+@dataclass(frozen=True)
+class Preempted(State):
+    kind: ClassVar[RunState] = RunState.PREEMPTED
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One step of the controller: from ``source`` to ``target`` because of ``reason``.
+
+    A step that changes nothing has ``source is target`` (``changed`` is False) and is neither
+    logged nor written; every other one is logged and written to ``events.jsonl`` as a
+    ``transition`` event with fields ``from``, ``to`` (state kinds) and ``reason``.
+    """
+
+    source: State
+    target: State
+    reason: str = ""
+
+    @property
+    def changed(self) -> bool:
+        return self.source is not self.target
+
+    @property
+    def from_(self) -> RunState:
+        return self.source.kind
+
+    @property
+    def to(self) -> RunState:
+        return self.target.kind
