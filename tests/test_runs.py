@@ -581,3 +581,125 @@ def test_memory_url_paths_stay_urls() -> None:
     finally:
         fs = fsspec.filesystem("memory")
         fs.rm(url_to_fs(url)[1], recursive=True)
+
+
+# --------------------------------------------------------------------------------------------
+# `ringtrain ls` / `show` at 80 and 200 columns (issue 21), sweeps
+# --------------------------------------------------------------------------------------------
+
+LONG_NAME = "train_fn_2026-11-24_03-14-53"
+
+
+def make_sweep(storage: str, name: str, statuses: tuple[str, ...]) -> str:
+    """A sweep directory as ``ringtrain tune`` writes it (tuner.json, trial_NNNN run dirs; no
+    study.db: the counts then come from the trials' result.json)."""
+    sweep = _join(storage, name)
+    _write_json(
+        _join(sweep, "tuner.json"),
+        {
+            "name": name,
+            "kind": "sweep",
+            "created": T0 + 1000.0,
+            "metric": "val_acc",
+            "mode": "max",
+            "tune_config": {"num_samples": len(statuses)},
+            "scaling_config": {"num_workers": 2},
+        },
+    )
+    for i, status in enumerate(statuses):
+        make_run(
+            sweep,
+            f"trial_{i:04d}",
+            status=status,
+            start=T0 + 1000.0 + i,
+            error="RuntimeError: diverged" if status == "ERRORED" else None,
+        )
+    return sweep
+
+
+def _cli(*args: str, columns: int) -> str:
+    env = {**os.environ, "COLUMNS": str(columns), "TERM": "dumb", "NO_COLOR": "1"}
+    env.pop("FORCE_COLOR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_ls_and_show_fit_80_and_200_columns(tmp_path: Any) -> None:
+    """A default run name used to wrap onto 4 lines at 80 columns, "Last metrics" shrank to
+    ``epoch…``, failed runs showed no reason, sweeps were not listed at all."""
+    storage = str(tmp_path / "runs")
+    make_run(storage, LONG_NAME, start=T0)
+    make_run(
+        storage,
+        "train_fn_2026-11-24_03-20-07",
+        status="ERRORED",
+        start=T0 + 100,
+        error="ValueError: bad batch at step 12\nTraceback (most recent call last): ...",
+        failures=(
+            {"rank": 1, "kind": "exception", "message": "ValueError: bad batch at step 12"},
+            {
+                "rank": 0,
+                "kind": "exception",
+                "message": "lost its connection to rank 1",
+                "follow_on": True,
+            },
+        ),
+    )
+    make_sweep(storage, "sweep_2026-11-24_03-30-00", ("FINISHED", "STOPPED", "ERRORED"))
+    for width in (80, 200):
+        out = _cli("ls", storage, columns=width)
+        lines = out.splitlines()
+        assert max(len(line) for line in lines) <= width, out
+        rows = [line for line in lines if "FINISHED" in line or "ERRORED" in line]
+        assert len(rows) == 3, out  # 2 runs and 1 sweep, one line each: no name wraps
+        assert not any(line.startswith(" ") and line.strip() for line in lines[2:]), out
+        finished, errored, sweep = rows
+        assert finished.startswith("train") and finished.split()[0].endswith("03-14-53"), out
+        if width == 200:
+            assert finished.startswith(LONG_NAME), out
+            assert "epoch=2 val_acc=0.9712" in finished, out
+        else:
+            assert "…" in finished.split()[0], out  # cut in the middle
+            assert "epoch=2" in finished, out
+        assert "ValueError: bad" in errored, out  # the reason column
+        if width == 200:
+            assert "sweep 3/3 trials: 1 completed, 1 pruned, 1 failed" in sweep, out
+        else:
+            assert " 3/3 " in sweep and "sweep: 1 ok, 1 pruned, 1 failed" in sweep, out
+
+        show = _cli("show", _join(storage, "train_fn_2026-11-24_03-20-07"), columns=width)
+        assert max(len(line) for line in show.splitlines()) <= width, show
+        assert "Failures (1) + 1 follow-on" in show, show  # root causes counted apart
+        assert "rank 0: lost its connection to rank 1 (follow-on)" in " ".join(show.split())
+
+
+def test_sweeps_are_listed_with_trial_counts(tmp_path: Any) -> None:
+    from ringtrain.monitor.dashboard.data import RunStore
+    from ringtrain.monitor.sweeps import list_sweeps
+
+    storage = str(tmp_path / "runs")
+    make_run(storage, "plain_run")
+    make_sweep(storage, "sw", ("FINISHED", "FINISHED", "STOPPED", "ERRORED"))
+    (sweep,) = list_sweeps(storage)
+    assert (sweep.completed, sweep.pruned, sweep.failed, sweep.total) == (2, 1, 1, 4)
+    assert sweep.status == "FINISHED" and sweep.best is not None and sweep.best_trial == 0
+    assert [r.name for r in list_runs(storage)] == ["plain_run"]  # a sweep is not a run
+    listing = RunStore(storage).list()
+    assert [r["name"] for r in listing["runs"]] == ["plain_run"]
+    assert listing["sweeps"] == [
+        {
+            "name": "sw",
+            "path": _join(storage, "sw"),
+            "status": "FINISHED",
+            "counts": "4/4 trials: 2 completed, 1 pruned, 1 failed",
+        }
+    ]

@@ -259,8 +259,9 @@ def render_runs(
 
     The name is cut in the middle when it does not fit; the last column shows the most useful
     metrics that fit, a failed run's reason (its error's first line, in red) instead, and for a
-    sweep its trial counts (completed, pruned, failed) and best value. Under 100 columns the
-    start time drops its year and the checkpoint count is left out.
+    sweep its trial counts (completed, pruned, failed) and best value; its Rounds column counts
+    trials ended / planned. Under 100 columns the start time and checkpoint count are left
+    out (a default run name ends in its start time; ``show`` has both).
 
     Args:
         runs: The runs, as :func:`ringtrain.monitor.runs.list_runs` returns them.
@@ -271,10 +272,10 @@ def render_runs(
         console.print("No runs found.")
         return
     narrow = console.width < 100
-    stamp = "%m-%d %H:%M" if narrow else "%Y-%m-%d %H:%M"
-    headers = ["Status", "Started", "Time", "W" if narrow else "Workers", "Rounds", "Ckpts"]
-    if narrow:
-        headers = headers[:-1]
+    stamp = "%Y-%m-%d %H:%M"
+    headers = ["Status", "Started", "Time", "Workers", "Rounds", "Ckpts"]
+    if narrow:  # a default name ends in its start time; the checkpoints are in `show`
+        headers = ["Status", "Time", "W", "Rounds"]
 
     def started(t: float | None) -> str:
         return "-" if t is None or not math.isfinite(t) else time.strftime(stamp, time.localtime(t))
@@ -302,13 +303,15 @@ def render_runs(
             started(sweep.start_time),
             format_duration(sweep.duration_s),
             "-" if sweep.world_size is None else str(sweep.world_size),
-            "-",
+            f"{sweep.done}/{'?' if sweep.total is None else sweep.total}",  # trials, not rounds
             "-",
         ]
         rows.append((sweep.name, sweep.status, cells, lambda w, sw=sweep: _sweep_text(sw, w)))
-    widths = [len(headers[0]), *(len(h) for h in headers[1:])]
+    if narrow:
+        rows = [(n, st, [c[1], c[2], c[3]], last) for n, st, c, last in rows]
+    widths = [len(h) for h in headers]
     for _, status, cells, _ in rows:
-        for i, cell in enumerate([status, *cells[: len(headers) - 1]]):
+        for i, cell in enumerate([status, *cells]):
             widths[i] = max(widths[i], len(cell))
     last_header = (
         ("Metrics / reason" if narrow else "Last metrics / reason")
@@ -318,7 +321,10 @@ def render_runs(
     # Each column is followed by 2 spaces (collapse_padding); the table has no edges.
     room = max(0, console.width - sum(w + 2 for w in widths) - 1)
     longest = max(len("Name"), *(len(r[0]) for r in rows))
-    name_width = max(8, min(longest, max(room // 2, room - 48)))
+    if narrow:  # the metrics get 32 columns, the name the rest (at 80 columns: 18)
+        name_width = max(12, min(longest, room - 33))
+    else:
+        name_width = max(8, min(longest, max(room // 2, room - 48)))
     last_room = max(len(last_header), room - name_width - 1)
     lasts = [r[3](last_room) for r in rows]
     last_width = max(len(last_header), *(t.cell_len for t in lasts))
@@ -334,7 +340,7 @@ def render_runs(
         table.add_row(
             Text(truncate_middle(name, name_width)),
             _status_text(status),
-            *cells[: len(headers) - 1],
+            *cells,
             last_text,
         )
     console.print(table)
@@ -344,6 +350,8 @@ def _sweep_text(sweep: SweepSummary, width: int) -> Text:
     """A sweep's last cell: ``sweep 6/6 trials: 4 completed, 1 pruned, 1 failed, best ...``;
     the best value only when it fits (the rest is cut at its end)."""
     text = "sweep " + sweep.counts_text()
+    if len(text) > width:
+        text = "sweep: " + sweep.counts_text(short=True)
     if sweep.best is not None and sweep.best_trial is not None:
         best = f", best {sweep.metric}={format_value(sweep.best)} (#{sweep.best_trial})"
         text += best if len(text) + len(best) <= width else ""

@@ -83,15 +83,15 @@ class SweepSummary:
         """Trials that ended: completed + pruned + failed."""
         return self.completed + self.pruned + self.failed
 
-    def counts_text(self) -> str:
+    def counts_text(self, short: bool = False) -> str:
         """``"5/6 trials: 3 completed, 1 pruned, 1 failed, 1 running"`` (zero counts left out,
-        except completed)."""
+        except completed); ``short``: ``"3 ok, 1 pruned, 1 failed, 1 running"``."""
         total = "?" if self.total is None else str(self.total)
-        parts = [f"{self.completed} completed"]
+        parts = [f"{self.completed} {'ok' if short else 'completed'}"]
         parts += [f"{n} {k}" for k, n in (("pruned", self.pruned), ("failed", self.failed)) if n]
         if self.running:
             parts.append(f"{self.running} running")
-        return f"{self.done}/{total} trials: " + ", ".join(parts)
+        return ("" if short else f"{self.done}/{total} trials: ") + ", ".join(parts)
 
 
 def _study_counts(path: str) -> tuple[dict[str, int], int | None, dict[int, float]] | None:

@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.text import Text
 
 STATUS_STYLES = {
     "PENDING": "dim",
@@ -64,6 +66,9 @@ class SweepDisplay:
         mode_display: ``"auto"`` (live table on a terminal, plain lines otherwise), ``"rich"``,
             ``"plain"`` or ``"off"``.
         stream: where to write (``sys.stdout`` if None).
+        total: the number of trials the sweep runs; with it the live table has a progress bar
+            (trials ended / total) and an ETA, and plain lines of ended trials say
+            ``[3/6 trials, ETA 1m 02s]``.
 
     Thread-safe: trial threads update rows; the table is redrawn by rich's refresh thread.
     """
@@ -76,8 +81,12 @@ class SweepDisplay:
         columns: Sequence[str],
         mode_display: str = "auto",
         stream: TextIO | None = None,
+        total: int | None = None,
     ) -> None:
         self.name = name
+        self.total = total
+        self._t_start = time.monotonic()
+        self._done_at_start = 0
         self.metric = metric
         self.mode = mode
         self.columns = list(columns)
@@ -99,6 +108,9 @@ class SweepDisplay:
     # ------------------------------------------------------------------ updates
     def start(self, capacity_text: str) -> None:
         self.line(f"[{self.name}] sweep started: {capacity_text}")
+        with self._lock:
+            self._t_start = time.monotonic()
+            self._done_at_start = self._ended()  # a resumed sweep's earlier trials
         if self.display == "rich":
             self._live = Live(self, console=self.console, refresh_per_second=4, transient=False)
             self._live.start()
@@ -116,7 +128,12 @@ class SweepDisplay:
                 setattr(row, k, v)
         if event and self.display == "plain":
             params = ", ".join(f"{k}={fmt_value(v)}" for k, v in row.params.items())
-            self.line(f"[{self.name}] trial {number:04d} {event} ({params})")
+            progress = ""
+            if self.total and row.status in _ENDED:
+                with self._lock:
+                    ended, eta = self._ended(), self._eta_s()
+                progress = f" [{ended}/{self.total} trials, ETA {_fmt_eta(eta)}]"
+            self.line(f"[{self.name}] trial {number:04d} {event} ({params}){progress}")
 
     def line(self, text: str) -> None:
         if self.display == "off":
@@ -179,11 +196,46 @@ class SweepDisplay:
             )
         return table
 
-    def __rich__(self) -> Table:
-        # The live view: running trials first, then the most recent others (a terminal's worth).
+    def _ended(self) -> int:
+        """Trials that ended (complete, pruned, failed); call with the lock held."""
+        return sum(1 for r in self.rows.values() if r.status in _ENDED)
+
+    def _eta_s(self) -> float | None:
+        """Seconds until every trial ended, at the rate trials ended since :meth:`start`; None
+        before one did (or without a total). Call with the lock held."""
+        if not self.total:
+            return None
+        ended = self._ended()
+        new = ended - self._done_at_start
+        if new <= 0:
+            return None
+        elapsed = time.monotonic() - self._t_start
+        return max(0.0, elapsed / new * (self.total - ended))
+
+    def progress_bar(self) -> RenderableType | None:
+        """``━━━━━━╺━━━━  3/6 trials  50%  ETA 1m 02s`` (None without a total)."""
+        if not self.total:
+            return None
+        with self._lock:
+            ended, eta = self._ended(), self._eta_s()
+        fraction = min(1.0, ended / self.total)
+        text = Text(f" {ended}/{self.total} trials {fraction * 100:3.0f}%", no_wrap=True)
+        text.append("  ETA ", style="dim")
+        text.append(_fmt_eta(eta))
+        grid = Table.grid(expand=True)
+        grid.add_column(ratio=1)
+        grid.add_column(no_wrap=True)
+        grid.add_row(ProgressBar(total=float(self.total), completed=float(ended)), text)
+        return grid
+
+    def __rich__(self) -> RenderableType:
+        # The live view: running trials first, then the most recent others (a terminal's worth),
+        # and the bar over all trials.
         with self._lock:
             rows = sorted(self.rows.values(), key=_order)
-        return self.table(rows[:20])
+        bar = self.progress_bar()
+        table = self.table(rows[:20])
+        return table if bar is None else Group(table, bar)
 
     def summary(self) -> None:
         """The final table, best first, and the best trial's parameters."""
@@ -200,6 +252,16 @@ class SweepDisplay:
             return
         console = self.console if self.display == "rich" else Console(file=self._stream)
         console.print(final)
+
+
+_ENDED = frozenset({"COMPLETE", "PRUNED", "FAILED"})
+
+
+def _fmt_eta(seconds: float | None) -> str:
+    """``"-"`` before an estimate, else ``"1m 02s"`` (see ``render.format_duration``)."""
+    from ringtrain.monitor.render import format_duration
+
+    return "-" if seconds is None else format_duration(seconds)
 
 
 def _order(r: TrialRow) -> tuple[int, int]:

@@ -489,6 +489,7 @@ class Tuner:
             self.mode,
             self.space.param_columns(),
             tc.progress or self.run_config.progress,
+            total=total,
         )
         self._display = display
         rows: dict[int, TrialRow] = {}

@@ -26,6 +26,7 @@ from fsspec.core import url_to_fs
 
 from ringtrain.monitor import runs
 from ringtrain.monitor.runs import CheckpointInfo, RunSummary
+from ringtrain.monitor.sweeps import list_sweeps
 
 __all__ = ["Cursors", "EventTail", "RunLog", "RunStore"]
 
@@ -553,7 +554,9 @@ class RunStore:
         """The runs table: every run's summary and hyperparameters.
 
         Returns:
-            ``{"path", "exists", "single", "runs": [...], "hparams": [...], "metrics": [...]}``;
+            ``{"path", "exists", "single", "runs": [...], "sweeps": [...], "hparams": [...],
+            "metrics": [...]}``; ``sweeps``: the sweeps under the path (``name``, ``path``,
+            ``status``, ``counts``: e.g. ``"6/6 trials: 4 completed, 1 pruned, 1 failed"``);
             ``hparams`` and ``metrics`` are the column names found in any run, in first-seen
             order. Runs are sorted by start time, newest last.
         """
@@ -581,11 +584,16 @@ class RunStore:
                 metric_keys.setdefault(key, None)
             rows.append({**clean_json(asdict(summary)), "config": config, "stragglers": stragglers})
         rows.sort(key=lambda r: (r["start_time"] is not None, r["start_time"] or 0.0, r["name"]))
+        sweeps = [
+            {"name": s.name, "path": s.path, "status": s.status, "counts": s.counts_text()}
+            for s in (list_sweeps(self.path, now) if exists and single is None else [])
+        ]
         return {
             "path": self.path,
             "exists": bool(exists),
             "single": single,
             "runs": rows,
+            "sweeps": sweeps,
             "hparams": list(hparams),
             "metrics": list(metric_keys),
         }

@@ -297,6 +297,11 @@
     empty.hidden = d.runs.length > 0;
     empty.textContent = d.exists ? `No runs in ${d.path} yet.` : `${d.path} does not exist (yet).`;
     window.rtDash.runs = d.runs.length;
+    const sweeps = d.sweeps || [];
+    $("sweeps-list").hidden = sweeps.length === 0;
+    replaceRows($("sweeps-list"), sweeps.map((s) => el("li", {
+      text: `sweep ${s.name} (${s.status}): ${s.counts} — its trials: ringtrain dashboard ${s.path}`,
+    })));
   }
 
   // ------------------------------------------------------------------ one run
