@@ -341,7 +341,8 @@ def check_gradients(b: Battery, n: int, r: int) -> None:
         coeff = [data(k, total_rows, f, salt=8) for k in range(n)]
         (hvd.allgather(x) * coeff[r]).sum().backward()
         off = sum(k + 1 for k in range(r))
-        return close(x.grad, sum(coeff[1:], coeff[0].clone())[off : off + r + 1])
+        # Horovod >= 0.22: this rank's slice of the gradient averaged over the ranks
+        return close(x.grad, (sum(coeff[1:], coeff[0].clone()) / n)[off : off + r + 1])
 
     def a2a(splits: Any) -> Callable[[], Any]:
         def run() -> Any:
@@ -356,7 +357,8 @@ def check_gradients(b: Battery, n: int, r: int) -> None:
     def bc() -> Any:
         x = data(r, 3, f).requires_grad_()
         (hvd.broadcast(x, root_rank=0) * w[r]).sum().backward()
-        return close(x.grad, sum(w[1:], w[0].clone()) if r == 0 else torch.zeros_like(x))
+        avg = sum(w[1:], w[0].clone()) / n  # Horovod >= 0.22: averaged on the root
+        return close(x.grad, avg if r == 0 else torch.zeros_like(x))
 
     def rs() -> Any:
         x = data(r, 2 * n, f).requires_grad_()
@@ -443,7 +445,7 @@ def check_process_sets(b: Battery, n: int, r: int) -> None:
         def ps_grad() -> Any:
             x = data(r, r + 1, f).requires_grad_()
             (hvd.allgather(x, process_set=ps) * 2.0).sum().backward()
-            return close(x.grad, torch.full_like(x, 4.0))
+            return close(x.grad, torch.full_like(x, 2.0))  # averaged over the 2 members
 
         b.check("ps grad allgather", ps_grad)
 

@@ -6,8 +6,10 @@ Every operation first runs :func:`~ringtrain.horovod.runtime.negotiate` (one sma
 ``async_op=True``. ``*_async`` functions return an integer handle for :func:`poll` and
 :func:`synchronize`; the others synchronize at once. The non-in-place functions are
 differentiable (``torch.autograd.Function``, with Horovod's gradients: allreduce's gradient is
-the allreduce of the gradient, allgather's the summed gradient's own slice, broadcast's the sum
-on the root and zero elsewhere).
+the allreduce of the gradient with the same op, allgather's its own slice of the *averaged*
+gradient, broadcast's the averaged gradient on the root and zero elsewhere: Horovod's
+convention since 0.22, horovod PR #2687). Invalid calls raise the same exception on every rank
+(see ``negotiate``); operations are matched in program order, not by name.
 """
 
 from __future__ import annotations
@@ -591,7 +593,8 @@ class _AllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum, process_set=ctx.ps))
+        # Horovod >= 0.22 (PR #2687): the *averaged* gradient, then this rank's slice
+        summed = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ctx.ps))
         dims = synchronize(
             allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64), process_set=ctx.ps)
         )
@@ -611,7 +614,7 @@ def allgather(
 
     Returns:
         Shape ``(sum_r d_r, *rest)``. The gradient of rank r's input is its slice of the
-        gradient summed over the ranks.
+        gradient *averaged* over the ranks (Horovod's convention since 0.22).
 
     Raises:
         RuntimeError: on every rank, if dtypes or trailing dimensions differ.
@@ -731,7 +734,8 @@ class _BroadcastFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum, process_set=ctx.ps))
+        # Horovod >= 0.22 (PR #2687): the averaged gradient on the root, zero elsewhere
+        summed = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ctx.ps))
         if runtime().rank != ctx.root:
             summed = summed * 0
         return summed, None, None, None
