@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 DESCRIPTION = """\
 ringtrain runs a PyTorch training job as N data-parallel worker processes,
@@ -33,7 +33,15 @@ MASTER_PORT). Inside the script, plain torch.distributed works
 (init_process_group() with no arguments), and so do ringtrain.get_context(),
 ringtrain.report(metrics, checkpoint) and ringtrain.prepare_model(); a script
 that calls ringtrain.Trainer(...).fit() runs its train function in place as
-its rank. Everything after SCRIPT is passed to the script unchanged.
+its rank. Everything after SCRIPT is passed to the script unchanged, except
+that ringtrain's own options go before SCRIPT: `ringtrain run train.py -n 2`
+is refused when train.py does not define -n itself (put `--` after SCRIPT to
+pass such options to the script anyway: `ringtrain run train.py -- -n 2`).
+
+Errors in the configuration or the command line are one line naming the flag
+to change; --debug (or RINGTRAIN_DEBUG=1) adds the traceback. A worker's
+exception is printed once, as that rank's own traceback, with the other ranks'
+follow-on failures (a lost connection) folded into one line each.
 
 A worker that raises, exits, is killed or hangs stops the group; with
 --max-failures K the group restarts up to K times and every rank resumes from
@@ -58,8 +66,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors in one line (``ringtrain run: argument -n: must be >= 1, got 0 (see
+    ringtrain run --help)``), not the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("ringtrain").strip()
+        print(
+            f"{self.prog}: {message} (see `{self.prog} --help`)"
+            if not command
+            else f"ringtrain {command}: {message} (see `{self.prog} --help`)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="ringtrain",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -67,7 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     from ringtrain import __version__
 
     parser.add_argument("--version", action="version", version=f"ringtrain {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument(
+        "--debug",
+        dest="debug_all",
+        action="store_true",
+        help="show the traceback of configuration and usage errors (also RINGTRAIN_DEBUG=1)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
 
     run = sub.add_parser(
         "run",
@@ -181,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help=f"the dashboard's port (default: {_DASHBOARD_PORT}, or a free one if taken; 0: any)",
     )
+    run.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of configuration and usage errors (also RINGTRAIN_DEBUG=1)",
+    )
     run.add_argument("script", nargs="?", metavar="SCRIPT", help="the per-worker Python script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="its arguments")
 
@@ -213,9 +247,66 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv, bench_script_args = _split_bench_args(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
+    args.explicit_script_args = "--" in argv  # `ringtrain run SCRIPT -- ARGS`: all the script's
+    if args.debug_all or getattr(args, "debug", False):
+        os.environ["RINGTRAIN_DEBUG"] = "1"  # also for the ringtrain code this process imports
     if args.command is None:
         parser.print_help()
         return 2
+    try:
+        return _dispatch(args, parser, bench_script_args)
+    except (TypeError, ValueError) as exc:
+        if _debug():
+            raise
+        print(f"ringtrain {args.command}: {for_cli(str(exc))}", file=sys.stderr)
+        print("(--debug or RINGTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _debug() -> bool:
+    return os.environ.get("RINGTRAIN_DEBUG", "") not in ("", "0")
+
+
+# What a message that names a Python argument says on the command line instead.
+_FLAGS: tuple[tuple[str, str], ...] = (
+    (r"use another RunConfig\(name=\.\.\.\)", "use another --name"),
+    (
+        r"give a new RunConfig\(name=\.\.\.\) \(None: a fresh timestamped name\), or continue "
+        r"it from its last checkpoint on purpose: Trainer\.restore\('([^']*)'[^)]*\)\.fit\(\)",
+        r"give another --name (or none: a fresh timestamped name), or continue it from its last "
+        r"checkpoint on purpose: ringtrain run --resume \1",
+    ),
+    (r"use use_gpu=False: CPU workers with gloo", "drop --gpu: CPU workers with gloo"),
+    (r"use num_workers<=(\d+), or use_gpu=False", r"use -n \1 or fewer, or drop --gpu"),
+    (r"ScalingConfig\(use_gpu=True, num_workers=(\d+)\)", r"--gpu with -n \1"),
+    (r"ScalingConfig\.num_workers|num_workers=", "-n/--num-workers "),
+    (r"ScalingConfig\.resources_per_worker\S*", "--threads"),
+    (r"FailureConfig\.max_failures", "--max-failures"),
+    (r"FailureConfig\.worker_timeout_s", "--worker-timeout"),
+    (r"CheckpointConfig\.num_to_keep", "--num-to-keep"),
+    (r"CheckpointConfig\.checkpoint_score_attribute", "--checkpoint-score-attribute"),
+    (r"RunConfig\.storage_path", "--storage-path"),
+    (r"RunConfig\.name|RunConfig\(name=\.\.\.\)", "--name"),
+    (r"RunConfig\.progress", "--progress"),
+    (r" or None, got", ", got"),
+    (r"\(None disables hang detection\)", "(0 disables hang detection)"),
+    (r"\(or leave it None for '<function>_<timestamp>'\)", "(or leave it out: SCRIPT_<timestamp>)"),
+)
+
+
+def for_cli(message: str) -> str:
+    """``message`` (written for the Python API: ``RunConfig(name=...)``) with the fix named for
+    the command line (``--name``)."""
+    import re
+
+    for pattern, flag in _FLAGS:
+        message = re.sub(pattern, flag, message)
+    return message.replace("  ", " ")
+
+
+def _dispatch(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, bench_script_args: tuple[str, ...]
+) -> int:
     if args.command == "run":
         return _cmd_run(args, parser)
     if args.command == "bench":
@@ -245,7 +336,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     saved = None
     if args.resume is not None:
         if args.script is not None:
-            parser.error("--resume RUN_DIR continues a run with its own SCRIPT; give no SCRIPT")
+            refuse("run", "--resume RUN_DIR continues a run with its own SCRIPT; give no SCRIPT")
         from ringtrain.checkpoint.signing import resolve
         from ringtrain.trainer import load_saved_run
 
@@ -253,11 +344,13 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             signer = resolve(None, args.signing_key_file, args.trust_unsigned)
             saved = load_saved_run(args.resume, signer)
         except (FileNotFoundError, PermissionError, ValueError, TypeError) as exc:
-            parser.error(f"--resume: {exc}")
+            refuse("run", f"--resume: {exc}")
     elif args.script is None:
-        parser.error("give SCRIPT to run, or --resume RUN_DIR")
+        refuse("run", "give SCRIPT to run, or --resume RUN_DIR")
     elif not os.path.isfile(args.script):
-        parser.error(f"SCRIPT {args.script!r} is not a file")
+        refuse("run", f"SCRIPT {args.script!r} is not a file")
+    elif not args.explicit_script_args:
+        _refuse_misplaced_options(args.script, args.script_args, parser)
     try:
         if saved is not None:
             scaling = saved.scaling_config
@@ -297,7 +390,9 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         validate_gpus(scaling)
     except (TypeError, ValueError) as exc:
-        parser.error(str(exc))
+        if _debug():
+            raise
+        refuse("run", for_cli(str(exc)))
     if saved is not None:
         name, entrypoint = saved.name, saved.entrypoint
         script, script_args = saved.script, saved.script_args
@@ -305,6 +400,13 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         script = os.path.abspath(str(args.script))
         entrypoint, script_args = str(args.script), tuple(args.script_args)
         name = run_config.name or default_run_name(os.path.splitext(os.path.basename(script))[0])
+        from ringtrain.trainer import RunNameTaken, refuse_if_finished
+
+        try:
+            refuse_if_finished(run_config.storage_path, name)
+        except RunNameTaken as exc:
+            print(f"ringtrain run: {for_cli(str(exc))}", file=sys.stderr)
+            return 2
     dashboard = None
     if args.dashboard:
         dashboard = _start_dashboard(
@@ -333,10 +435,19 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from ringtrain.trainer import DriverTerminated
 
         terminated = isinstance(exc, DriverTerminated)
-        print(f"ringtrain: run stopped ({exc or 'interrupted'}); workers stopped", file=sys.stderr)
+        why = str(exc) if terminated and str(exc) else "interrupted by Ctrl-C (SIGINT)"
+        where = os.path.join(run_config.storage_path, name)
+        where = where if "://" in where else os.path.normpath(where)
+        print(
+            f"ringtrain: run stopped: {why}; workers stopped; resume with "
+            f"`ringtrain run --resume {where}`",
+            file=sys.stderr,
+        )
         return 128 + (15 if terminated else 2)
     except (RuntimeError, ValueError, ImportError, PermissionError) as exc:  # ImportError:
-        print(f"ringtrain run: {exc}", file=sys.stderr)  # backend not installed; unsafe key file
+        if _debug():  # backend not installed; unsafe key file; a name taken by a live run
+            raise
+        print(f"ringtrain run: {for_cli(str(exc))}", file=sys.stderr)
         return 2
     finally:
         if dashboard is not None:
@@ -345,6 +456,65 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"ringtrain: run failed: {result.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _refuse_misplaced_options(
+    script: str, script_args: Sequence[str], parser: argparse.ArgumentParser
+) -> None:
+    """``ringtrain run train.py -n 2``: ``-n 2`` would go to the script. Refused (one line, before
+    anything starts) when an argument after SCRIPT is one of ``ringtrain run``'s own options and
+    the script's source does not mention that option string itself (then it is the script's
+    own, and passed on). ``ringtrain run train.py -- -n 2`` passes it on regardless."""
+    import ast
+
+    run_parser = next(
+        action.choices["run"]
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    ours = {opt for opt in run_parser._option_string_actions if opt not in ("-h", "--help")}
+    given = [arg.split("=", 1)[0] for arg in script_args if arg.split("=", 1)[0] in ours]
+    if not given:
+        return
+    try:
+        with open(script, "rb") as f:
+            tree = ast.parse(f.read(), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return  # the workers report a syntax error with its line
+    strings = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    foreign = [opt for opt in given if opt not in strings]
+    if not foreign:
+        return
+    moved: list[str] = []
+    rest: list[str] = []
+    args = list(script_args)
+    while args:
+        arg = args.pop(0)
+        if arg.split("=", 1)[0] not in foreign:
+            rest.append(arg)
+            continue
+        moved.append(arg)
+        action = run_parser._option_string_actions[arg.split("=", 1)[0]]
+        if "=" not in arg and action.nargs != 0 and args:  # the option's value
+            moved.append(args.pop(0))
+    name = os.path.basename(script)
+    fixed = " ".join(["ringtrain run", *moved, name, *rest])
+    refuse(
+        "run",
+        f"ringtrain's options go before SCRIPT: {fixed} ({name} does not define "
+        f"{', '.join(foreign)}; to pass it to the script anyway: ringtrain run {name} -- ARGS)",
+    )
+
+
+def refuse(command: str, message: str) -> NoReturn:
+    """A usage or configuration error of ``ringtrain COMMAND``: one line on stderr, exit status
+    2, no usage block and no traceback."""
+    print(f"ringtrain {command}: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _with_backend(scaling: Any, args: argparse.Namespace) -> Any:

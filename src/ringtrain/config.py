@@ -8,11 +8,12 @@ is written to the run directory's ``config.json``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 BACKENDS = ("local", "ray")
 """Launcher backends known to this version."""
@@ -36,6 +37,28 @@ CALLBACK_HOOKS = (
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
+_Config = TypeVar("_Config", bound=type)
+
+
+def _short_errors(cls: _Config) -> _Config:
+    """A config whose bad value raises from the user's own line: the ``TypeError`` /
+    ``ValueError`` (its message names the field and the fix) loses the frames of the dataclass
+    ``__init__``, ``__post_init__`` and the checks, so the user sees one ringtrain frame instead
+    of four to six. ``RINGTRAIN_DEBUG=1`` keeps the whole traceback."""
+    init = cls.__dict__["__init__"]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            if os.environ.get("RINGTRAIN_DEBUG", "") not in ("", "0"):
+                raise
+            raise exc.with_traceback(None)  # noqa: B904 (the same exception, shorter)
+
+    setattr(cls, "__init__", __init__)  # noqa: B010
+    return cls
+
 
 def _check_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -46,6 +69,7 @@ def _check_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> Non
         raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value} ({fix})")
 
 
+@_short_errors
 @dataclass(frozen=True)
 class ScalingConfig:
     """How many workers, and on what.
@@ -256,6 +280,7 @@ class ScalingConfig:
         return dataclasses.asdict(self)
 
 
+@_short_errors
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Which checkpoints to keep.
@@ -308,6 +333,7 @@ class CheckpointConfig:
         return dataclasses.asdict(self)
 
 
+@_short_errors
 @dataclass(frozen=True)
 class FailureConfig:
     """What to do when a worker fails.
@@ -359,6 +385,7 @@ class FailureConfig:
         return dataclasses.asdict(self)
 
 
+@_short_errors
 @dataclass(frozen=True)
 class MonitorConfig:
     """What a run measures and where it logs (see docs/monitoring.md).
@@ -428,9 +455,7 @@ class MonitorConfig:
         return dataclasses.asdict(self)
 
 
-DEFAULT_STORAGE_PATH = "./runs"
-
-
+@_short_errors
 @dataclass(frozen=True)
 class RunConfig:
     """Where a run writes, and how it behaves.
@@ -438,8 +463,7 @@ class RunConfig:
     Attributes:
         name: the run's directory name under ``storage_path`` (default: the entrypoint's name and a
             timestamp). Running again with the same name reuses the directory.
-        storage_path: a local directory or an fsspec URL (``file://``, ``memory://``, ``s3://``...);
-            ``None`` means the default, ``./runs`` (as ``None`` means Ray's default in Ray Train).
+        storage_path: a local directory or an fsspec URL (``file://``, ``memory://``, ``s3://``...).
         checkpoint_config: checkpoint retention.
         failure_config: restart behaviour.
         callbacks: objects with any of the hooks in :data:`CALLBACK_HOOKS`
@@ -462,7 +486,7 @@ class RunConfig:
     """
 
     name: str | None = None
-    storage_path: str = DEFAULT_STORAGE_PATH
+    storage_path: str = "./runs"
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure_config: FailureConfig = field(default_factory=FailureConfig)
     callbacks: Sequence[Any] = ()
@@ -498,8 +522,6 @@ class RunConfig:
                 f"RunConfig.name must be a directory name of letters, digits, '_', '.', '-', got "
                 f"{self.name!r} (or leave it None for '<function>_<timestamp>')"
             )
-        if self.storage_path is None:  # Ray's RunConfig(storage_path=None): the default
-            object.__setattr__(self, "storage_path", DEFAULT_STORAGE_PATH)
         if not isinstance(self.storage_path, (str, os.PathLike)) or not str(self.storage_path):
             raise ValueError(
                 "RunConfig.storage_path must be a directory or fsspec URL, "

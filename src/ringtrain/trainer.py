@@ -43,6 +43,9 @@ from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
 
 logger = logging.getLogger("ringtrain")
+# The progress display already shows every decision; without a handler of the application's,
+# logging's last resort would print each warning a second time.
+logger.addHandler(logging.NullHandler())
 
 PAYLOAD_FILE = "payload.pkl"
 CONFIG_FILE = "config.json"
@@ -82,10 +85,14 @@ def validate_gpus(scaling: ScalingConfig) -> None:
 
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available < scaling.max_workers:
+        fix = (
+            f"use num_workers<={available}, or use_gpu=False for CPU workers"
+            if available
+            else "use use_gpu=False: CPU workers with gloo"
+        )
         raise ValueError(
             f"ScalingConfig(use_gpu=True, num_workers={scaling.num_workers}) needs "
-            f"{scaling.max_workers} CUDA devices, this machine has {available} "
-            f"(use num_workers<={available}" + (")" if available else ", or use_gpu=False)")
+            f"{scaling.max_workers} CUDA devices, this machine has {available or 'none'} ({fix})"
         )
 
 
@@ -99,38 +106,8 @@ def make_launcher(scaling: ScalingConfig) -> Launcher:
     return LocalLauncher()
 
 
-def _resolve_train_fn(
-    train_fn: Callable[..., Any] | None,
-    train_loop_per_worker: Callable[..., Any] | None,
-    datasets: dict[str, Any] | None,
-) -> Callable[..., Any]:
-    """The train function from ringtrain's name or Ray Train's; refuses ``datasets``."""
-    if datasets is not None:
-        raise ValueError(
-            "Trainer(datasets=...): Ray Data datasets are not supported; build a torch "
-            "DataLoader inside the train function and pass it through prepare_data_loader() "
-            "(it shards the data across workers like get_dataset_shard())"
-        )
-    if train_fn is not None and train_loop_per_worker is not None:
-        raise TypeError(
-            "Trainer got both train_fn and train_loop_per_worker (Ray Train's name for the same "
-            "argument): give only one"
-        )
-    chosen = train_fn if train_fn is not None else train_loop_per_worker
-    if chosen is None:
-        raise TypeError(
-            "Trainer needs the per-worker training function: Trainer(train_fn) or "
-            "Trainer(train_loop_per_worker=train_fn)"
-        )
-    return chosen
-
-
 class Trainer:
     """Runs ``train_fn`` as ``scaling_config.num_workers`` data-parallel workers.
-
-    Ray Train's keyword names work too, so ``TorchTrainer(train_loop_per_worker=...,
-    train_loop_config=..., scaling_config=..., run_config=...)`` ports by renaming the class
-    (see docs/ray.md).
 
     Args:
         train_fn: the per-worker training function, ``train_fn(config)`` or ``train_fn()``. It is
@@ -140,28 +117,20 @@ class Trainer:
         run_config: where to write and how to handle failures (default: ``./runs/<name>``).
         train_loop_config: the ``config`` passed to ``train_fn``.
         launcher: how workers start (default: local processes per ``scaling_config.backend``).
-        train_loop_per_worker: Ray Train's name for ``train_fn`` (give one of the two).
-        datasets: Ray Data datasets: not supported; always raises (feed a torch ``DataLoader``
-            through ``prepare_data_loader`` inside the train function instead).
 
     Raises:
-        TypeError: for arguments of the wrong type, when neither or both of ``train_fn`` and
-            ``train_loop_per_worker`` are given (before any process starts).
-        ValueError: when ``datasets`` is given.
+        TypeError: for arguments of the wrong type (before any process starts).
     """
 
     def __init__(
         self,
-        train_fn: Callable[..., Any] | None = None,
+        train_fn: Callable[..., Any],
         scaling_config: ScalingConfig | None = None,
         run_config: RunConfig | None = None,
         *,
         train_loop_config: dict[str, Any] | None = None,
         launcher: Launcher | None = None,
-        train_loop_per_worker: Callable[..., Any] | None = None,
-        datasets: dict[str, Any] | None = None,
     ) -> None:
-        train_fn = _resolve_train_fn(train_fn, train_loop_per_worker, datasets)
         if not callable(train_fn):
             raise TypeError(
                 f"Trainer(train_fn=...) must be callable, got {type(train_fn).__name__}"
@@ -190,6 +159,7 @@ class Trainer:
         self.run_config = run_config
         self.train_loop_config = train_loop_config
         self.launcher = launcher
+        self._continue_finished = False  # Trainer.restore: continuing a finished run is the point
 
     def fit(self, raise_on_error: bool = True) -> Result:
         """Run the job to completion.
@@ -205,22 +175,38 @@ class Trainer:
             TrainingFailedError: when a worker failed beyond ``FailureConfig.max_failures``
                 (unless ``raise_on_error=False``: then ``Result.error`` holds it).
             ValueError: when the configuration cannot run on this machine (too few GPUs).
+            TypeError: when ``train_fn`` or ``train_loop_config`` cannot be pickled (the
+                message names the variable).
+            RunNameTaken: when ``RunConfig.name`` names a run that already finished, or one
+                whose driver is still running (a run of the same name that failed or whose
+                driver died is resumed; ``Trainer.restore(path)`` continues a finished one).
+
+        These errors are raised before any worker starts, with one line that names the fix and
+        no traceback through ringtrain (``RINGTRAIN_DEBUG=1`` keeps it).
         """
         if detect_source() != "single":
             return self._fit_in_process()
-        validate_gpus(self.scaling_config)
-        payload = _pickle_payload(self.train_fn, self.train_loop_config)
         entrypoint = getattr(self.train_fn, "__name__", "train")
         name = self.run_config.name or default_run_name(entrypoint)
-        result = run_workers(
-            name=name,
-            entrypoint=entrypoint,
-            scaling_config=self.scaling_config,
-            run_config=self.run_config,
-            payload=payload,
-            train_loop_config=self.train_loop_config,
-            launcher=self.launcher,
-        )
+        try:
+            validate_gpus(self.scaling_config)
+            payload = _pickle_payload(self.train_fn, self.train_loop_config)
+            if not self._continue_finished:
+                refuse_if_finished(self.run_config.storage_path, name)
+        except (TypeError, ValueError, RunNameTaken) as exc:
+            raise short_error(exc) from None
+        try:
+            result = run_workers(
+                name=name,
+                entrypoint=entrypoint,
+                scaling_config=self.scaling_config,
+                run_config=self.run_config,
+                payload=payload,
+                train_loop_config=self.train_loop_config,
+                launcher=self.launcher,
+            )
+        except RunNameTaken as exc:  # its driver is still running
+            raise short_error(exc) from None
         if result.error is not None and raise_on_error:
             raise result.error
         return result
@@ -277,19 +263,21 @@ class Trainer:
                 )
             import cloudpickle
 
-            train_fn, stored_config = cloudpickle.loads(saved.payload)
+            train_fn, stored_config, *_ = cloudpickle.loads(saved.payload)
         else:
             stored_config = saved.train_loop_config
         run_config = overrides.get("run_config") or saved.run_config
         run_config = dataclasses.replace(
             run_config, name=saved.name, storage_path=saved.storage_path, **signing_fields
         )
-        return cls(
+        trainer = cls(
             train_fn,
             overrides.get("scaling_config") or saved.scaling_config,
             run_config,
             train_loop_config=overrides.get("train_loop_config", stored_config),
         )
+        trainer._continue_finished = True
+        return trainer
 
     def _fit_in_process(self) -> Result:
         from ringtrain.distributed import init_process_group
@@ -412,23 +400,56 @@ def _refuse_if_running(run_dir: RunDirectory) -> None:
         return
     if not pid_alive(pid):
         return  # that driver died: resuming its run is what the user wants
-    raise RuntimeError(
+    raise RunNameTaken(
         f"run {run_dir.name!r} is already running (driver pid {pid}, {run_dir.uri}); "
         "wait for it, stop it, or use another RunConfig(name=...)"
     )
 
 
-def _pickle_payload(train_fn: Callable[..., Any], config: dict[str, Any] | None) -> bytes:
-    import cloudpickle
+class RunNameTaken(RuntimeError):
+    """``RunConfig.name`` names a run that is running now, or that already finished. The
+    message names the fix for the Python API (``RunConfig(name=...)``); ``ringtrain run``
+    translates it to its flags."""
 
+
+def refuse_if_finished(storage_path: str, name: str) -> None:
+    """Refuse to start a run whose name is taken by a run that FINISHED: running it again would
+    silently resume its last checkpoint (with whatever new settings) and append to its metrics.
+    A run that failed, was stopped or whose driver died is resumed as documented; a finished
+    one is continued only on purpose (``Trainer.restore``, ``ringtrain run --resume``).
+
+    Raises:
+        RunNameTaken: naming ``RunConfig(name=...)`` and ``Trainer.restore(...)``.
+    """
+    run_dir = RunDirectory(storage_path, name)
+    if not run_dir.is_local:
+        return
     try:
-        return bytes(cloudpickle.dumps((train_fn, config)))
-    except Exception as exc:
-        raise TypeError(
-            f"train_fn and train_loop_config must be picklable to reach the workers, but "
-            f"pickling failed: {type(exc).__name__}: {exc} (move unpicklable objects such as open "
-            "files, locks or loaded datasets inside train_fn)"
-        ) from exc
+        with open(os.path.join(run_dir.path, "result.json")) as f:
+            status = json.load(f).get("status")
+    except (OSError, ValueError, AttributeError):
+        return
+    if status == "FINISHED":
+        raise RunNameTaken(
+            f"run {name!r} already finished ({run_dir.uri}); give a new RunConfig(name=...) "
+            f"(None: a fresh timestamped name), or continue it from its last checkpoint on "
+            f"purpose: Trainer.restore({run_dir.uri!r}, train_fn, train_loop_config=...).fit()"
+        )
+
+
+def short_error(exc: BaseException) -> BaseException:
+    """``exc`` without its traceback through ringtrain, for errors whose message is the whole
+    story (configuration and usage errors): the user sees their own line and the fix. With
+    ``RINGTRAIN_DEBUG=1`` the traceback is kept."""
+    if os.environ.get("RINGTRAIN_DEBUG", "") not in ("", "0"):
+        return exc
+    return exc.with_traceback(None)
+
+
+def _pickle_payload(train_fn: Callable[..., Any], config: dict[str, Any] | None) -> bytes:
+    from ringtrain.payload import pickle_payload
+
+    return pickle_payload(train_fn, config)
 
 
 def run_workers(

@@ -58,7 +58,7 @@ from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
 from ringtrain.launch.base import Launcher, WorkerGroup, WorkerSpec
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.monitor.straggler import StragglerDetector
-from ringtrain.result import Result, TrainingFailedError, WorkerFailure
+from ringtrain.result import Result, TrainingFailedError, WorkerFailure, follow_ons
 from ringtrain.rundir import RunDirectory
 
 __all__ = ["Controller", "RunState", "SpecFactory", "Transition"]
@@ -143,6 +143,7 @@ class Controller:
         self.current: State = Starting(0)
         self.group: WorkerGroup | None = None
         self.failures: list[WorkerFailure] = []
+        self.follow_on_failures: list[WorkerFailure] = []  # the other ranks' (result.py)
         self.error: TrainingFailedError | None = None
         self.metrics_per_rank: dict[int, dict[str, Any]] = {}
         self._history: dict[int, dict[str, Any]] = {}  # round -> rank 0's metrics
@@ -304,6 +305,7 @@ class Controller:
         if not gen.failures:
             return Transition(state, Finished(), "the group ended without a failure")
         failure = root_cause(list(gen.failures.values()))
+        self.follow_on_failures += follow_ons(list(gen.failures.values()), failure)
         if self._set_aside_unloadable(failure):
             # Bounded: each time, one checkpoint fewer is left to resume from.
             reason = f"the checkpoint could not be loaded ({failure.message}); set aside"
@@ -315,7 +317,7 @@ class Controller:
         self.progress.message(decision.reason)
         self.run_dir.event("decision", decision=decision.decision.value, reason=decision.reason)
         if decision.decision is Decision.RAISE:
-            self.error = TrainingFailedError(self.failures)
+            self.error = TrainingFailedError(self.failures, self.follow_on_failures)
             return Transition(state, Errored(self.error), decision.reason)
         return Transition(state, Starting(gen.number + 1), decision.reason)
 

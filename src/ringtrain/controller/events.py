@@ -26,7 +26,7 @@ from ringtrain.channel import (
 from ringtrain.controller.attempt import signal_name
 from ringtrain.controller.generation import Generation
 from ringtrain.controller.rounds import round_metrics
-from ringtrain.result import WorkerFailure
+from ringtrain.result import WorkerFailure, is_follow_on
 
 if TYPE_CHECKING:
     from ringtrain.controller.controller import Controller
@@ -158,6 +158,7 @@ class GroupEvents:
         previous = gen.failures.get(failure.rank)
         if previous is not None and previous.kind == "exception":
             return  # the exception says more than the exit status that follows it
+        others = [f for r, f in gen.failures.items() if r != failure.rank]
         gen.failures[failure.rank] = failure
         if gen.first_failure_at is None:
             gen.first_failure_at = time.monotonic()
@@ -170,6 +171,7 @@ class GroupEvents:
             message=failure.message,
             traceback=failure.traceback,
             attempt=gen.number,
+            follow_on=is_follow_on(failure, others),  # counted apart (ringtrain show, dashboard)
         )
 
     def on_exit(self, gen: Generation, event: Exited) -> None:

@@ -24,6 +24,7 @@ def build_result(ctl: Controller) -> Result:
         path=ctl.run_dir.uri,
         error=ctl.error,
         failures=list(ctl.failures),
+        follow_on_failures=list(ctl.follow_on_failures),
         metrics_history=[ctl._history[r] for r in sorted(ctl._history)],
     )
 
@@ -51,5 +52,6 @@ def write_result(ctl: Controller) -> None:
             "best_checkpoints": [{"path": c.uri, "metrics": m} for c, m in result.best_checkpoints],
             "error": str(ctl.error) if ctl.error else None,
             "failures": [f.to_dict() for f in ctl.failures],
+            "follow_on_failures": [f.to_dict() for f in ctl.follow_on_failures],
         },
     )

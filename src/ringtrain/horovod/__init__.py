@@ -11,7 +11,7 @@ what maps to what and what differs.
 from __future__ import annotations
 
 from ringtrain.comm.compression import Compression, Compressor
-from ringtrain.horovod import elastic, ray  # ray: horovod.ray's RayExecutor
+from ringtrain.horovod import elastic
 from ringtrain.horovod.functions import (
     allgather_object,
     broadcast_object,
@@ -52,7 +52,6 @@ from ringtrain.horovod.ops import (
     synchronize,
 )
 from ringtrain.horovod.optimizer import DistributedOptimizer
-from ringtrain.horovod.run import run  # horovod.run
 from ringtrain.horovod.runtime import (
     HorovodInternalError,
     ccl_built,
@@ -154,11 +153,9 @@ __all__ = [
     "nccl_built",
     "poll",
     "rank",
-    "ray",
     "reducescatter",
     "reducescatter_async",
     "rocm_built",
-    "run",
     "shutdown",
     "size",
     "start_timeline",

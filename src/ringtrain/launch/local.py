@@ -4,7 +4,7 @@ Each worker is ``python -m ringtrain.launch.worker`` in its own session (so a Ct
 reaches only the driver, which then stops the workers in order) with the torchrun variables set.
 The driver hosts the rendezvous ``TCPStore`` itself on an OS-assigned loopback port, as torchrun's
 agent does (``TORCHELASTIC_USE_AGENT_STORE``), so there is no race for a "free" port. Worker output
-is forwarded line by line with a ``(rank N)`` prefix.
+is forwarded line by line with a ``(rank N)`` prefix (a traceback as one block).
 
 Every socket a local run listens on is bound to loopback: the driver's channel, the store (bound
 by :func:`~ringtrain.launch.base.start_store`, since torch alone would bind the wildcard) and each
@@ -272,17 +272,61 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
+_OUTPUT_LOCK = threading.Lock()
+"""Held while one forwarded line or traceback block is written: two ranks' tracebacks never
+interleave line by line."""
+
+_TRACEBACK_START = "Traceback (most recent call last):"
+_TRACEBACK_MAX_LINES = 1000
+
+
+def _ends_traceback(line: str) -> bool:
+    """The ``ExcType: message`` line that closes a traceback block (not indented, not a
+    chained-exception separator, not blank)."""
+    text = line.rstrip("\r\n")
+    return (
+        bool(text)
+        and not text[0].isspace()
+        and not text.startswith(
+            (_TRACEBACK_START, "During handling of the above exception", "The above exception")
+        )
+    )
+
+
 def _forward(rank: int, pipe: IO[bytes], stream_name: str) -> None:
-    """Copy a worker's output line by line to the driver's stream, prefixed with its rank."""
+    """Copy a worker's output line by line to the driver's stream, prefixed with its rank.
+
+    A traceback the worker prints is copied as one block once its last line (``Type: message``)
+    is in, so that it never interleaves with another rank's output; a block the worker could
+    not finish (it was stopped mid-print) is copied at end of output with a note saying so."""
     prefix = f"(rank {rank}) "
-    try:
-        for raw in iter(pipe.readline, b""):
-            stream = sys.stdout if stream_name == "stdout" else sys.stderr
+    block: list[str] = []
+
+    def write(lines: list[str]) -> None:
+        stream = sys.stdout if stream_name == "stdout" else sys.stderr
+        with _OUTPUT_LOCK:
             try:
-                stream.write(prefix + raw.decode("utf-8", errors="replace"))
+                stream.write("".join(prefix + line for line in lines))
                 stream.flush()
             except (ValueError, OSError):
                 pass  # the driver's stream was closed (interpreter shutting down)
+
+    try:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            if not line.endswith("\n"):
+                line += "\n"
+            if block:
+                block.append(line)
+                if _ends_traceback(line) or len(block) >= _TRACEBACK_MAX_LINES:
+                    write(block)
+                    block = []
+            elif line.startswith(_TRACEBACK_START):
+                block = [line]
+            else:
+                write([line])
+        if block:
+            write([*block, "... (traceback cut short: the worker was stopped)\n"])
     finally:
         with contextlib.suppress(OSError):
             pipe.close()

@@ -10,13 +10,18 @@ Started by a launcher with the variables of :func:`ringtrain.env.worker_environm
    the script as ``__main__`` (the script calls ``init_process_group`` itself, or lets ringtrain do
    it on first need);
 4. reports an exception (type, message, traceback) to the driver before exiting with status 1, or
-   sends Done and exits 0.
+   sends Done and exits 0. The traceback starts at the user's code (the bootstrap's and runpy's
+   frames are cut) and is printed by the driver, once: this process prints it only when the
+   channel is gone. Source lines the driver shipped with the payload (functions defined in a
+   notebook cell or ``python -c``) are put in :mod:`linecache` first, so the traceback shows
+   them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import inspect
+import linecache
 import os
 import runpy
 import signal
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             import cloudpickle
 
             assert start.payload is not None, "function mode needs a payload"
-            train_fn, config = cloudpickle.loads(start.payload)
+            train_fn, config, *extra = cloudpickle.loads(start.payload)
+            install_sources(extra[0] if extra else {})
             # After unpickling: the train function's module may register the fsspec protocol
             # of the run's storage.
             if start.latest_checkpoint:
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         # peer's failure must not also cost the checkpoint this rank had nearly saved.
         sess.wait_for_checkpoint(timeout_s=FINISH_WRITE_TIMEOUT_S)
         _send_last_timing(sess)
+        formatted = user_traceback(exc)
         try:
             channel.send(
                 WorkerError(
@@ -147,16 +154,48 @@ def main(argv: list[str] | None = None) -> int:
                     time=time.time(),
                     exc_type=type(exc).__name__,
                     message=str(exc),
-                    traceback="".join(traceback.format_exception(exc)),
+                    traceback=formatted,
                 )
             )
-        except OSError:
-            pass
-        traceback.print_exc()
+        except OSError:  # the driver cannot print it: this rank's stderr is all that is left
+            sys.stderr.write(formatted)
     finally:
         destroy_process_group()
         channel.close()
     return code
+
+
+_INTERNAL = (
+    os.path.dirname(os.path.abspath(__file__)),  # ringtrain/launch: this bootstrap
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elastic"),
+    os.path.dirname(os.path.abspath(runpy.__file__ or "")) + os.sep + "runpy.py",
+    "<frozen runpy>",
+)
+
+
+def user_traceback(exc: BaseException) -> str:
+    """``exc`` formatted as Python would, from the first frame outside the bootstrap (this
+    module, ``runpy``, the elastic runner) on: what the user's own code did. A ``SyntaxError``
+    of the script keeps no frame at all (its file and line say everything); an exception raised
+    inside the bootstrap itself keeps every frame."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_INTERNAL):
+        tb = tb.tb_next
+    if tb is None and not isinstance(exc, SyntaxError):
+        tb = exc.__traceback__
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def install_sources(sources: dict[str, list[str]]) -> None:
+    """Put the source lines the driver shipped (``{filename: lines}``, files that exist only in
+    the driver's :mod:`linecache`: notebook cells, ``python -c``) into this process's
+    :mod:`linecache`, so tracebacks through them show their lines. Files present here win."""
+    for filename, lines in sources.items():
+        if not isinstance(filename, str) or os.path.isfile(filename):
+            continue
+        lines = [str(line) for line in lines]
+        # mtime None: linecache.checkcache() keeps the entry (it cannot stat a cell).
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
 
 
 def _resume_checkpoint(start: Start) -> Any:

@@ -231,7 +231,6 @@ class PlainProgress(_ReporterBase):
         self._last_round: int | None = None
         self._closed = False
         self._timing: dict[int, dict[str, Any]] = {}
-        self._progress = RunProgress()
 
     def _write(self, line: str) -> None:
         try:
@@ -272,11 +271,6 @@ class PlainProgress(_ReporterBase):
         now = self._clock()
         self._last_round = round
         parts = [self._prefix(), f"round {round}"]
-        epoch, total = metrics.get("epoch"), self._progress.epochs
-        if isinstance(epoch, int) and not isinstance(epoch, bool) and total is not None:
-            # This round's epoch, 1-based of the total, as the worker prints it: "epoch 2/4".
-            parts.append(f"epoch {min(epoch + 1, total)}/{total}")
-            metrics = {k: v for k, v in metrics.items() if k != "epoch"}
         text = format_metrics(metrics, first=_FIRST_KEYS)
         if text:
             parts.append(text)
@@ -294,11 +288,8 @@ class PlainProgress(_ReporterBase):
             self._pending = line  # superseded by a later round, or written before the next line
 
     def timing(self, rank: int, window: dict[str, Any]) -> None:
-        """Keeps the window: round lines show the step time and throughput, and the epoch as
-        ``epoch k/N`` once rank 0's windows tell N (``TrainState.epochs``)."""
+        """Keeps the window: round lines show the step time and throughput."""
         self._timing[rank] = window
-        if rank == 0:
-            self._progress.update(window, self._clock())
 
     def straggler(self, rank: int, flagged: bool) -> None:
         """Writes nothing: the driver announces stragglers through :meth:`message`."""

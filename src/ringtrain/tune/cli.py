@@ -16,6 +16,41 @@ import sys
 REQUIRED = ("train_fn", "param_space", "tune_config")
 
 
+def _undefined(script: str) -> list[str]:
+    """The names of :data:`REQUIRED` that ``script`` does not define at top level, found without
+    running it (its top-level code would otherwise run in the driver: a per-worker script fails
+    there with torch's "environment variable RANK expected"). A name bound by an assignment, a
+    ``def``, an import or inside a top-level ``if``/``try``/``with`` counts; a ``*`` import, or
+    a file that does not parse, defers the check to after running it (as before)."""
+    import ast
+
+    try:
+        with open(script, "rb") as f:
+            tree = ast.parse(f.read(), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    bound: set[str] = set()
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return []
+                bound.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                bound.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                for child in getattr(node, field, []):
+                    todo.extend(child.body if isinstance(child, ast.ExceptHandler) else [child])
+    return [name for name in REQUIRED if name not in bound]
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Returns 0 when at least one trial completed, 1 otherwise (2 for usage errors)."""
     import ringtrain as rt
@@ -33,6 +68,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error("the sweep SCRIPT is required (or --resume RUN)")
         if not os.path.isfile(args.script):
             parser.error(f"no such sweep script: {args.script}")
+        missing = _undefined(args.script)
+        if missing:  # refused before its top-level code runs in this (driver) process
+            from ringtrain.cli import refuse
+
+            refuse(
+                "tune",
+                f"{args.script} is not a sweep script: it defines no {', '.join(missing)} at "
+                f"top level (a sweep file defines {', '.join(REQUIRED)}; see `ringtrain tune "
+                f"--help`); to run a per-worker training script, use `ringtrain run -n N "
+                f"{args.script}`",
+            )
         script_dir = os.path.dirname(os.path.abspath(args.script))
         sys.path.insert(0, script_dir)  # the script's own imports, as `python SCRIPT` would
         found = runpy.run_path(args.script, run_name="__ringtrain_tune__")
