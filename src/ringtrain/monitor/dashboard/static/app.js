@@ -807,7 +807,10 @@
   function renderFailures(state) {
     const fs = state.data.failures;
     $("failures-panel").hidden = fs.length === 0;
-    $("failure-count").textContent = fs.length ? String(fs.length) : "";
+    // Root causes are counted; follow-on failures (a peer's lost connection) are counted apart.
+    const roots = fs.filter((f) => !f.follow_on).length;
+    const follow = fs.length - roots;
+    $("failure-count").textContent = fs.length ? String(roots) + (follow ? ` (+${follow} follow-on)` : "") : "";
     const key = String(fs.length);
     if (key === state.failuresKey) return;
     state.failuresKey = key;
@@ -817,7 +820,7 @@
         el("td", { text: fmtClock(f.time) }),
         el("td", { class: "num", text: isNum(f.time) ? fmtDuration(f.time - t0) : "-" }),
         el("td", { class: "num", text: f.rank === null ? "-" : String(f.rank) }),
-        el("td", { text: f.kind }),
+        el("td", { text: f.follow_on ? `${f.kind} (follow-on)` : f.kind }),
         el("td", { class: "wrap" }, f.message,
           f.traceback ? el("details", { class: "tb" }, el("summary", { text: "traceback" }),
             el("pre", { text: f.traceback })) : null));
