@@ -1,0 +1,362 @@
+"""Ray Train compatibility: Ray's own PyTorch examples port by changing their imports.
+
+The ports live in ``examples/ray_ports/``. These tests check that each differs from the Ray
+example installed with Ray in exactly the lines docs/ray.md lists, that the ported fashion-MNIST
+loop gives, epoch by epoch and rank by rank, the very metrics Ray's ``TorchTrainer`` gives on the
+same (synthetic, seeded) data, and that the names Ray Train code calls exist with Ray's meaning.
+
+The Ray comparison starts one local Ray instance for the module (before the first test, so its
+processes predate every test's leak check); it is skipped when Ray Train cannot be imported
+(``pip install 'ray[train]'``: Ray Train needs pyarrow).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import difflib
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ringtrain as rt
+from ringtrain.env import DistributedContext
+from ringtrain.train.horovod import HorovodConfig, HorovodTrainer
+from ringtrain.train.torch import TorchConfig, TorchTrainer
+
+ROOT = Path(__file__).resolve().parent.parent
+PORTS = ROOT / "examples" / "ray_ports"
+SAMPLES = "256"  # FASHION_MNIST_SAMPLES for the synthetic stand-in: a few seconds per run
+FASHION_CONFIG = {"lr": 1e-3, "epochs": 2, "batch_size_per_worker": 16}
+
+# port file -> {ported import line: Ray's line}; the lines a port changes besides the data
+# stand-in (docs/ray.md gives the same table).
+IMPORT_SWAPS = {
+    "torch_fashion_mnist_example.py": {
+        "import ringtrain as ray": "import ray.train",
+        "from ringtrain.train import ScalingConfig": "from ray.train import ScalingConfig",
+        "from ringtrain.train.torch import TorchTrainer": (
+            "from ray.train.torch import TorchTrainer"
+        ),
+    },
+    "torch_linear_example.py": {
+        "import ringtrain.train as train": "import ray.train as train",
+        "from ringtrain.train import Checkpoint, RunConfig, ScalingConfig": (
+            "from ray.train import Checkpoint, RunConfig, ScalingConfig"
+        ),
+        "from ringtrain.train.torch import TorchTrainer": (
+            "from ray.train.torch import TorchTrainer"
+        ),
+    },
+    "torch_quick_start.py": {
+        "import ringtrain as ray": "import ray.train.torch",
+        "    from ringtrain.train.torch import TorchTrainer": (
+            "    from ray.train.torch import TorchTrainer"
+        ),
+        "    from ringtrain.train import ScalingConfig": "    from ray.train import ScalingConfig",
+    },
+}
+IMPORT_SWAPS["horovod_example.py"] = {
+    "import ringtrain.horovod as hvd": "import horovod.torch as hvd",
+    "from ringtrain import train": "from ray import train",
+    "from ringtrain.train import ScalingConfig": "from ray.train import ScalingConfig",
+    "from ringtrain.train.horovod import HorovodTrainer": (
+        "from ray.train.horovod import HorovodTrainer"
+    ),
+}
+# (lines removed from Ray's file, lines added) by each port in all, docstring included.
+DIFF_SIZES = {
+    "horovod_example.py": (15, 23),
+    "torch_fashion_mnist_example.py": (27, 30),
+    "torch_linear_example.py": (3, 11),
+    "torch_quick_start.py": (11, 16),
+}
+
+
+def ray_original(name: str) -> Path | None:
+    try:
+        import ray
+    except ImportError:
+        return None
+    kind = "horovod" if name.startswith("horovod") else "pytorch"
+    path = Path(ray.__file__).parent / "train" / "examples" / kind / name
+    return path if path.exists() else None
+
+
+def to_ray(name: str) -> str:
+    """The port with its import lines swapped back to Ray's."""
+    lines = (PORTS / name).read_text().splitlines(keepends=True)
+    swaps = IMPORT_SWAPS[name]
+    found = [line.rstrip("\n") for line in lines if line.rstrip("\n") in swaps]
+    assert sorted(found) == sorted(swaps), f"{name}: import lines {found} != {list(swaps)}"
+    return "".join(swaps.get(x.rstrip("\n"), x.rstrip("\n")) + "\n" for x in lines)
+
+
+# -- no processes ---------------------------------------------------------------------------
+
+
+def test_ports_differ_from_rays_examples_only_where_docs_say() -> None:
+    doc = (ROOT / "docs" / "ray.md").read_text()
+    for name, (removed, added) in DIFF_SIZES.items():
+        for port_line, ray_line in IMPORT_SWAPS[name].items():
+            assert f"`{port_line.strip()}`" in doc and f"`{ray_line.strip()}`" in doc, name
+        original = ray_original(name)
+        if original is None:
+            continue  # Ray's examples are not installed: the docs check above still ran
+        diff = list(
+            difflib.unified_diff(
+                original.read_text().splitlines(), (PORTS / name).read_text().splitlines(), n=0
+            )
+        )
+        minus = [d for d in diff if d.startswith("-") and not d.startswith("---")]
+        plus = [d for d in diff if d.startswith("+") and not d.startswith("+++")]
+        assert (len(minus), len(plus)) == (removed, added), f"{name}: {diff}"
+        # every import line Ray's file loses is one of the swapped ones or a data download's
+        for line in minus:
+            text = line[1:].strip()
+            if "ray" in text and text.startswith(("import ", "from ")):
+                assert text in {r.strip() for r in IMPORT_SWAPS[name].values()}, (name, text)
+        assert f"| `{name}` | {removed} | {added} |" in doc.replace("  ", " "), name
+
+
+def test_trainer_takes_rays_keyword_names() -> None:
+    def loop(config):
+        pass
+
+    t = rt.Trainer(
+        train_loop_per_worker=loop,
+        train_loop_config={"lr": 0.1},
+        scaling_config=rt.ScalingConfig(num_workers=2),
+        run_config=rt.RunConfig(storage_path=None),
+    )
+    assert (t.train_fn, t.train_loop_config, t.scaling_config.num_workers) == (loop, {"lr": 0.1}, 2)
+    assert t.run_config.storage_path == "./runs" == rt.RunConfig().storage_path
+    assert rt.Trainer(loop, rt.ScalingConfig(num_workers=3)).scaling_config.num_workers == 3
+    assert TorchTrainer(loop, train_loop_config={"a": 1}).train_fn is loop
+    assert TorchTrainer(train_loop_per_worker=loop, torch_config=TorchConfig()).train_fn is loop
+    with pytest.raises(TypeError, match="both train_fn and train_loop_per_worker"):
+        rt.Trainer(loop, train_loop_per_worker=loop)
+    with pytest.raises(TypeError, match="needs the per-worker training function"):
+        rt.Trainer()
+    with pytest.raises(ValueError, match=r"datasets=.*prepare_data_loader"):
+        rt.Trainer(loop, datasets={"train": [1, 2]})
+    with pytest.raises(ValueError, match=r"metadata=.*train_loop_config"):
+        TorchTrainer(loop, metadata={"a": 1})
+    with pytest.raises(ValueError, match="resume_from_checkpoint"):
+        TorchTrainer(loop, resume_from_checkpoint=object())
+    with pytest.raises(ValueError, match="ringtrain uses 'gloo'"):
+        TorchTrainer(loop, torch_config=TorchConfig(backend="nccl"))
+    with pytest.raises(ValueError, match="worker_timeout_s"):
+        TorchConfig(timeout_s=60)
+    assert HorovodTrainer(loop, horovod_config=HorovodConfig()).train_fn is loop
+    with pytest.raises(ValueError, match=r"HorovodConfig.ssh_port=22 does not apply"):
+        HorovodConfig(ssh_port=22)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sharding_order_is_rays_distributed_sampler(world_size: int) -> None:
+    """The order ringtrain.train.torch.prepare_data_loader shards by (ringtrain's resumable
+    sampler, seed 0) is Ray's DistributedSampler(dataset, shuffle=...) order on every rank, with
+    padding (23 samples do not divide by 2, 3 or 4) and across epochs."""
+    from torch.utils.data import DistributedSampler
+
+    from ringtrain.data import ResumableDistributedSampler
+
+    data = list(range(23))
+    for rank in range(world_size):
+        for shuffle in (True, False):
+            ours = ResumableDistributedSampler(data, world_size, rank, shuffle=shuffle, seed=0)
+            ray = DistributedSampler(data, world_size, rank, shuffle=shuffle)
+            for epoch in (0, 1, 5):
+                ours.set_epoch(epoch)
+                ray.set_epoch(epoch)
+                assert list(ours) == list(ray), (world_size, rank, shuffle, epoch)
+
+
+def test_context_answers_rays_method_names() -> None:
+    ctx = DistributedContext(
+        world_rank=5,
+        world_size=6,
+        local_rank=1,
+        local_world_size=2,
+        node_rank=2,
+        run_dir="memory://runs/fashion",
+    )
+    assert (
+        ctx.get_world_rank(),
+        ctx.get_world_size(),
+        ctx.get_local_rank(),
+        ctx.get_local_world_size(),
+        ctx.get_node_rank(),
+    ) == (5, 6, 1, 2, 2)
+    assert ctx.get_experiment_name() == ctx.get_trial_name() == "fashion"
+    assert ctx.get_trial_dir() == "memory://runs/fashion"
+    assert DistributedContext().get_experiment_name() == ""
+    with pytest.raises(NotImplementedError, match="run_dir"):
+        ctx.get_storage()
+    import ringtrain as ray  # what the ports do
+
+    assert ray.train.get_context().get_world_size() == 1  # a plain process: rank 0 of 1
+    assert ray.train.ScalingConfig is rt.ScalingConfig and ray.train.torch.TorchTrainer is (
+        TorchTrainer
+    )
+    with pytest.raises(NotImplementedError, match="prepare_data_loader"):
+        ray.train.get_dataset_shard("train")
+
+
+# -- the same numbers as Ray ----------------------------------------------------------------
+
+
+def _ringtrain_loop(config):
+    """In each ringtrain worker: the ported fashion-MNIST loop (its reports are the compared
+    numbers), the context and loader checks, then quick-start's distributed loop and the linear
+    example's loop (which reports ``Checkpoint.from_directory`` on every rank)."""
+    import runpy
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    import ringtrain as ray
+
+    torch.set_num_threads(1)
+    os.environ["FASHION_MNIST_SAMPLES"] = config["samples"]
+    fashion = runpy.run_path(config["fashion"])
+    fashion["train_func_per_worker"](config["fashion_config"])
+
+    ctx = ray.train.get_context()
+    assert (ctx.get_world_rank(), ctx.get_world_size()) == (dist.get_rank(), dist.get_world_size())
+    assert ctx.get_local_rank() == ctx.local_rank and ctx.get_node_rank() == 0
+    assert ctx.get_local_world_size() == ctx.world_size
+    assert ctx.get_experiment_name() == "compat"
+    # the Ray-compatible loader yields what Ray's DistributedSampler(shuffle=True) yields
+    data = TensorDataset(torch.arange(23))
+    loader = ray.train.torch.prepare_data_loader(DataLoader(data, batch_size=4, shuffle=True))
+    reference = DistributedSampler(data, shuffle=True)  # seed 0, as Ray builds it
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        reference.set_epoch(epoch)
+        got = [int(i) for (batch,) in loader for i in batch]
+        assert got == list(reference), (epoch, got, list(reference))
+
+    quick = runpy.run_path(config["quick_start"])
+    quick["train_func_distributed"]()
+    linear = runpy.run_path(config["linear"])
+    losses = linear["train_func"]({"lr": 1e-2, "batch_size": 4, "epochs": 2})
+    assert len(losses) == 2 and losses[1]["loss"] < losses[0]["loss"], losses
+    os.environ["MNIST_SAMPLES"] = config["samples"]
+    horovod = runpy.run_path(config["horovod"])  # HorovodTrainer's loop: hvd.init() and all
+    horovod["train_func"]({"num_epochs": 1, "batch_size": 32, "log_interval": 100})
+
+
+def make_ray_loop():
+    """The function each Ray Train worker runs: Ray's fashion-MNIST loop, its reports recorded.
+    (Nested, so that it is pickled by value: Ray's workers cannot import this module.)"""
+
+    def ray_loop(config):
+        import json
+        import os
+        import runpy
+
+        import ray.train
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ["FASHION_MNIST_SAMPLES"] = config["samples"]
+        fashion = runpy.run_path(config["fashion"])
+        history = []
+        real = ray.train.report
+
+        def report(metrics, *args, **kwargs):
+            history.append(dict(metrics))
+            return real(metrics, *args, **kwargs)
+
+        ray.train.report = report  # record what the unchanged loop reports
+        try:
+            fashion["train_func_per_worker"](config["fashion_config"])
+        finally:
+            ray.train.report = real
+        rank = ray.train.get_context().get_world_rank()
+        with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+            json.dump(history, f)
+
+    return ray_loop
+
+
+@pytest.fixture(scope="module")
+def ray_train():
+    """A local Ray instance (4 logical CPUs: 2 workers and Train's controller), or a skip."""
+    ray = pytest.importorskip(
+        "ray", reason="the Ray comparison needs Ray: pip install 'ray[train]'"
+    )
+    try:
+        import ray.train
+        import ray.train.torch
+    except ImportError as exc:
+        pytest.skip(f"Ray Train cannot be imported ({exc}): pip install 'ray[train]'")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.timeout(480)
+def test_fashion_mnist_port_gives_ray_train_numbers(ray_train, tmp_path) -> None:
+    """Seeded, same synthetic data, 2 workers, 2 epochs: every rank's test loss and accuracy of
+    every epoch equal Ray's TorchTrainer's exactly."""
+    import ray.train
+    from ray.train.torch import TorchTrainer as RayTorchTrainer
+
+    ray_script = tmp_path / "ray_fashion.py"
+    ray_script.write_text(to_ray("torch_fashion_mnist_example.py"))
+    out = tmp_path / "ray_out"
+    out.mkdir()
+    ray_trainer = RayTorchTrainer(
+        make_ray_loop(),
+        train_loop_config={
+            "samples": SAMPLES,
+            "fashion": str(ray_script),
+            "fashion_config": FASHION_CONFIG,
+            "out": str(out),
+        },
+        scaling_config=ray.train.ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path / "ray_results"), name="ray"),
+    )
+    ours_trainer = TorchTrainer(
+        train_loop_per_worker=_ringtrain_loop,
+        train_loop_config={
+            "samples": SAMPLES,
+            "fashion": str(PORTS / "torch_fashion_mnist_example.py"),
+            "quick_start": str(PORTS / "torch_quick_start.py"),
+            "linear": str(PORTS / "torch_linear_example.py"),
+            "horovod": str(PORTS / "horovod_example.py"),
+            "fashion_config": FASHION_CONFIG,
+        },
+        scaling_config=rt.ScalingConfig(num_workers=2),
+        run_config=rt.RunConfig(storage_path=str(tmp_path / "runs"), name="compat", progress="off"),
+    )
+    # Both at once (Ray's from a thread: ringtrain's fit() wants the main thread for signals):
+    # most of either run is process start-up, which overlaps well.
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ray_done = pool.submit(ray_trainer.fit)
+        result = ours_trainer.fit()
+        ours_s = time.monotonic() - started
+        ray_done.result(timeout=420)
+    print(f"ringtrain run {ours_s:.1f} s, both {time.monotonic() - started:.1f} s")
+    ray_metrics = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+    events = [json.loads(line) for line in (Path(result.path) / "events.jsonl").open()]
+    ours: dict[int, list] = {0: [], 1: []}
+    for e in sorted((e for e in events if e["type"] == "report"), key=lambda e: e["round"]):
+        ours[e["rank"]].append(e["metrics"])
+    epochs = FASHION_CONFIG["epochs"]
+    assert len(ray_metrics[0]) == epochs
+    fashion = {r: ours[r][:epochs] for r in ours}  # then linear's 2 reports, Horovod's 1
+    assert fashion == ray_metrics, f"ringtrain {fashion}\nRay Train {ray_metrics}"
+    # the linear loop's Checkpoint.from_directory(tmpdir) of every rank: one checkpoint a round
+    assert result.checkpoint is not None and len(result.best_checkpoints) == 2
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(os.path.join(d, "model.pt"), weights_only=True)
+    assert set(state) == {"module.weight", "module.bias"}  # DDP's state dict, as in Ray
