@@ -92,6 +92,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "train":  # ray.train's names (`import ringtrain as ray` ports Ray Train scripts)
+        import importlib
+
+        return importlib.import_module("ringtrain.train")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ringtrain' has no attribute {name!r}")

@@ -455,6 +455,9 @@ class MonitorConfig:
         return dataclasses.asdict(self)
 
 
+DEFAULT_STORAGE_PATH = "./runs"
+
+
 @_short_errors
 @dataclass(frozen=True)
 class RunConfig:
@@ -463,7 +466,8 @@ class RunConfig:
     Attributes:
         name: the run's directory name under ``storage_path`` (default: the entrypoint's name and a
             timestamp). Running again with the same name reuses the directory.
-        storage_path: a local directory or an fsspec URL (``file://``, ``memory://``, ``s3://``...).
+        storage_path: a local directory or an fsspec URL (``file://``, ``memory://``, ``s3://``...);
+            ``None`` means the default, ``./runs`` (as ``None`` means Ray's default in Ray Train).
         checkpoint_config: checkpoint retention.
         failure_config: restart behaviour.
         callbacks: objects with any of the hooks in :data:`CALLBACK_HOOKS`
@@ -486,7 +490,7 @@ class RunConfig:
     """
 
     name: str | None = None
-    storage_path: str = "./runs"
+    storage_path: str = DEFAULT_STORAGE_PATH
     checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure_config: FailureConfig = field(default_factory=FailureConfig)
     callbacks: Sequence[Any] = ()
@@ -522,6 +526,8 @@ class RunConfig:
                 f"RunConfig.name must be a directory name of letters, digits, '_', '.', '-', got "
                 f"{self.name!r} (or leave it None for '<function>_<timestamp>')"
             )
+        if self.storage_path is None:  # Ray's RunConfig(storage_path=None): the default
+            object.__setattr__(self, "storage_path", DEFAULT_STORAGE_PATH)
         if not isinstance(self.storage_path, (str, os.PathLike)) or not str(self.storage_path):
             raise ValueError(
                 "RunConfig.storage_path must be a directory or fsspec URL, "

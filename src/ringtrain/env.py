@@ -83,6 +83,57 @@ class DistributedContext:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    # Ray Train's ``TrainContext`` method names (ray.train.get_context()), beside the attributes
+    # above, so that ported code runs unchanged; see docs/ray.md for the ones left out.
+
+    def get_world_size(self) -> int:
+        """``world_size`` (Ray Train's name)."""
+        return self.world_size
+
+    def get_world_rank(self) -> int:
+        """``world_rank`` (Ray Train's name)."""
+        return self.world_rank
+
+    def get_local_rank(self) -> int:
+        """``local_rank`` (Ray Train's name)."""
+        return self.local_rank
+
+    def get_local_world_size(self) -> int:
+        """``local_world_size`` (Ray Train's name)."""
+        return self.local_world_size
+
+    def get_node_rank(self) -> int:
+        """``node_rank`` (Ray Train's name)."""
+        return self.node_rank
+
+    def get_experiment_name(self) -> str:
+        """The run's name (``RunConfig.name``: the last part of ``run_dir``); ``""`` outside a
+        ringtrain run."""
+        if not self.run_dir:
+            return ""
+        return self.run_dir.rstrip("/").rsplit("/", 1)[-1]
+
+    def get_trial_name(self) -> str:
+        """The run's name, as :meth:`get_experiment_name` (a Tuner trial is one run)."""
+        return self.get_experiment_name()
+
+    def get_trial_dir(self) -> str:
+        """The run directory (path or fsspec URL); ``""`` outside a ringtrain run."""
+        return self.run_dir or ""
+
+    def get_storage(self) -> Any:
+        """Not available: Ray's ``StorageContext`` has no counterpart.
+
+        Raises:
+            NotImplementedError: always; use ``run_dir`` (the run directory) and
+                ``report(metrics, checkpoint=...)`` to persist files.
+        """
+        raise NotImplementedError(
+            "get_context().get_storage(): ringtrain has no Ray StorageContext; use "
+            "get_context().run_dir (the run directory) and report(..., checkpoint=...) to "
+            "persist files"
+        )
+
 
 def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int:
     for name in names:

@@ -154,6 +154,7 @@ def prepare_data_loader(
     add_dist_sampler: bool = True,
     move_to_device: bool = True,
     seed: int = 0,
+    loader_rng: str = "private",
 ) -> PreparedDataLoader:
     """Shard a DataLoader across ranks, move its batches to the device, and make its position
     part of the training state.
@@ -180,6 +181,12 @@ def prepare_data_loader(
         move_to_device: move every tensor in each batch (nested in tuples, lists, dicts) to
             ``get_device()``.
         seed: the shuffle seed, identical on every rank.
+        loader_rng: ``"private"`` (the default): the loader gets its own generator, reseeded
+            from ``(seed, epoch)``, as described above. ``"global"``: keep the loader's own
+            ``generator`` (``None``: each ``iter()`` draws its base seed from the global torch
+            RNG, as a plain DataLoader and Ray Train's ``prepare_data_loader`` do) and no
+            per-sample seeding: the same random numbers as Ray Train (``ringtrain.train.torch``
+            uses it), at the cost of bit-exact resume mid-epoch.
 
     Raises:
         ValueError: if the loader uses a custom ``batch_sampler`` or an IterableDataset while
@@ -206,7 +213,12 @@ def prepare_data_loader(
                 "prepare_data_loader: the loader has a custom batch_sampler; shard it yourself and "
                 "pass add_dist_sampler=False"
             )
-        seeded = data_loader.num_workers > 0
+        if loader_rng not in ("private", "global"):
+            raise ValueError(
+                f"prepare_data_loader(loader_rng={loader_rng!r}) must be 'private' or 'global'"
+            )
+        private = loader_rng == "private"
+        seeded = data_loader.num_workers > 0 and private
         sampler = ResumableDistributedSampler(
             data_loader.dataset,
             num_replicas=ctx.world_size,
@@ -217,9 +229,11 @@ def prepare_data_loader(
             yield_epoch=seeded,
         )
         dataset = SampleSeeded(data_loader.dataset, seed) if seeded else data_loader.dataset
-        loader = _rebuild(data_loader, dataset, sampler, torch.Generator())
+        generator = torch.Generator() if private else data_loader.generator
+        loader = _rebuild(data_loader, dataset, sampler, generator)
     device = ctx.device if move_to_device else None
     prepared = PreparedDataLoader(loader, device, seed=seed, world_size=ctx.world_size)
+    prepared.reseed = add_dist_sampler and loader_rng == "private"
     if plan is not None and plan.policy == "accumulate":
         prepared.micro_batch_size = plan.batch_size
     return prepared
@@ -283,6 +297,7 @@ class PreparedDataLoader:
         self._epoch = 0
         self._resume_batch: int | None = None
         self.micro_batch_size: int | None = None
+        self.reseed = True  # reseed the loader's generator from (seed, epoch) at every iter()
 
     def micro_batches(
         self, batch: Any, model: Any = None, max_size: int | None = None
@@ -416,7 +431,7 @@ class PreparedDataLoader:
             skip = start
             if isinstance(self.loader.sampler, DistributedSampler):
                 self.loader.sampler.set_epoch(epoch)
-        if self.loader.generator is not None and sampler is not None:
+        if self.reseed and self.loader.generator is not None and sampler is not None:
             self.loader.generator.manual_seed(_epoch_seed(self.seed, epoch))
         self.batch = start
         non_blocking = bool(self.loader.pin_memory)

@@ -106,8 +106,38 @@ def make_launcher(scaling: ScalingConfig) -> Launcher:
     return LocalLauncher()
 
 
+def _resolve_train_fn(
+    train_fn: Callable[..., Any] | None,
+    train_loop_per_worker: Callable[..., Any] | None,
+    datasets: dict[str, Any] | None,
+) -> Callable[..., Any]:
+    """The train function from ringtrain's name or Ray Train's; refuses ``datasets``."""
+    if datasets is not None:
+        raise ValueError(
+            "Trainer(datasets=...): Ray Data datasets are not supported; build a torch "
+            "DataLoader inside the train function and pass it through prepare_data_loader() "
+            "(it shards the data across workers like get_dataset_shard())"
+        )
+    if train_fn is not None and train_loop_per_worker is not None:
+        raise TypeError(
+            "Trainer got both train_fn and train_loop_per_worker (Ray Train's name for the same "
+            "argument): give only one"
+        )
+    chosen = train_fn if train_fn is not None else train_loop_per_worker
+    if chosen is None:
+        raise TypeError(
+            "Trainer needs the per-worker training function: Trainer(train_fn) or "
+            "Trainer(train_loop_per_worker=train_fn)"
+        )
+    return chosen
+
+
 class Trainer:
     """Runs ``train_fn`` as ``scaling_config.num_workers`` data-parallel workers.
+
+    Ray Train's keyword names work too, so ``TorchTrainer(train_loop_per_worker=...,
+    train_loop_config=..., scaling_config=..., run_config=...)`` ports by renaming the class
+    (see docs/ray.md).
 
     Args:
         train_fn: the per-worker training function, ``train_fn(config)`` or ``train_fn()``. It is
@@ -117,20 +147,28 @@ class Trainer:
         run_config: where to write and how to handle failures (default: ``./runs/<name>``).
         train_loop_config: the ``config`` passed to ``train_fn``.
         launcher: how workers start (default: local processes per ``scaling_config.backend``).
+        train_loop_per_worker: Ray Train's name for ``train_fn`` (give one of the two).
+        datasets: Ray Data datasets: not supported; always raises (feed a torch ``DataLoader``
+            through ``prepare_data_loader`` inside the train function instead).
 
     Raises:
-        TypeError: for arguments of the wrong type (before any process starts).
+        TypeError: for arguments of the wrong type, when neither or both of ``train_fn`` and
+            ``train_loop_per_worker`` are given (before any process starts).
+        ValueError: when ``datasets`` is given.
     """
 
     def __init__(
         self,
-        train_fn: Callable[..., Any],
+        train_fn: Callable[..., Any] | None = None,
         scaling_config: ScalingConfig | None = None,
         run_config: RunConfig | None = None,
         *,
         train_loop_config: dict[str, Any] | None = None,
         launcher: Launcher | None = None,
+        train_loop_per_worker: Callable[..., Any] | None = None,
+        datasets: dict[str, Any] | None = None,
     ) -> None:
+        train_fn = _resolve_train_fn(train_fn, train_loop_per_worker, datasets)
         if not callable(train_fn):
             raise TypeError(
                 f"Trainer(train_fn=...) must be callable, got {type(train_fn).__name__}"
