@@ -1,6 +1,9 @@
-"""Horovod's PyTorch MNIST example, ported to ringtrain by changing one line: the import.
+"""Horovod's PyTorch MNIST example, adapted by hand, with ``import ringtrain.horovod as hvd``.
 
-This is ``horovod/examples/pytorch/pytorch_mnist.py`` (the usual ``hvd.init()``, pin the device,
+The faithful port is ``examples/horovod_pytorch_mnist.py``: Horovod's file byte for byte except
+its 3 import lines (``import horovod`` for ``horovod.run``, ``import horovod.torch as hvd`` and
+torchvision's); see docs/horovod.md, "Porting Horovod scripts and launchers". This one is
+``horovod/examples/pytorch/pytorch_mnist.py`` (the usual ``hvd.init()``, pin the device,
 ``DistributedSampler`` with ``num_replicas=hvd.size()``, ``broadcast_parameters``,
 ``broadcast_optimizer_state``, ``DistributedOptimizer``, ``metric_average`` via ``allreduce``),
 with ``import horovod.torch as hvd`` replaced by ``import ringtrain.horovod as hvd``. Two other

@@ -74,6 +74,9 @@ _DIST_OPS = {
 }
 
 
+_NO_INT16 = {torch.int16: torch.int32}
+
+
 def check_op(op: Any) -> ReduceOp:
     """Validate a reduction op (an int or :class:`ReduceOp`).
 
@@ -300,7 +303,8 @@ def launch_fused_allreduce(
         A :class:`FusedWork`; the outputs hold the results after its ``wait()``.
     """
     post = postscale_factor / world_size if op == ReduceOp.Average else postscale_factor
-    wire = [compression.wire_dtype_for(t.dtype) for t in tensors]
+    # gloo and NCCL have no int16: such tensors travel as int32 (exact, wraps like int16 on cast)
+    wire = [_NO_INT16.get(w, w) for w in (compression.wire_dtype_for(t.dtype) for t in tensors)]
     keys = [(w, t.device) for w, t in zip(wire, tensors, strict=True)]
     sizes = [
         t.numel() * torch.empty((), dtype=w).element_size()

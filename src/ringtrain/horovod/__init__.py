@@ -11,7 +11,7 @@ what maps to what and what differs.
 from __future__ import annotations
 
 from ringtrain.comm.compression import Compression, Compressor
-from ringtrain.horovod import elastic
+from ringtrain.horovod import elastic, ray  # ray: horovod.ray's RayExecutor
 from ringtrain.horovod.functions import (
     allgather_object,
     broadcast_object,
@@ -38,20 +38,29 @@ from ringtrain.horovod.ops import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    global_process_set,
     grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
     grouped_reducescatter,
+    grouped_reducescatter_async,
     join,
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from ringtrain.horovod.optimizer import DistributedOptimizer
+from ringtrain.horovod.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from ringtrain.horovod.run import run  # horovod.run
 from ringtrain.horovod.runtime import (
     HorovodInternalError,
     ccl_built,
@@ -106,9 +115,11 @@ __all__ = [
     "HostsUpdatedInterrupt",
     "Max",
     "Min",
+    "ProcessSet",
     "Product",
     "Sum",
     "SyncBatchNorm",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -136,11 +147,13 @@ __all__ = [
     "gloo_built",
     "gloo_enabled",
     "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
     "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_homogeneous",
     "is_initialized",
@@ -153,11 +166,15 @@ __all__ = [
     "nccl_built",
     "poll",
     "rank",
+    "ray",
     "reducescatter",
     "reducescatter_async",
+    "remove_process_set",
     "rocm_built",
+    "run",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

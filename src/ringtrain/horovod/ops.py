@@ -6,8 +6,10 @@ Every operation first runs :func:`~ringtrain.horovod.runtime.negotiate` (one sma
 ``async_op=True``. ``*_async`` functions return an integer handle for :func:`poll` and
 :func:`synchronize`; the others synchronize at once. The non-in-place functions are
 differentiable (``torch.autograd.Function``, with Horovod's gradients: allreduce's gradient is
-the allreduce of the gradient, allgather's the summed gradient's own slice, broadcast's the sum
-on the root and zero elsewhere).
+the allreduce of the gradient with the same op, allgather's its own slice of the *averaged*
+gradient, broadcast's the averaged gradient on the root and zero elsewhere: Horovod's
+convention since 0.22, horovod PR #2687). Invalid calls raise the same exception on every rank
+(see ``negotiate``); operations are matched in program order, not by name.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ringtrain.comm.fusion import (
     fusion_threshold_from_env,
     launch_fused_allreduce,
 )
+from ringtrain.horovod.process_sets import SetView, global_process_set
 from ringtrain.horovod.runtime import HorovodInternalError, Pending, negotiate, runtime
 
 Average, Sum, Adasum, Min, Max, Product = (
@@ -38,34 +41,47 @@ Average, Sum, Adasum, Min, Max, Product = (
 )
 
 
+def _parse_op(op: Any) -> ReduceOp:
+    """``op`` as a :class:`ReduceOp`; Adasum passes here and is refused by :func:`_negotiate_op`
+    after the metadata exchange, so that every rank raises."""
+    try:
+        return ReduceOp(int(op))
+    except (ValueError, TypeError):
+        return check_op(op)  # raises ValueError naming the valid ops
+
+
 def _resolve_op(average: bool | None, op: Any) -> ReduceOp:
     if average is not None and op is not None:
         raise ValueError("pass either average= (deprecated) or op=, not both")
     if op is None:
         return ReduceOp.Average if average is None or average else ReduceOp.Sum
-    return check_op(op)
+    return _parse_op(op)
+
+
+def _view(process_set: Any, what: str) -> SetView:
+    """The set an operation runs on; ``ValueError`` (on this rank only: it is no participant)
+    if this rank is not a member."""
+    view = runtime().set_view(None if process_set is None else process_set)
+    view.require_member(what)
+    return view
 
 
 def _check_process_set(process_set: Any) -> None:
-    if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError(
-            "process sets are not supported by ringtrain.horovod; use torch.distributed.new_group"
-        )
+    """Validate ``process_set`` (registered, this rank a member)."""
+    _view(process_set, "collective")
 
 
-class _GlobalProcessSet:
-    """Horovod's ``global_process_set``: all ranks (the only process set supported)."""
-
-    process_set_id = 0
-
-    def size(self) -> int:
-        return runtime().size
-
-    def rank(self) -> int:
-        return runtime().rank
+#: gloo and NCCL have no 16-bit integer type: such tensors travel as int32 (exact).
+_TRANSPORT = {torch.int16: torch.int32}
 
 
-global_process_set = _GlobalProcessSet()
+def _to_wire(t: torch.Tensor) -> torch.Tensor:
+    wire = _TRANSPORT.get(t.dtype)
+    return t if wire is None else t.to(wire)
+
+
+def _from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
@@ -80,22 +96,25 @@ def _submit(
 ) -> int:
     """Launch an operation under ``name`` and register it; returns its handle."""
     rt = runtime()
-    rt.claim_name(name)
+    # A duplicate name is not refused here: the flag travels in the metadata exchange and
+    # every rank of the operation raises the same ValueError (Horovod's coordinator does too).
+    rt.duplicate_pending = rt.name_in_flight(name)
     try:
         is_completed, finish = launch()
     except RuntimeError as exc:
-        rt.release_name(name)
         if _is_peer_failure(exc) and not isinstance(exc, HorovodInternalError):
             raise HorovodInternalError(f"{kind} failed: {exc}") from exc
         raise
-    except BaseException:
-        rt.release_name(name)
-        raise
+    finally:
+        rt.duplicate_pending = False
+    rt.claim_name(name)
     return rt.add(Pending(name=name, is_completed=is_completed, finish=finish))
 
 
 def poll(handle: int) -> bool:
     """Whether the operation of ``handle`` has finished (``synchronize`` will not block)."""
+    if callable(handle):  # sparse_allreduce_async's handle (as in Horovod)
+        return True
     return bool(runtime().take(handle).is_completed())
 
 
@@ -106,6 +125,8 @@ def synchronize(handle: int) -> Any:
         HorovodInternalError: if the collective failed because a peer is gone.
         ValueError: for an unknown (or already synchronized) handle.
     """
+    if callable(handle):  # sparse_allreduce_async returns a function (as in Horovod)
+        return handle()
     rt = runtime()
     pending = rt.take(handle)
     try:
@@ -132,19 +153,21 @@ def _launch_allreduce(
     name: str | None,
     prescale_factor: float,
     postscale_factor: float,
+    view: SetView,
     compression: type[Compressor] = NoneCompressor,
 ) -> tuple[Callable[[], bool], Callable[[], None]]:
-    rt = runtime()
-    negotiate(kind, name, tensors, extra=int(op))
+    negotiate(kind, name, tensors, extra=int(op) + 16 * view.process_set_id, view=view)
+    check_op(op)  # Adasum: NotImplementedError, on every rank (all passed the same op)
     work = launch_fused_allreduce(
         tensors,
         outputs,
         op=op,
-        world_size=rt.size,
+        world_size=view.size,
         prescale_factor=prescale_factor,
         postscale_factor=postscale_factor,
         compression=compression,
         threshold_bytes=max(1, fusion_threshold_from_env()),
+        group=view.group,
     )
     return work.is_completed, work.wait
 
@@ -171,14 +194,14 @@ def allreduce_async_(
     Raises:
         ValueError: for a duplicate in-flight name or conflicting ``average``/``op``.
         RuntimeError: on every rank, if the ranks' tensors differ in dtype or shape.
-        NotImplementedError: for Adasum, or a process set.
+        NotImplementedError: on every rank, for Adasum.
     """
-    _check_process_set(process_set)
+    view = _view(process_set, "allreduce")
     rop = _resolve_op(average, op)
 
     def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
         done, wait = _launch_allreduce(
-            "allreduce", [tensor], [tensor], rop, name, prescale_factor, postscale_factor
+            "allreduce", [tensor], [tensor], rop, name, prescale_factor, postscale_factor, view
         )
         return done, lambda: (wait(), tensor)[1]
 
@@ -195,13 +218,13 @@ def allreduce_async(
     process_set: Any = None,
 ) -> int:
     """As :func:`allreduce_async_`, into a new tensor (the input is left unchanged)."""
-    _check_process_set(process_set)
+    view = _view(process_set, "allreduce")
     rop = _resolve_op(average, op)
     output = tensor.detach().clone()
 
     def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
         done, wait = _launch_allreduce(
-            "allreduce", [output], [output], rop, name, prescale_factor, postscale_factor
+            "allreduce", [output], [output], rop, name, prescale_factor, postscale_factor, view
         )
         return done, lambda: (wait(), output)[1]
 
@@ -211,20 +234,24 @@ def allreduce_async(
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name: Any
+        ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name: Any, ps: Any
     ) -> Any:
-        ctx.args = (op, pre, post)
+        ctx.args = (op, pre, post, ps)
         return synchronize(
-            allreduce_async(tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post)
+            allreduce_async(
+                tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
+            )
         )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        op, pre, post = ctx.args
+        op, pre, post, ps = ctx.args
         out = synchronize(
-            allreduce_async(grad.contiguous(), op=op, prescale_factor=pre, postscale_factor=post)
+            allreduce_async(
+                grad.contiguous(), op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
+            )
         )
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 def _reduce_compressed(
@@ -236,15 +263,23 @@ def _reduce_compressed(
     post: float,
     name: str | None,
     compression: type[Compressor],
+    process_set: Any,
 ) -> torch.Tensor:
     """A blocking reduction (allreduce, reducescatter) with wire compression: through the
     differentiable ``fn`` when autograd records, else ``launch_async`` + :func:`synchronize`."""
     wire, ctx = compression.compress(tensor)
     if wire.requires_grad and torch.is_grad_enabled():
-        out = fn.apply(wire, op, pre, post, name)
+        out = fn.apply(wire, op, pre, post, name, process_set)
     else:
         out = synchronize(
-            launch_async(wire, name=name, op=op, prescale_factor=pre, postscale_factor=post)
+            launch_async(
+                wire,
+                name=name,
+                op=op,
+                prescale_factor=pre,
+                postscale_factor=post,
+                process_set=process_set,
+            )
         )
     return compression.decompress(out, ctx)
 
@@ -275,8 +310,8 @@ def allreduce(
 
     Raises:
         RuntimeError: on every rank, if shapes or dtypes differ across ranks.
-        ValueError: for a duplicate in-flight name.
-        NotImplementedError: for Adasum.
+        ValueError: on every rank, for a duplicate in-flight name.
+        NotImplementedError: on every rank, for Adasum.
     """
     _check_process_set(process_set)
     rop = _resolve_op(average, op)
@@ -289,6 +324,7 @@ def allreduce(
         postscale_factor,
         name,
         compression,
+        process_set,
     )
 
 
@@ -322,7 +358,7 @@ def grouped_allreduce_async_(
     ``HOROVOD_FUSION_THRESHOLD`` bytes (default 128 MiB) per dtype, each reduced with one
     collective; the metadata check runs once for the whole group.
     """
-    _check_process_set(process_set)
+    view = _view(process_set, "grouped_allreduce")
     rop = _resolve_op(average, op)
     tensors = list(tensors)
     if not tensors:
@@ -330,7 +366,14 @@ def grouped_allreduce_async_(
 
     def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
         done, wait = _launch_allreduce(
-            "grouped_allreduce", tensors, tensors, rop, name, prescale_factor, postscale_factor
+            "grouped_allreduce",
+            tensors,
+            tensors,
+            rop,
+            name,
+            prescale_factor,
+            postscale_factor,
+            view,
         )
         return done, lambda: (wait(), tensors)[1]
 
@@ -347,7 +390,7 @@ def grouped_allreduce_async(
     process_set: Any = None,
 ) -> int:
     """As :func:`grouped_allreduce_async_`, into new tensors."""
-    _check_process_set(process_set)
+    view = _view(process_set, "grouped_allreduce")
     rop = _resolve_op(average, op)
     inputs = [t.detach() for t in tensors]
     if not inputs:
@@ -356,7 +399,7 @@ def grouped_allreduce_async(
 
     def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
         done, wait = _launch_allreduce(
-            "grouped_allreduce", inputs, outputs, rop, name, prescale_factor, postscale_factor
+            "grouped_allreduce", inputs, outputs, rop, name, prescale_factor, postscale_factor, view
         )
         return done, lambda: (wait(), outputs)[1]
 
@@ -366,26 +409,35 @@ def grouped_allreduce_async(
 class _GroupedAllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, op: ReduceOp, pre: float, post: float, name: Any, *tensors: torch.Tensor
+        ctx: Any, op: ReduceOp, pre: float, post: float, name: Any, ps: Any, *tensors: torch.Tensor
     ) -> Any:
-        ctx.args = (op, pre, post)
+        ctx.args = (op, pre, post, ps)
         return tuple(
             synchronize(
                 grouped_allreduce_async(
-                    tensors, name=name, op=op, prescale_factor=pre, postscale_factor=post
+                    tensors,
+                    name=name,
+                    op=op,
+                    prescale_factor=pre,
+                    postscale_factor=post,
+                    process_set=ps,
                 )
             )
         )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        op, pre, post = ctx.args
+        op, pre, post, ps = ctx.args
         out = synchronize(
             grouped_allreduce_async(
-                [g.contiguous() for g in grads], op=op, prescale_factor=pre, postscale_factor=post
+                [g.contiguous() for g in grads],
+                op=op,
+                prescale_factor=pre,
+                postscale_factor=post,
+                process_set=ps,
             )
         )
-        return (None, None, None, None, *out)
+        return (None, None, None, None, None, *out)
 
 
 def grouped_allreduce(
@@ -408,7 +460,11 @@ def grouped_allreduce(
     packed = [compression.compress(t) for t in tensors]
     wires = [w for w, _ in packed]
     if torch.is_grad_enabled() and any(w.requires_grad for w in wires):
-        outs = list(_GroupedAllreduceFn.apply(rop, prescale_factor, postscale_factor, name, *wires))
+        outs = list(
+            _GroupedAllreduceFn.apply(
+                rop, prescale_factor, postscale_factor, name, process_set, *wires
+            )
+        )
     else:
         outs = synchronize(
             grouped_allreduce_async(
@@ -417,6 +473,7 @@ def grouped_allreduce(
                 op=rop,
                 prescale_factor=prescale_factor,
                 postscale_factor=postscale_factor,
+                process_set=process_set,
             )
         )
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, packed, strict=False)]
@@ -439,6 +496,46 @@ def grouped_allreduce_(
     )
 
 
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: Any, process_set: Any = global_process_set
+) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse COO ``tensor``: allgather of its indices and values (Horovod's
+    algorithm); returns a *function* that waits and returns the sparse result (pass it to
+    :func:`synchronize`, as Horovod's optimizer does, or call it).
+
+    Args:
+        tensor: a sparse COO tensor (``tensor.is_sparse``); same dense shape on every rank.
+        name: names the two allgathers (``{name}.indices``, ``{name}.values``).
+        op: Average divides the values by the set's size; Sum keeps them (duplicate indices are
+            summed when the result is coalesced).
+
+    Raises:
+        ValueError: for a dense tensor, or an op other than Average or Sum.
+    """
+    if not getattr(tensor, "is_sparse", False):
+        raise ValueError("sparse_allreduce_async expects a sparse COO tensor (tensor.is_sparse)")
+    rop = _parse_op(op)
+    if rop not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, got {rop.name}")
+    view = _view(process_set, "sparse_allreduce_async")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    indices_handle = allgather_async(
+        t._indices().transpose(0, 1).contiguous(), name=f"{name}.indices", process_set=process_set
+    )
+    values_handle = allgather_async(t._values(), name=f"{name}.values", process_set=process_set)
+
+    def handle() -> torch.Tensor:
+        values = synchronize(values_handle)
+        indices = synchronize(indices_handle)
+        if rop == ReduceOp.Average:
+            values = values / view.size
+        return torch.sparse_coo_tensor(
+            indices.transpose(0, 1), values, t.size(), check_invariants=False
+        )
+
+    return handle
+
+
 # ------------------------------------------------------------------ allgather
 
 
@@ -446,150 +543,230 @@ def _as_1d(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(1) if tensor.dim() == 0 else tensor
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
+def _launch_allgather(
+    src: torch.Tensor, name: str | None, view: SetView, kind: str = "allgather"
+) -> tuple[Callable[[], bool], Callable[[], torch.Tensor]]:
+    rows = negotiate(
+        kind, name, [src], vary_first_dim=True, extra=16 * view.process_set_id, view=view
+    )
+    dims = [row[5] for row in rows] if len(rows) == view.size else [src.shape[0]] * view.size
+    if view.size == 1:
+        out = src.clone()
+        return (lambda: True), (lambda: out)
+    wire = _to_wire(src)
+    longest = max(dims)
+    padded = wire
+    if wire.shape[0] < longest:
+        pad = wire.new_zeros((longest - wire.shape[0], *wire.shape[1:]))
+        padded = torch.cat([wire, pad])
+    parts = [wire.new_empty((longest, *wire.shape[1:])) for _ in range(view.size)]
+    work = dist.all_gather(parts, padded, group=view.group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        out = torch.cat([p[:d] for p, d in zip(parts, dims, strict=False)])
+        return _from_wire(out, src.dtype)
+
+    return work.is_completed, finish
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+) -> int:
     """Start concatenating every rank's ``tensor`` along the first dimension; returns a handle.
 
-    The first dimension may differ across ranks; the others and the dtype must match.
+    The first dimension may differ across ranks; the others and the dtype must match. Every
+    dtype Horovod supports works on gloo (int16 travels as int32).
     """
-    _check_process_set(process_set)
+    view = _view(process_set, "allgather")
     src = _as_1d(tensor.detach()).contiguous()
-
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        rt = runtime()
-        rows = negotiate("allgather", name, [src], vary_first_dim=True)
-        dims = [row[5] for row in rows]
-        if rt.size == 1:
-            out = src.clone()
-            return (lambda: True), (lambda: out)
-        longest = max(dims)
-        padded = src
-        if src.shape[0] < longest:
-            pad = src.new_zeros((longest - src.shape[0], *src.shape[1:]))
-            padded = torch.cat([src, pad])
-        parts = [src.new_empty((longest, *src.shape[1:])) for _ in range(rt.size)]
-        work = dist.all_gather(parts, padded, async_op=True)
-
-        def finish() -> torch.Tensor:
-            work.wait()
-            return torch.cat([p[:d] for p, d in zip(parts, dims, strict=False)])
-
-        return work.is_completed, finish
-
-    return _submit(name, "allgather", launch)
+    return _submit(name, "allgather", lambda: _launch_allgather(src, name, view))
 
 
 class _AllgatherFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any) -> Any:
+    def forward(ctx: Any, tensor: torch.Tensor, name: Any, ps: Any) -> Any:
         ctx.dim0 = _as_1d(tensor).shape[0]
         ctx.scalar = tensor.dim() == 0
-        return synchronize(allgather_async(tensor, name=name))
+        ctx.ps = ps
+        return synchronize(allgather_async(tensor, name=name, process_set=ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum))
-        dims = synchronize(allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64)))
-        offset = int(dims[: runtime().rank].sum())
+        # Horovod >= 0.22 (PR #2687): the *averaged* gradient, then this rank's slice
+        summed = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ctx.ps))
+        dims = synchronize(
+            allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64), process_set=ctx.ps)
+        )
+        offset = int(dims[: _view(ctx.ps, "allgather").rank].sum())
         out = summed.narrow(0, offset, ctx.dim0)
-        return (out.reshape(()) if ctx.scalar else out), None
+        return (out.reshape(()) if ctx.scalar else out), None, None
 
 
 def allgather(
-    tensor: torch.Tensor, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
 ) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along the first dimension (rank order); differentiable.
 
     Args:
         tensor: shape ``(d_r, *rest)``; ``d_r`` may differ per rank, ``rest`` and dtype may not.
+        process_set: the ranks taking part (default: all).
 
     Returns:
-        Shape ``(sum_r d_r, *rest)``.
+        Shape ``(sum_r d_r, *rest)``. The gradient of rank r's input is its slice of the
+        gradient *averaged* over the ranks (Horovod's convention since 0.22).
 
     Raises:
         RuntimeError: on every rank, if dtypes or trailing dimensions differ.
     """
     _check_process_set(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherFn.apply(tensor, name)
-    return synchronize(allgather_async(tensor, name=name))
+        return _AllgatherFn.apply(tensor, name, process_set)
+    return synchronize(allgather_async(tensor, name=name, process_set=process_set))
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
+) -> int:
+    """Start an allgather of each tensor of the list, under one handle (``synchronize`` returns
+    the list of results). One metadata exchange checks the whole list."""
+    view = _view(process_set, "grouped_allgather")
+    srcs = [_as_1d(t.detach()).contiguous() for t in tensors]
+    if not srcs:
+        raise ValueError("grouped_allgather: the list of tensors is empty")
+
+    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
+        negotiate(
+            "grouped_allgather",
+            name,
+            srcs,
+            extra=16 * view.process_set_id,
+            view=view,
+            vary_first_dim=True,
+        )
+        launched = [_launch_allgather(s, None, view, "grouped_allgather.part") for s in srcs]
+        return (
+            lambda: all(done() for done, _ in launched),
+            lambda: [finish() for _, finish in launched],
+        )
+
+    return _submit(name, "grouped_allgather", launch)
 
 
 def grouped_allgather(
-    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = None
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
 ) -> list[torch.Tensor]:
-    """:func:`allgather` of each tensor of the list."""
-    return [
-        allgather(t, name=None if name is None else f"{name}.{i}", process_set=process_set)
-        for i, t in enumerate(tensors)
-    ]
+    """:func:`allgather` of each tensor of the list (differentiable when a tensor requires
+    grad)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return [
+            allgather(t, name=None if name is None else f"{name}.{i}", process_set=process_set)
+            for i, t in enumerate(tensors)
+        ]
+    return synchronize(grouped_allgather_async(tensors, name=name, process_set=process_set))
 
 
 # ------------------------------------------------------------------ broadcast
 
 
 def _broadcast_launch(
-    tensor: torch.Tensor, output: torch.Tensor, root_rank: int, name: str | None
+    tensor: torch.Tensor, output: torch.Tensor, root_rank: int, name: str | None, view: SetView
 ) -> tuple[Callable[[], bool], Callable[[], Any]]:
-    rt = runtime()
-    if not 0 <= root_rank < rt.size:
-        raise ValueError(f"root_rank={root_rank} is outside [0, size()={rt.size})")
-    negotiate("broadcast", name, [tensor], extra=root_rank)
-    if rt.size == 1:
+    negotiate(
+        "broadcast", name, [tensor], extra=root_rank + (1 << 20) * view.process_set_id, view=view
+    )
+    view.require_root(root_rank, "broadcast")
+    if view.size == 1:
         return (lambda: True), (lambda: output)
-    work = dist.broadcast(output, src=root_rank, async_op=True)
-    return work.is_completed, lambda: (work.wait(), output)[1]
+    wire = _to_wire(output)
+    work = dist.broadcast(wire, src=root_rank, group=view.group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        if wire is not output:
+            output.copy_(wire)
+        return output
+
+    return work.is_completed, finish
 
 
 def broadcast_async_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> int:
-    """Start overwriting ``tensor`` on every rank with ``root_rank``'s; returns a handle."""
-    _check_process_set(process_set)
+    """Start overwriting ``tensor`` on every rank with ``root_rank``'s (a global rank, as in
+    Horovod); returns a handle.
+
+    Raises:
+        ValueError: for a non-contiguous tensor; on every rank, for a ``root_rank`` outside
+            the process set.
+    """
+    view = _view(process_set, "broadcast")
     if not tensor.is_contiguous():
         raise ValueError("broadcast_: the tensor must be contiguous (use broadcast())")
-    return _submit(name, "broadcast", lambda: _broadcast_launch(tensor, tensor, root_rank, name))
+    return _submit(
+        name, "broadcast", lambda: _broadcast_launch(tensor, tensor, root_rank, name, view)
+    )
 
 
 def broadcast_async(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> int:
     """As :func:`broadcast_async_`, into a new tensor."""
-    _check_process_set(process_set)
+    view = _view(process_set, "broadcast")
     output = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return _submit(name, "broadcast", lambda: _broadcast_launch(output, output, root_rank, name))
+    return _submit(
+        name, "broadcast", lambda: _broadcast_launch(output, output, root_rank, name, view)
+    )
 
 
 class _BroadcastFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any) -> Any:
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Any, ps: Any) -> Any:
         ctx.root = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name=name))
+        ctx.ps = ps
+        return synchronize(broadcast_async(tensor, root_rank, name=name, process_set=ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum))
+        # Horovod >= 0.22 (PR #2687): the averaged gradient on the root, zero elsewhere
+        summed = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ctx.ps))
         if runtime().rank != ctx.root:
             summed = summed * 0
-        return summed, None, None
+        return summed, None, None, None
 
 
 def broadcast(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> torch.Tensor:
     """``root_rank``'s ``tensor``, on every rank (a new tensor); differentiable.
 
+    Args:
+        root_rank: a global rank (``hvd.rank()``), a member of ``process_set``.
+
     Raises:
-        ValueError: for ``root_rank`` outside ``[0, size())``.
+        ValueError: on every rank, for ``root_rank`` outside the process set.
         RuntimeError: on every rank, if shapes, dtypes or root ranks differ.
     """
     _check_process_set(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _BroadcastFn.apply(tensor, root_rank, name)
-    return synchronize(broadcast_async(tensor, root_rank, name=name))
+        return _BroadcastFn.apply(tensor, root_rank, name, process_set)
+    return synchronize(broadcast_async(tensor, root_rank, name=name, process_set=process_set))
 
 
 def broadcast_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> torch.Tensor:
     """Overwrite ``tensor`` in place with ``root_rank``'s and return it."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
@@ -598,85 +775,129 @@ def broadcast_(
 # ------------------------------------------------------------------ alltoall and reducescatter
 
 
-def _splits_list(splits: Any, dim0: int, size: int) -> list[int]:
+def _splits_list(splits: Any, dim0: int, size: int) -> tuple[list[int], str | None]:
+    """The splits to send, and an error text (raised after the metadata exchange, so that every
+    rank raises it)."""
     if splits is None:
         if dim0 % size:
-            raise ValueError(
-                f"alltoall: the first dimension ({dim0}) is not divisible by size() ({size}); "
-                "pass splits="
+            return [0] * size, (
+                f"alltoall: the first dimension ({dim0}) is not divisible by the number of ranks "
+                f"({size}); pass splits="
             )
-        return [dim0 // size] * size
+        return [dim0 // size] * size, None
     values = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(values) != size or any(v < 0 for v in values) or sum(values) != dim0:
-        raise ValueError(
+        return [0] * size, (
             f"alltoall: splits={values} must be {size} non-negative counts summing to the first "
             f"dimension ({dim0})"
         )
-    return values
+    return values, None
 
 
 def alltoall_async(
-    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: Any = global_process_set,
 ) -> int:
-    """Start an all-to-all: rank r sends ``splits[j]`` rows of ``tensor`` to rank j.
+    """Start an all-to-all: rank r sends ``splits[j]`` rows of ``tensor`` to the j-th rank of the
+    set.
 
-    ``synchronize`` returns ``(output, received_splits)``.
+    ``synchronize`` returns ``(output, received_splits)`` (int32), as Horovod's.
+
+    Raises:
+        ValueError: on every rank, if any rank's splits are invalid.
     """
-    _check_process_set(process_set)
+    view = _view(process_set, "alltoall")
     src = _as_1d(tensor.detach()).contiguous()
 
     def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        rt = runtime()
-        send = _splits_list(splits, src.shape[0], rt.size)
-        rows = negotiate("alltoall", name, [src], vary_first_dim=True, splits=send)
-        received = [row[8 + rt.rank] for row in rows]
+        send, problem = _splits_list(splits, src.shape[0], view.size)
+        rows = negotiate(
+            "alltoall",
+            name,
+            [src],
+            vary_first_dim=True,
+            splits=send,
+            extra=16 * view.process_set_id,
+            view=view,
+            payload=int(problem is not None),
+        )
+        bad = [view.ranks[i] for i, row in enumerate(rows) if row[9]]
+        if problem is not None:
+            raise ValueError(problem)
+        if bad:
+            raise ValueError(f"alltoall: rank(s) {bad} passed invalid splits (they raise why)")
+        received = [row[10 + view.rank] for row in rows] if len(rows) > 1 else list(send)
         out = src.new_empty((sum(received), *src.shape[1:]))
         recv_splits = torch.tensor(received, dtype=torch.int32)
-        if rt.size == 1:
+        if view.size == 1:
             out.copy_(src)
             return (lambda: True), (lambda: (out, recv_splits))
+        wire_in, wire_out = _to_wire(src), _to_wire(out)
         work = dist.all_to_all_single(
-            out, src, output_split_sizes=received, input_split_sizes=send, async_op=True
+            wire_out,
+            wire_in,
+            output_split_sizes=received,
+            input_split_sizes=send,
+            group=view.group,
+            async_op=True,
         )
-        return work.is_completed, lambda: (work.wait(), (out, recv_splits))[1]
+
+        def finish() -> tuple[torch.Tensor, torch.Tensor]:
+            work.wait()
+            if wire_out is not out:
+                out.copy_(wire_out)
+            return out, recv_splits
+
+        return work.is_completed, finish
 
     return _submit(name, "alltoall", launch)
 
 
 class _AlltoallFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any) -> Any:
-        out, received = synchronize(alltoall_async(tensor, splits, name=name))
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, ps: Any) -> Any:
+        out, received = synchronize(alltoall_async(tensor, splits, name=name, process_set=ps))
         ctx.received = received
+        ctx.ps = ps
+        if splits is None:
+            return out
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> Any:
-        out, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received))
-        return out, None, None
+    def backward(ctx: Any, grad: torch.Tensor, *_unused: Any) -> Any:
+        out, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received, process_set=ctx.ps))
+        return out, None, None, None
 
 
 def alltoall(
-    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+) -> Any:
     """Scatter slices of ``tensor`` to every rank and gather theirs; differentiable.
 
     Args:
         tensor: shape ``(d, *rest)``.
-        splits: ``size()`` row counts summing to ``d`` (default: ``d / size()`` each).
+        splits: ``n`` row counts summing to ``d`` (a list or an int tensor; default: ``d / n``
+            each, n the number of ranks of the set).
 
     Returns:
-        ``(output, received_splits)``: the rows received, in rank order, and how many from each.
+        As Horovod 0.28: the received rows (rank order) when ``splits`` is ``None``; otherwise
+        ``(output, received_splits)``, the rows and how many came from each rank (int32).
 
     Raises:
-        ValueError: for bad splits.
+        ValueError: on every rank, for bad splits.
         RuntimeError: on every rank, if dtypes or trailing dimensions differ.
     """
     _check_process_set(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AlltoallFn.apply(tensor, splits, name)
-    return synchronize(alltoall_async(tensor, splits, name=name))
+        return _AlltoallFn.apply(tensor, splits, name, process_set)
+    out, received = synchronize(alltoall_async(tensor, splits, name=name, process_set=process_set))
+    return out if splits is None else (out, received)
 
 
 def _scatter_counts(dim0: int, size: int) -> list[int]:
@@ -688,19 +909,18 @@ def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
     op: Any = ReduceOp.Average,
-    process_set: Any = None,
+    process_set: Any = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> int:
     """Start reducing ``tensor`` across ranks and keeping this rank's slice of the first dimension
     (as even as possible, earlier ranks one row more). Implemented as an allreduce followed by a
     slice: correct on every backend, twice the bytes of a ring reduce-scatter."""
-    _check_process_set(process_set)
-    rop = check_op(op)
+    view = _view(process_set, "reducescatter")
+    rop = _parse_op(op)
     work_tensor = _as_1d(tensor.detach()).clone(memory_format=torch.contiguous_format)
 
     def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        rt = runtime()
         done, wait = _launch_allreduce(
             "reducescatter",
             [work_tensor],
@@ -709,13 +929,14 @@ def reducescatter_async(
             name,
             prescale_factor,
             postscale_factor,
+            view,
         )
-        counts = _scatter_counts(work_tensor.shape[0], rt.size)
-        offset = sum(counts[: rt.rank])
+        counts = _scatter_counts(work_tensor.shape[0], view.size)
+        offset = sum(counts[: view.rank])
 
         def finish() -> torch.Tensor:
             wait()
-            return work_tensor.narrow(0, offset, counts[rt.rank]).clone()
+            return work_tensor.narrow(0, offset, counts[view.rank]).clone()
 
         return done, finish
 
@@ -725,21 +946,22 @@ def reducescatter_async(
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name: Any
+        ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name: Any, ps: Any
     ) -> Any:
-        ctx.args = (op, pre, post)
+        ctx.args = (op, pre, post, ps)
         return synchronize(
             reducescatter_async(
-                tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post
+                tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
             )
         )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        op, pre, post = ctx.args
-        full = synchronize(allgather_async(grad.contiguous()))
-        scale = pre * post / (runtime().size if op == ReduceOp.Average else 1)
-        return full * scale, None, None, None, None
+        op, pre, post, ps = ctx.args
+        full = synchronize(allgather_async(grad.contiguous(), process_set=ps))
+        n = _view(ps, "reducescatter").size
+        scale = pre * post / (n if op == ReduceOp.Average else 1)
+        return full * scale, None, None, None, None, None
 
 
 def reducescatter(
@@ -747,7 +969,7 @@ def reducescatter(
     name: str | None = None,
     compression: type[Compressor] = NoneCompressor,
     op: Any = ReduceOp.Average,
-    process_set: Any = None,
+    process_set: Any = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
@@ -755,10 +977,11 @@ def reducescatter(
     differentiable.
 
     Returns:
-        Shape ``(d_r, *rest)``: ``d_r = d // size()``, plus one on the first ``d % size()`` ranks.
+        Shape ``(d_r, *rest)``: ``d_r = d // n``, plus one on the first ``d % n`` ranks of the
+        set (n ranks).
     """
     _check_process_set(process_set)
-    rop = check_op(op)
+    rop = _parse_op(op)
     return _reduce_compressed(
         _ReducescatterFn,
         reducescatter_async,
@@ -768,7 +991,49 @@ def reducescatter(
         postscale_factor,
         name,
         compression,
+        process_set,
     )
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: Any = ReduceOp.Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Start a reducescatter of each tensor of the list as one fused allreduce; ``synchronize``
+    returns the list of this rank's slices."""
+    view = _view(process_set, "grouped_reducescatter")
+    rop = _parse_op(op)
+    works = [_as_1d(t.detach()).clone(memory_format=torch.contiguous_format) for t in tensors]
+    if not works:
+        raise ValueError("grouped_reducescatter: the list of tensors is empty")
+
+    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
+        done, wait = _launch_allreduce(
+            "grouped_reducescatter",
+            works,
+            works,
+            rop,
+            name,
+            prescale_factor,
+            postscale_factor,
+            view,
+        )
+
+        def finish() -> list[torch.Tensor]:
+            wait()
+            out = []
+            for w in works:
+                counts = _scatter_counts(w.shape[0], view.size)
+                out.append(w.narrow(0, sum(counts[: view.rank]), counts[view.rank]).clone())
+            return out
+
+        return done, finish
+
+    return _submit(name, "grouped_reducescatter", launch)
 
 
 def grouped_reducescatter(
@@ -776,33 +1041,42 @@ def grouped_reducescatter(
     name: str | None = None,
     compression: type[Compressor] = NoneCompressor,
     op: Any = ReduceOp.Average,
-    process_set: Any = None,
+    process_set: Any = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
-    """:func:`reducescatter` of each tensor of the list."""
-    return [
-        reducescatter(
-            t,
-            None if name is None else f"{name}.{i}",
-            compression,
-            op,
-            process_set,
-            prescale_factor,
-            postscale_factor,
+    """:func:`reducescatter` of each tensor of the list (fused into one allreduce unless a
+    tensor requires grad)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return [
+            reducescatter(
+                t,
+                None if name is None else f"{name}.{i}",
+                compression,
+                op,
+                process_set,
+                prescale_factor,
+                postscale_factor,
+            )
+            for i, t in enumerate(tensors)
+        ]
+    packed = [compression.compress(t) for t in tensors]
+    outs = synchronize(
+        grouped_reducescatter_async(
+            [w for w, _ in packed], name, op, process_set, prescale_factor, postscale_factor
         )
-        for i, t in enumerate(tensors)
-    ]
+    )
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, packed, strict=True)]
 
 
 # ------------------------------------------------------------------ barrier and join
 
 
-def barrier(process_set: Any = None) -> None:
-    """Block until every rank has called ``barrier()``."""
-    _check_process_set(process_set)
-    if runtime().size > 1:
-        dist.barrier()
+def barrier(process_set: Any = global_process_set) -> None:
+    """Block until every rank of the set has called ``barrier()`` (the metadata exchange is the
+    barrier: a rank in another operation makes both raise instead of hanging)."""
+    view = _view(process_set, "barrier")
+    negotiate("barrier", None, [], extra=view.process_set_id, view=view)
 
 
 def join(device: int = -1) -> int:
@@ -810,13 +1084,16 @@ def join(device: int = -1) -> int:
 
     Unlike Horovod, a rank that has joined does not serve its peers' later collectives with
     zeros: call ``join()`` where every rank has finished its collectives (the end of an epoch
-    with uneven data); a rank still issuing collectives then times out instead of finishing.
-    The last rank is the one with the latest wall-clock arrival (one ``all_gather``).
+    with uneven data); a rank still issuing collectives then meets the joined ranks in the
+    metadata exchange and every rank raises ``RuntimeError`` (no hang). The last rank is the one
+    with the latest wall-clock arrival (carried by the same exchange).
+
+    Args:
+        device: Horovod's GPU for the zero tensors; ignored.
     """
     rt = runtime()
     if rt.size == 1:
         return 0
-    arrival = torch.tensor([time.time()], dtype=torch.float64)
-    gathered = [torch.empty_like(arrival) for _ in range(rt.size)]
-    dist.all_gather(gathered, arrival)
-    return int(torch.cat(gathered).argmax())
+    rows = negotiate("join", None, [], payload=time.time_ns() // 1000)
+    arrivals = [row[9] for row in rows]
+    return int(max(range(len(arrivals)), key=lambda i: (arrivals[i], i)))

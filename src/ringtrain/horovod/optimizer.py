@@ -97,7 +97,8 @@ def DistributedOptimizer(
         groups: Horovod's explicit grouping; the fusion buckets replace it (ignored, with a
             warning, unless ``None``).
         sparse_as_dense: sparse gradients are not supported; must be False.
-        process_set: only the global set is supported.
+        process_set: the ranks whose gradients are averaged (default: all); every member
+            wraps its optimizer, the other ranks must not.
         fusion_threshold_bytes: bucket cap in bytes (default: ``HOROVOD_FUSION_THRESHOLD``,
             else 128 MiB; 0 disables fusion).
 
@@ -108,14 +109,14 @@ def DistributedOptimizer(
         ValueError: for duplicate or missing parameter names, a bad ``gradient_predivide_factor``
             or ``backward_passes_per_step``, or a predivide factor with ``op != Average``.
         RuntimeError: on every rank, if the ranks' parameters differ (names, dtypes, shapes).
-        NotImplementedError: for Adasum, sparse_as_dense or a process set.
+        NotImplementedError: for Adasum or sparse_as_dense.
     """
     rt = runtime()
     rop = check_op(op)
     if sparse_as_dense:
         raise NotImplementedError("sparse_as_dense=True: sparse gradients are not supported")
-    if process_set is not None:
-        raise NotImplementedError("process sets are not supported by ringtrain.horovod")
+    view = rt.set_view(process_set)
+    view.require_member("DistributedOptimizer")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if gradient_predivide_factor != 1.0 and rop != ReduceOp.Average:
@@ -157,7 +158,8 @@ def DistributedOptimizer(
     dist_opt.__dict__ = optimizer.__dict__  # share param groups, state and hooks
     dist_opt._hvd_engine = GradientAllreducer(
         named,
-        world_size=rt.size,
+        world_size=view.size,
+        group=view.group,
         op=rop,
         compression=resolve(compression),
         threshold_bytes=fusion_threshold_bytes,

@@ -76,6 +76,12 @@ class Runtime:
     inflight_names: set[str] = field(default_factory=set)
     next_handle: int = 1
     lock: threading.Lock = field(default_factory=threading.Lock)
+    sets: dict[int, tuple[tuple[int, ...], Any]] = field(default_factory=dict)
+    next_set_id: int = 1
+    check: bool = True
+    """Exchange each operation's descriptor before its data (``False`` only for benchmarks:
+    a mismatch then hangs or corrupts instead of raising on every rank)."""
+    duplicate_pending: bool = False
 
     @property
     def size(self) -> int:
@@ -114,6 +120,74 @@ class Runtime:
             with self.lock:
                 self.inflight_names.discard(name)
 
+    def name_in_flight(self, name: str | None) -> bool:
+        with self.lock:
+            return name is not None and name in self.inflight_names
+
+    # -------------------------------------------------------------- process sets
+
+    def set_view(self, process_set: Any) -> Any:
+        """The :class:`~ringtrain.horovod.process_sets.SetView` of ``process_set`` (``None``:
+        the global set).
+
+        Raises:
+            ValueError: for a set that is not registered (never added, or removed).
+        """
+        from ringtrain.horovod.process_sets import SetView
+
+        psid = 0 if process_set is None else getattr(process_set, "process_set_id", "?")
+        if psid == 0:
+            n, r = self.ctx.world_size, self.ctx.world_rank
+            return SetView(0, tuple(range(n)), None, n, r)
+        entry = self.sets.get(psid) if isinstance(psid, int) else None
+        if entry is None or not isinstance(psid, int):
+            raise ValueError(
+                f"process set {process_set} is not registered on this rank: pass one returned "
+                "by hvd.add_process_set() (or listed in hvd.init(process_sets=...)) and not "
+                "removed since"
+            )
+        ranks, group = entry
+        me = self.ctx.world_rank
+        return SetView(psid, ranks, group, len(ranks), ranks.index(me) if me in ranks else -1)
+
+    def register_set(self, ps: Any) -> None:
+        """Create the subgroup of ``ps`` (collective over all ranks) and give it an id."""
+        ranks = tuple(ps.ranks or ())
+        n = self.ctx.world_size
+        bad = [r for r in ranks if not 0 <= r < n]
+        negotiate("add_process_set", None, [], extra=_hash63(repr(ranks)))
+        if not ranks or bad:
+            raise ValueError(
+                f"add_process_set: ranks {list(ranks)} must be a non-empty list of ranks in "
+                f"[0, size()={n})"
+            )
+        if ps.process_set_id is not None and ps.process_set_id in self.sets:
+            raise ValueError(f"add_process_set: {ps} is already registered")
+        known = [psid for psid, (rk, _) in self.sets.items() if rk == ranks]
+        if known:
+            raise ValueError(
+                f"add_process_set: a process set with ranks {list(ranks)} already exists (id "
+                f"{known[0]}); reuse it"
+            )
+        group = dist.new_group(list(ranks)) if n > 1 else None
+        psid = self.next_set_id
+        self.next_set_id += 1
+        self.sets[psid] = (ranks, group)
+        ps.process_set_id = psid
+        ps.ranks = list(ranks)
+
+    def unregister_set(self, ps: Any) -> bool:
+        """Drop the subgroup of ``ps`` (collective over all ranks)."""
+        psid = getattr(ps, "process_set_id", None)
+        negotiate("remove_process_set", None, [], extra=-1 if psid is None else int(psid))
+        if psid is None or psid == 0 or psid not in self.sets:
+            return False
+        _, group = self.sets.pop(psid)
+        ps.invalidate()
+        if group is not None:
+            dist.destroy_process_group(group)
+        return True
+
     def take(self, handle: int) -> Pending:
         with self.lock:
             pending = self.handles.get(handle)
@@ -138,21 +212,31 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
     Args:
         comm: Horovod's MPI communicator; only ``None`` is supported (there is no MPI).
-        process_sets: Horovod process sets; only ``None`` is supported.
+        process_sets: ``None``, ``"dynamic"`` (accepted: sets can always be added later), or a
+            list of :class:`~ringtrain.horovod.ProcessSet` created here, in list order, on every
+            rank (collective).
 
     Raises:
-        NotImplementedError: for ``comm`` or ``process_sets``.
+        NotImplementedError: for ``comm`` (on every rank: it does not depend on the rank).
+        ValueError: for ``process_sets`` of another type.
     """
     global _runtime
     if comm is not None:
         raise NotImplementedError(
             "hvd.init(comm=...) needs MPI, which ringtrain.horovod does not use; call hvd.init() "
-            "and start the ranks with `ringtrain run -n N` or torchrun"
+            "and start the ranks with `ringtrain run -n N` or torchrun (for a subset of ranks, "
+            "use hvd.init(process_sets=[hvd.ProcessSet([...])]) or hvd.add_process_set)"
         )
-    if process_sets is not None:
-        raise NotImplementedError(
-            "process sets are not supported by ringtrain.horovod; use torch.distributed.new_group"
+    if process_sets not in (None, "dynamic") and not isinstance(process_sets, (list, tuple)):
+        raise ValueError(
+            f"hvd.init(process_sets=...) takes a list of hvd.ProcessSet or 'dynamic', got "
+            f"{type(process_sets).__name__}"
         )
+    _init(process_sets if isinstance(process_sets, (list, tuple)) else [])
+
+
+def _init(process_sets: Sequence[Any]) -> None:
+    global _runtime
     with _slot_lock:
         if _runtime is not None:
             return
@@ -166,6 +250,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             owns = True
             atexit.register(_destroy_owned_group)
         _runtime = Runtime(ctx=ctx, owns_group=owns)
+        from ringtrain.horovod.process_sets import global_process_set
+
+        global_process_set.ranks = list(range(ctx.world_size))
+    from ringtrain.horovod.process_sets import ProcessSet, add_process_set
+
+    for ps in process_sets:
+        add_process_set(ps if isinstance(ps, ProcessSet) else ProcessSet(ps))
 
 
 def shutdown() -> None:
@@ -182,6 +273,12 @@ def shutdown() -> None:
         _runtime = None
     if rt is None:
         return
+    for _, group in rt.sets.values():
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:
+                pass
     for pending in list(rt.handles.values()):
         try:
             pending.finish()
@@ -280,8 +377,17 @@ def gloo_enabled() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    """False (no MPI)."""
-    return False
+    """Horovod's answer when MPI is not enabled (its gloo mode): ``ValueError``.
+
+    Raises:
+        ValueError: always, on every rank (there is no MPI to mix with ``mpi4py``; use
+            ``torch.distributed`` collectives on ``hvd``'s process group instead).
+    """
+    raise ValueError(
+        "Horovod MPI is not enabled (ringtrain.horovod runs on torch.distributed, never MPI): "
+        "there is no MPI threading to query; to mix in other collectives use torch.distributed "
+        "directly (the default process group is hvd's)"
+    )
 
 
 def cuda_built() -> bool:
@@ -320,7 +426,8 @@ _DTYPES = [
     torch.complex64,
     torch.complex128,
 ]
-_HEADER = 8
+_HEADER = 10
+_KIND, _NAME, _DTYPE, _NDIM, _SHAPE, _DIM0, _EXTRA, _COUNT, _DUP, _PAYLOAD = range(_HEADER)
 
 
 def _hash63(text: str) -> int:
@@ -332,9 +439,9 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _describe(row: list[int]) -> str:
-    code = row[2]
+    code = row[_DTYPE]
     dtype = str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else f"#{code}"
-    return f"dtype {dtype}, {row[3]} dims, first dim {row[5]}"
+    return f"dtype {dtype}, {row[_NDIM]} dims, first dim {row[_DIM0]}"
 
 
 def negotiate(
@@ -345,13 +452,18 @@ def negotiate(
     vary_first_dim: bool = False,
     extra: int = 0,
     splits: Sequence[int] | None = None,
+    view: Any = None,
+    payload: int = 0,
+    signature: str | None = None,
 ) -> list[list[int]]:
     """Check that every rank calls the same operation on compatible tensors; raise otherwise.
 
-    One ``all_gather`` of ``8 + size()`` int64 per rank (under 200 bytes at 16 ranks: one
-    network latency, paid once per call; a grouped or fused call pays it once for all its
-    tensors). Every rank sees every rank's row, so a mismatch raises on every rank instead of
-    leaving some ranks blocked in a collective.
+    One ``all_gather`` of ``10 + n`` int64 per rank over the process set's group (n ranks; under
+    250 bytes at 16 ranks: one network latency per call; a grouped or fused call pays it once for
+    all its tensors). Every rank sees every rank's row, so an invalid call on any rank raises the
+    same exception on every rank instead of leaving some ranks blocked in the data collective.
+    ``barrier``, ``join``, the object collectives and process-set changes go through it too, so
+    two ranks in different operations always meet here and both raise.
 
     Args:
         kind: the operation (``"allreduce"``...).
@@ -359,23 +471,37 @@ def negotiate(
         tensors: the tensors of the operation.
         vary_first_dim: the first dimension may differ across ranks (allgather, alltoall).
         extra: one more integer every rank must agree on (the op, the root rank).
-        splits: this rank's alltoall splits (``size()`` ints).
+        splits: this rank's alltoall splits (``n`` ints).
+        view: the process set's :class:`~ringtrain.horovod.process_sets.SetView` (``None``: all
+            ranks).
+        payload: an integer carried to every rank and not compared (``join``'s arrival time).
+        signature: text every rank must agree on (e.g. the names of broadcast parameters).
 
     Returns:
-        Every rank's row: ``[kind, name, dtype, ndim, shape hash, first dim, extra, count,
-        splits...]``.
+        Every member's row: ``[kind, name, dtype, ndim, shape hash, first dim, extra, count,
+        duplicate, payload, splits...]``.
 
     Raises:
+        ValueError: on every rank, if a rank already has an in-flight operation of this name.
         RuntimeError: on every rank, naming what differs.
     """
     rt = runtime()
-    n = rt.size
+    if view is None:
+        view = rt.set_view(None)
+    n = view.size
+    duplicate, rt.duplicate_pending = rt.duplicate_pending, False
     t0 = tensors[0] if tensors else torch.empty(0)
     if len(tensors) == 1:
         rest = tuple(t0.shape[1:]) if vary_first_dim else tuple(t0.shape)
         shape_hash = _hash63(repr(rest))
     else:
-        shape_hash = _hash63(repr([(str(t.dtype), tuple(t.shape)) for t in tensors]))
+        shape_hash = _hash63(
+            repr(
+                [(str(t.dtype), tuple(t.shape[1:] if vary_first_dim else t.shape)) for t in tensors]
+            )
+        )
+    if signature is not None:
+        shape_hash = _hash63(f"{shape_hash}|{signature}")
     row = [
         _hash63(kind),
         _hash63(name) if name else 0,
@@ -385,35 +511,54 @@ def negotiate(
         int(t0.shape[0]) if t0.dim() > 0 else 1,
         int(extra),
         len(tensors),
+        int(duplicate),
+        int(payload),
     ]
     row += list(splits) if splits is not None else [0] * n
-    if n == 1:
-        return [row]
-    mine = torch.tensor(row, dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(n)]
-    try:
-        dist.all_gather(gathered, mine)
-    except Exception as exc:
-        raise HorovodInternalError(f"{kind}: the metadata exchange failed: {exc}") from exc
-    rows = [g.tolist() for g in gathered]
-    first = rows[0]
+    rows = [row]
+    if n > 1 and rt.check:
+        mine = torch.tensor(row, dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(n)]
+        try:
+            dist.all_gather(gathered, mine, group=view.group)
+        except Exception as exc:
+            raise HorovodInternalError(f"{kind}: the metadata exchange failed: {exc}") from exc
+        rows = [g.tolist() for g in gathered]
     label = f"{kind}" + (f" {name!r}" if name else "")
+    dups = [view.ranks[i] for i, other in enumerate(rows) if other[_DUP]]
+    if len(rows) == 1 and duplicate:
+        dups = [rt.rank]
+    if dups:
+        raise ValueError(
+            f"{label}: rank(s) {dups} already have an operation named {name!r} in flight: "
+            "synchronize() its handle before reusing the name, or give this one another name "
+            "(raised on every rank of the operation)"
+        )
+    first = rows[0]
     problems = []
-    for r, other in enumerate(rows[1:], start=1):
-        if other[0] != first[0]:
-            problems.append(f"rank {r} called another operation than rank 0")
-        elif other[1] != first[1]:
-            problems.append(f"rank {r} used another name than rank 0")
-        elif other[6] != first[6]:
-            problems.append(f"rank {r} passed another op/root rank than rank 0")
-        elif other[7] != first[7]:
-            problems.append(f"rank {r} passed {other[7]} tensors, rank 0 passed {first[7]}")
-        elif other[2:5] != first[2:5] or (not vary_first_dim and other[5] != first[5]):
-            problems.append(f"rank {r} has {_describe(other)}; rank 0 has {_describe(first)}")
+    for i, other in enumerate(rows[1:], start=1):
+        r, r0 = view.ranks[i], view.ranks[0]
+        if other[_KIND] != first[_KIND]:
+            problems.append(f"rank {r} called another operation than rank {r0}")
+        elif other[_NAME] != first[_NAME]:
+            problems.append(f"rank {r} used another name than rank {r0}")
+        elif other[_EXTRA] != first[_EXTRA]:
+            problems.append(f"rank {r} passed another op/root rank/process set than rank {r0}")
+        elif other[_COUNT] != first[_COUNT]:
+            problems.append(
+                f"rank {r} passed {other[_COUNT]} tensors, rank {r0} passed {first[_COUNT]}"
+            )
+        elif other[_DTYPE : _SHAPE + 1] != first[_DTYPE : _SHAPE + 1] or (
+            not vary_first_dim and other[_DIM0] != first[_DIM0]
+        ):
+            problems.append(
+                f"rank {r} has {_describe(other)}; rank {r0} has {_describe(first)}"
+                + (" (or other tensor names/shapes)" if signature is not None else "")
+            )
     if problems:
         raise RuntimeError(
-            f"{label}: mismatched tensors across ranks ({'; '.join(problems)}); every rank must "
-            "pass tensors of the same dtype and shape"
+            f"{label}: mismatched calls across ranks ({'; '.join(problems)}); every rank must "
+            "call the same operations in the same order, on tensors of the same dtype and shape"
             + (" (the first dimension may differ)" if vary_first_dim else "")
         )
     return rows

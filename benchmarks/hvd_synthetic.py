@@ -1,0 +1,119 @@
+"""Horovod's synthetic benchmark on ringtrain.horovod vs the same loop on plain torch DDP.
+
+Two programs, the same model, batch and step counts, both started by ``ringtrain run -np 2``
+(so the launcher, the torch thread count (1 per worker on 2 cores) and the process group are
+the same):
+
+* ``hvd``: ``examples/horovod_synthetic_benchmark.py``, Horovod's own
+  ``pytorch_synthetic_benchmark.py`` with its import lines changed (``hvd.DistributedOptimizer``
+  averages the gradients, ``hvd.SyncBatchNorm`` as in the original);
+* ``ddp``: ``benchmarks/_hvd_synthetic_ddp.py``, the same loop with
+  ``torch.nn.parallel.DistributedDataParallel`` (and the same ``hvd.SyncBatchNorm``: torch's
+  ``nn.SyncBatchNorm`` refuses CPU tensors).
+
+Each run prints Horovod's ``Total img/sec on 2 CPU(s): X``; runs alternate (hvd, ddp, hvd, ...),
+and the summary is the median of each over ``--repeats`` runs, with the ratio hvd / ddp (1.0 =
+as fast as DDP). The model is the stand-in ResNet of ``examples/horovod_torchvision.py``
+(torchvision is not installed), on Horovod's 3x224x224 random images.
+
+Usage::
+
+    python benchmarks/hvd_synthetic.py                       # resnet18, batch 2, 3 repeats
+    python benchmarks/hvd_synthetic.py --model resnet50 --batch-size 8 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = {
+    "hvd": ROOT / "examples" / "horovod_synthetic_benchmark.py",
+    "ddp": ROOT / "benchmarks" / "_hvd_synthetic_ddp.py",
+}
+TOTAL = re.compile(r"Total img/sec on (\d+) CPU\(s\): ([0-9.]+)")
+
+
+def run_once(program: Path, args: argparse.Namespace, storage: str) -> float:
+    """One ``ringtrain run -np N`` of ``program``; its total img/s."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringtrain.cli",
+        "run",
+        "-np",
+        str(args.np),
+        "--storage-path",
+        storage,
+        "--progress",
+        "off",
+        str(program),
+        "--model",
+        args.model,
+        "--batch-size",
+        str(args.batch_size),
+        "--num-warmup-batches",
+        str(args.warmup),
+        "--num-batches-per-iter",
+        str(args.batches_per_iter),
+        "--num-iters",
+        str(args.iters),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    text = proc.stdout + proc.stderr
+    match = TOTAL.search(text)
+    if proc.returncode != 0 or match is None:
+        raise RuntimeError(f"{program.name} failed ({proc.returncode}):\n{text[-3000:]}")
+    return float(match.group(2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=int, default=2, help="workers (default 2)")
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=2, help="per worker")
+    parser.add_argument("--warmup", type=int, default=1, help="--num-warmup-batches")
+    parser.add_argument("--batches-per-iter", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=3, help="--num-iters")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the raw numbers here")
+    args = parser.parse_args()
+
+    results: dict[str, list[float]] = {name: [] for name in PROGRAMS}
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="hvd-synthetic-") as storage:
+        for repeat in range(args.repeats):
+            for name, program in PROGRAMS.items():
+                value = run_once(program, args, storage)
+                results[name].append(value)
+                print(f"repeat {repeat}: {name} {value:.2f} img/s", flush=True)
+    medians = {name: statistics.median(values) for name, values in results.items()}
+    ratio = medians["hvd"] / medians["ddp"]
+    print(
+        f"\n{args.model}, batch {args.batch_size}/worker, {args.np} workers, "
+        f"{args.iters}x{args.batches_per_iter} timed steps after {args.warmup} warm-up, "
+        f"{args.repeats} repeats ({time.time() - started:.0f} s in all), {platform.machine()}"
+    )
+    print("| program | total img/s (median) | runs |")
+    print("|---|---|---|")
+    for name, values in results.items():
+        runs = ", ".join(f"{v:.2f}" for v in values)
+        print(f"| {name} | {medians[name]:.2f} | {runs} |")
+    print(f"\nratio hvd / ddp = {ratio:.3f}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "runs": results, "ratio": ratio}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()
