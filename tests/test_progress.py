@@ -252,6 +252,23 @@ def _window(epoch: int, step: int, *, epochs: int = 4, steps: int = 10) -> dict[
     }
 
 
+def test_plain_epoch_as_the_worker_prints_it() -> None:
+    """Once rank 0's windows say N (TrainState.epochs), a round line gives its epoch 1-based of N,
+    like the worker's own "epoch 1/4" line; before that, the raw metric."""
+    out = io.StringIO()
+    p = PlainProgress(out, clock=FakeClock())
+    p.start("tiny", 2, "runs/tiny")
+    p.round_complete(0, {"epoch": 0, "loss": 1.0})
+    p.timing(1, _window(1, 12))  # rank 1's windows do not count
+    p.round_complete(1, {"epoch": 1, "loss": 1.0})
+    p.timing(0, _window(2, 20))
+    p.round_complete(2, {"epoch": 2, "loss": 0.5})
+    lines = [line for line in out.getvalue().splitlines() if " round " in line]
+    assert lines[0].startswith("[tiny] round 0 epoch=0 loss=1 ")
+    assert lines[1].startswith("[tiny] round 1 epoch=1 loss=1 ")
+    assert lines[2].startswith("[tiny] round 2 epoch 3/4 loss=0.5 ")
+
+
 def test_run_progress_fraction_eta_and_label() -> None:
     prog = RunProgress()
     assert prog.fraction is None and prog.epoch_label() is None and prog.eta_s(0.0) is None

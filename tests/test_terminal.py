@@ -90,7 +90,16 @@ def test_live_panel_in_tmux_at_80_and_200_columns(tmp_path: Path) -> None:
         pytest.skip("tmux is not installed (apt-get install tmux)")
     tmux = Tmux()
     run = f"{sys.executable} -m ringtrain.cli run -n 2 --name {{name}} {EXAMPLE} --steps 20"
+    run_plain = [sys.executable, "-m", "ringtrain.cli", "run", "--progress", "plain", "-n", "2"]
     tail = "; echo RINGTRAIN-EXIT-$?; sleep 600"
+    # Beside them, piped: plain lines, one per round (the old throttle printed rounds 0 and 2).
+    plain = subprocess.Popen(
+        [*run_plain, "--name", "plain", EXAMPLE, "--epochs", "3", "--steps", "5", "--step-s", "0"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         tmux.start("w80", 80, f"cd {tmp_path} && {run.format(name='w80')} --epochs 4{tail}")
         tmux.start("w200", 200, f"cd {tmp_path} && {run.format(name='w200')} --epochs 40{tail}")
@@ -104,13 +113,28 @@ def test_live_panel_in_tmux_at_80_and_200_columns(tmp_path: Path) -> None:
         end200 = _wait_for(tmux, "w200", lambda s: "RINGTRAIN-EXIT-" in s, 120)
         time.sleep(0.3)
         end80, end200 = tmux.screen("w80"), tmux.screen("w200")
+        plain_out, _ = plain.communicate(timeout=300)
     finally:
         tmux.kill()
+        if plain.poll() is None:
+            plain.kill()
+            plain.communicate()
 
     for width, screen in ((80, running80), (200, running200), (80, end80), (200, end200)):
         assert not _too_wide(screen, width), f"lines wider than {width} columns:\n{screen}"
     assert "ETA" in running80 and "━" in running80, running80
     assert "ETA" in running200 and "━" in running200, running200
+
+    # Plain: every round, its epoch as the worker printed it.
+    assert plain.returncode == 0, plain_out
+    rounds = [line for line in plain_out.splitlines() if line.startswith("[plain] round ")]
+    assert [line.split()[2:5] for line in rounds] == [
+        ["0", "epoch", "1/3"],
+        ["1", "epoch", "2/3"],
+        ["2", "epoch", "3/3"],
+    ], plain_out
+    printed = [line.split()[3] for line in plain_out.splitlines() if "(rank 0) epoch" in line]
+    assert printed == ["1/3", "2/3", "3/3"], plain_out
 
     # 80 columns, to the end: one final panel, FINISHED, the bar full, epochs as printed.
     assert "RINGTRAIN-EXIT-0" in end80, end80

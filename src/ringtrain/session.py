@@ -59,6 +59,7 @@ class Session:
     timing_interval_s: float = 2.0
     # Where training is (note_epoch): sent with each timing window for the driver's progress bar.
     progress_hint: dict[str, Any] = field(default_factory=dict)
+    _hint_sent: dict[str, Any] | None = None
     elastic: Any = None  # the ElasticRuntime of an elastic run (ringtrain.elastic.worker)
     # Called with every new TrainState.step, on the training thread (ringtrain.chaos's faults).
     step_listeners: list[Any] = field(default_factory=list)
@@ -278,6 +279,11 @@ def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
         checkpoint_error=error,
     )
     session.next_round += 1
+    if session.progress_hint and session.progress_hint is not session._hint_sent:
+        # A new epoch since the last window: send one now, ahead of this report on the same
+        # connection, so that the driver shows this round's epoch as "k/N" (once per epoch).
+        session._hint_sent = session.progress_hint
+        session.send_timing()
     session.last_metrics = clean
     session.last_progress = time.monotonic()
     session.progressed = True
