@@ -505,6 +505,15 @@ def check_errors(b: Battery, n: int, r: int) -> None:
         lambda: hvd.allreduce_async(torch.ones(2), name="lonely") if r == 0 else hvd.barrier(),
     )
     b.raises("err join vs allreduce", lambda: hvd.join() if r else hvd.allreduce(torch.ones(1)))
+    lin = torch.nn.Linear(2, 1)
+    b.raises(
+        "err DistributedOptimizer vs allreduce",
+        lambda: (
+            hvd.DistributedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
+            if r == 0
+            else hvd.allreduce(torch.ones(2))
+        ),
+    )
     b.raises(
         "err broadcast_parameters layout",
         lambda: hvd.broadcast_parameters({"w": torch.ones(2 + (r == 0))}, root_rank=0),

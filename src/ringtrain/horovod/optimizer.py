@@ -19,7 +19,7 @@ import torch
 
 from ringtrain.comm.compression import Compressor, NoneCompressor, resolve
 from ringtrain.comm.fusion import GradientAllreducer, ReduceOp, check_op
-from ringtrain.horovod.runtime import runtime
+from ringtrain.horovod.runtime import negotiate, runtime
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -156,6 +156,17 @@ def DistributedOptimizer(
     )
     dist_opt: Any = object.__new__(cls)
     dist_opt.__dict__ = optimizer.__dict__  # share param groups, state and hooks
+    # The same metadata exchange as every hvd call first, so that a rank constructing the
+    # optimizer while a peer is in another hvd call raises on both instead of hanging; the
+    # engine's own layout digest check follows.
+    negotiate(
+        "DistributedOptimizer",
+        None,
+        [p for _, p in named if p.requires_grad],
+        extra=int(rop) + 16 * view.process_set_id,
+        view=view,
+        signature=repr([(n, str(p.dtype), tuple(p.shape)) for n, p in named if p.requires_grad]),
+    )
     dist_opt._hvd_engine = GradientAllreducer(
         named,
         world_size=view.size,
