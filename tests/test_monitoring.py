@@ -55,7 +55,14 @@ def test_timing_windows_measure_each_part_of_every_rank(tmp_path, comm_timing):
     result = _fit(
         tmp_path,
         {"epochs": 2, "data_delay_s": data_delay, "forward_delay_s": forward_delay},
-        monitor=rt.MonitorConfig(timing_interval_s=0.3, comm_timing=comm_timing),
+        # Identical ranks, but their busy time is mostly 5 short sleeps per step, which a loaded
+        # machine stretches by different amounts on each rank: measured under load, windows of
+        # one rank were 1.22x the other's twice in a row, a flag at the default 20 % margin. A
+        # 2x margin still catches a false flag of identical ranks; the 20 % rule itself is
+        # tested on exact windows in test_timing.py, and on a real slow rank below.
+        monitor=rt.MonitorConfig(
+            timing_interval_s=0.3, comm_timing=comm_timing, straggler_threshold=1.0
+        ),
         callbacks=[recorder],
     )
     windows = _events(result, "timing")

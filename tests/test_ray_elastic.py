@@ -30,15 +30,29 @@ STEPS = 10 * EPOCHS
 VICTIM = 2  # the rank whose actor is killed
 
 
+def _start_cluster(attempts: int = 3) -> Cluster:
+    """Ray gives a starting node 30 s (a constant in ray/_private/node.py) to register with the
+    GCS; on a loaded machine a node can take longer, and the start raises. Try again, from a
+    clean slate, rather than fail a test on the machine's speed."""
+    for attempt in range(1, attempts + 1):
+        c = Cluster()
+        try:
+            c.add_node(num_cpus=2, include_dashboard=True, dashboard_port=0)
+            c.add_node(num_cpus=2)
+            c.wait_for_nodes(timeout=120)
+            return c
+        except Exception as exc:  # "The current node timed out during startup", or a timeout
+            c.shutdown()
+            if attempt == attempts:
+                raise
+            print(f"the Ray test cluster did not start ({exc}); starting it again")
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A head node and one worker node on this machine, 2 CPUs each; Ray initialised on it."""
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": True, "dashboard_port": 0},
-    )
-    c.add_node(num_cpus=2)
-    c.wait_for_nodes()
+    c = _start_cluster()
     ray.init(address=c.address, log_to_driver=False)
     yield c
     ray.shutdown()
