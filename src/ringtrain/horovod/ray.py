@@ -38,9 +38,10 @@ class RaySettings:
     """What ``RayExecutor.create_settings`` / ``ElasticRayExecutor.create_settings`` return.
 
     Attributes:
-        timeout_s: seconds a worker may stay silent before it is declared hung (Horovod: the
-            Gloo rendezvous timeout).
-        placement_group_timeout_s: seconds to wait for Ray to grant the workers' placement group.
+        timeout_s: Horovod's Gloo rendezvous timeout; accepted and ignored (start-up is never a
+            hang in ringtrain; see :func:`ringtrain.horovod.run`).
+        placement_group_timeout_s: seconds to wait for Ray to grant the workers' placement group
+            (``ScalingConfig.placement_timeout_s``).
         min_np, max_np: the elastic range (``ElasticRayExecutor``); ``None`` for a fixed size.
         reset_limit: how many worker-group restarts to allow (default 0).
         elastic_timeout, cooldown_range, ssh_identity_file, nics, verbose: accepted for
@@ -215,10 +216,10 @@ class RayExecutor:
             resources=resources,
             use_gpu=self.use_gpu,
             max_failures=self.reset_limit or 0,
-            worker_timeout_s=max(float(self.settings.timeout_s), 60.0),
             verbose=bool(self.settings.verbose and self.settings.verbose > 1),
             storage_path=None,
             name=None,
+            placement_timeout_s=float(self.settings.placement_group_timeout_s),
         )
 
     def _make_executable(self) -> Callable[[], Any]:

@@ -18,8 +18,11 @@ What maps to what:
                               through :class:`ringtrain.horovod.ray.RayExecutor`
 ``use_mpi=True``, ``mpi_args``  refused (no MPI: ringtrain runs on torch.distributed / gloo)
 ``verbose``                   progress lines on stderr (``RunConfig(progress="plain")``)
-``start_timeout``             ``FailureConfig(worker_timeout_s=...)``
 SSH, NIC, cache, executable   accepted and ignored (they configure Horovod's remote launch)
+``start_timeout``             accepted and ignored: start-up is never a hang here, and ringtrain's
+                              hang detection (``FailureConfig.worker_timeout_s``, 600 s) starts
+                              at a worker's first sign of progress (a prepared batch, a
+                              ``TrainState`` step, a report), which plain Horovod code never gives
 ============================  =========================================================
 """
 
@@ -142,11 +145,11 @@ def run(
         reset_limit: how many worker-group restarts (failures or resizes) to allow (default 0).
         hosts, hostfile: only this machine (``"localhost:4"``); their slot count must match
             ``num_proc`` when given without it.
-        start_timeout: seconds a worker may stay silent before it is declared hung.
         verbose: truthy: one progress line per round on stderr.
         use_gloo, use_mpi, mpi_args: gloo always; ``use_mpi=True`` is refused.
-        slots, cooldown_range, ssh_port, ssh_identity_file, disable_cache, output_filename,
-            network_interface, executable: accepted for compatibility and ignored.
+        slots, cooldown_range, start_timeout, ssh_port, ssh_identity_file, disable_cache,
+            output_filename, network_interface, executable: accepted for compatibility and
+            ignored.
         storage_path: keep the run directory under this path (default: a temporary directory,
             removed afterwards). Keyword-only; not in Horovod.
         name: the run's name under ``storage_path`` (default ``horovod_run_<func name>``).
@@ -200,7 +203,6 @@ def run(
         resources=None,
         use_gpu=False,
         max_failures=reset_limit or 0,
-        worker_timeout_s=start_timeout,
         verbose=bool(verbose),
         storage_path=storage_path,
         name=name,
@@ -217,11 +219,10 @@ def _fit(
     resources: dict[str, float] | None,
     use_gpu: bool,
     max_failures: int,
-    worker_timeout_s: float | None,
     verbose: bool,
     storage_path: str | None,
     name: str | None,
-    ray_address: str | None = None,
+    placement_timeout_s: float = 60.0,
 ) -> list[Any]:
     """One Trainer run of ``func`` on every rank; the per-rank return values, by rank."""
     from ringtrain.config import (
@@ -237,14 +238,12 @@ def _fit(
 
     horovod_run.__name__ = f"horovod_run_{getattr(func, '__name__', 'func')}"
     failure = FailureConfig(max_failures=max_failures)
-    if worker_timeout_s is not None:
-        failure = dataclasses.replace(failure, worker_timeout_s=float(worker_timeout_s))
     scaling = ScalingConfig(
         num_workers=workers,
         use_gpu=use_gpu,
         resources_per_worker=resources,
         backend=backend,
-        ray_address=ray_address,
+        placement_timeout_s=placement_timeout_s,
     )
     tmp = None
     if storage_path is None:
