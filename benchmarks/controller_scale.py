@@ -139,6 +139,7 @@ class SimGroup(ChannelGroup):
         self._events = _Events()
         self._threads: list[threading.Thread] = []
         key = new_authkey()
+        self.started, self.connected, self.all_connected_s = time.monotonic(), 0, float("nan")
         self._listener = DriverListener(
             key, self._on_connection, "127.0.0.1", world_size=spec.world_size
         )
@@ -153,6 +154,9 @@ class SimGroup(ChannelGroup):
             self._procs.append(subprocess.Popen(cmd, env=env))
 
     def _on_connection(self, conn: Connection) -> None:
+        self.connected += 1
+        if self.connected == self.world_size:
+            self.all_connected_s = time.monotonic() - self.started
         t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
         t.start()
         self._threads.append(t)
@@ -234,7 +238,7 @@ def _thread_cpu_s(tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_one(n: int, measure_s: float, warmup_s: float) -> dict[str, Any]:
+def run_one(n: int, measure_s: float, warmup_s: float, profile: bool = False) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="ctlscale")
     run_dir = RunDirectory(tmp, f"n{n}")
     run_dir.create()
@@ -245,13 +249,15 @@ def run_one(n: int, measure_s: float, warmup_s: float) -> dict[str, Any]:
     t0 = time.time()
     freeze_at = t0 + connect_s + warmup_s + measure_s
     starts: list[Any] = []
+    groups: list[SimGroup] = []
 
     class Launcher:
         def start(self, spec: WorkerSpec) -> Any:
             starts.append(time.time())
             if len(starts) > 1:
                 return _Idle(stop)
-            return SimGroup(spec, min(4, n), n // 2, freeze_at)
+            groups.append(SimGroup(spec, min(4, n), n // 2, freeze_at))
+            return groups[-1]
 
     ctl = Controller(
         launcher=Launcher(),
@@ -281,7 +287,15 @@ def run_one(n: int, measure_s: float, warmup_s: float) -> dict[str, Any]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    ctl.run()
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(ctl.run)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    else:
+        ctl.run()
     sampler.join(timeout=5)
     events = [json.loads(line) for line in (Path(run_dir.path) / "events.jsonl").open()]
     failure = next(e for e in events if e["type"] == "failure")
@@ -295,6 +309,7 @@ def run_one(n: int, measure_s: float, warmup_s: float) -> dict[str, Any]:
     return {
         "n": n,
         "connected": hellos,
+        "connect_s": groups[0].all_connected_s,
         "driver_cpu": (cpu["c1"] - cpu["c0"]) / (cpu["t1"] - cpu["t0"]),
         "controller_thread_cpu": (cpu["m1"] - cpu["m0"]) / (cpu["t1"] - cpu["t0"]),
         "rounds_measured": len(window),
@@ -326,6 +341,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256, 1024])
     parser.add_argument("--measure-s", type=float, default=10.0)
     parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile the controller's thread (slower)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per size (medians)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
@@ -339,7 +357,7 @@ def main() -> None:
     for n in args.sizes:
         runs = []
         for _ in range(args.repeats):
-            runs.append(run_one(n, args.measure_s, args.warmup_s))
+            runs.append(run_one(n, args.measure_s, args.warmup_s, args.profile))
             print(json.dumps(runs[-1]), flush=True)
         # The median of each figure over the repeats.
         row = {

@@ -691,7 +691,7 @@ def test_a_hung_ranks_pending_write_does_not_hold_the_restart(tmp_path):
 def test_a_resize_clears_the_straggler_flags_of_the_old_group(tmp_path):
     # Ranks are renumbered by a resize (old rank 2 becomes rank 1 of 2): the old group's timing
     # windows and flags would otherwise be compared against, and shown for, the wrong ranks.
-    from ringtrain.controller.attempt import Attempt
+    from ringtrain.controller.generation import Generation
     from ringtrain.monitor.straggler import StragglerDetector
 
     class Progress:
@@ -708,7 +708,7 @@ def test_a_resize_clears_the_straggler_flags_of_the_old_group(tmp_path):
     for rank in range(3):
         detector.update(rank, window)
     detector.flagged.add(2)
-    new = ctl.coordinator.next_generation(Attempt(0, 3), 2, {"old_world_size": 3})
+    new = ctl.coordinator.next_generation(Generation(0, 3), 2, {"old_world_size": 3})
     assert (new.world_size, ctl.world_size, new.resize) == (2, 2, {"old_world_size": 3})
     assert ctl.progress.cleared == [(2, False)]
     assert detector.flagged == set() and detector.latest == {}

@@ -1,18 +1,12 @@
-"""Which of a group's failures is the root cause; signal names. (``Attempt`` is the old name of
-:class:`~ringtrain.controller.generation.Generation`, kept as an alias.)"""
+"""Which of a group's failures is the root cause; signal names. (The per-group book-keeping that
+this module held as ``Attempt`` is :class:`~ringtrain.controller.generation.Generation` now.)"""
 
 from __future__ import annotations
 
 import re
 import signal
 
-from ringtrain.controller.generation import Generation, Grow
-from ringtrain.controller.health import HELLO_TIMEOUT_S
 from ringtrain.result import WorkerFailure
-
-__all__ = ["HELLO_TIMEOUT_S", "PEER_ERROR", "Attempt", "Grow", "root_cause", "signal_name"]
-
-Attempt = Generation
 
 # Errors a rank raises because a *peer* died: never the root cause when another failure exists.
 PEER_ERROR = re.compile(
