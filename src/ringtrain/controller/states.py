@@ -2,19 +2,23 @@
 
 ::
 
-    Starting(attempt) ──▶ Running(generation) ──▶ Finished
-                            │  ▲   │  ▲     │ stop_event: Stopped
-             a rank failed  │  │   │  │ grown (or the grow failed)
-                            │  │   ▼  │
-                            │  │  Growing(plan)           elastic runs only
-                            │  │ resized in place
-                            │  └── Resizing(failure, decision) ──┐ fallback
-                            ▼                                    ▼
-                          Restarting(failure) ──▶ Starting(attempt + 1) | Errored(error)
+    from          to            when
+    Starting      Running       the group was started (from the newest valid checkpoint)
+    Running       Finished      every worker exited with status 0
+    Running       Restarting    a rank failed, exited non-zero, or hung
+    Running       Resizing      the same, in an elastic run
+    Running       Growing       elastic runs below max: workers were started to join
+    Growing       Running       the group was re-formed with them (or the grow failed)
+    Resizing      Running       the survivors continue in place as a smaller group
+    Resizing      Restarting    resizing in place cannot be done (the reason says why)
+    Restarting    Starting      the FailurePolicy says RESTART (or the checkpoint was unloadable)
+    Restarting    Errored       the FailurePolicy says RAISE
+    any live      Stopped       ``stop_event`` was set
+    any live      Preempting    a PreemptionNotice (nothing produces one yet: a later issue)
+    Preempting    Preempted     the group was stopped
+    any           Aborted       the driver raised (Ctrl-C, a bug)
 
-    Preempting(notice) ──▶ Preempted          (nothing produces a notice yet: a later issue)
-    Ctrl-C (or any exception of the driver) in any state ──▶ Aborted
-
+A failure while ``Growing`` leaves it as from ``Running`` (to ``Resizing`` or ``Restarting``).
 Every state's ``kind`` is a :class:`RunState`; ``Controller.state`` is the current kind (the
 ``status`` of ``result.json`` and of the ``run_end`` event once terminal).
 """
