@@ -234,7 +234,8 @@ def _chart_speedup(report: Mapping[str, Any]) -> bytes:
         [c["speedup"] for c in curve],
         "-",
         color="#55a868",
-        label=f"Amdahl fit, p = {report['amdahl']['p']:.3f}",
+        label=f"Amdahl fit, p = {report['amdahl']['p']:.3f}"
+        + (" (clamped: the times do not fit)" if report["amdahl"].get("clamped") else ""),
     )
     pred = report.get("prediction")
     if pred:
