@@ -220,3 +220,21 @@ def test_transitions_of_a_whole_run_are_written_in_order(tmp_path):
         ("STARTING", "RUNNING"),
         ("RUNNING", "FINISHED"),
     ]
+
+
+def test_ctrl_c_in_any_state_is_aborted(tmp_path):
+    class Interrupting(FakeGroup):
+        def poll(self, timeout_s):
+            raise KeyboardInterrupt
+
+    ctl = _controller(tmp_path, FakeLauncher([Interrupting(2, [])]))
+    with pytest.raises(KeyboardInterrupt):
+        ctl.run()
+    assert ctl.state is RunState.ABORTED
+    last = [e for e in _events(tmp_path) if e["type"] == "transition"][-1]
+    assert (last["from"], last["to"], last["reason"]) == (
+        "RUNNING",
+        "ABORTED",
+        "KeyboardInterrupt()",
+    )
+    assert ctl.launcher.groups[0].stopped

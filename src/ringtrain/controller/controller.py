@@ -22,6 +22,7 @@ its group is stopped at once and the run ends ``STOPPED``, its published checkpo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -171,7 +172,10 @@ class Controller:
             while not self.state.terminal:
                 self.step()
         except BaseException as exc:
-            self._enter(Transition(self.current, Aborted(type(exc).__name__), repr(exc)))
+            # _enter sets the state first: a run directory that cannot be written (the error
+            # itself, perhaps) must not hide the original exception.
+            with contextlib.suppress(Exception):
+                self._enter(Transition(self.current, Aborted(type(exc).__name__), repr(exc)))
             raise
         finally:
             if self.group is not None:
