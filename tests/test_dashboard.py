@@ -665,7 +665,7 @@ def test_run_with_dashboard(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     if sync_playwright is None or not os.path.exists(CHROMIUM):
-        pytest.skip("needs playwright and /usr/bin/chromium")
+        pytest.skip("needs playwright and /usr/bin/chromium: sudo apt-get install chromium")
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], headless=True)
         yield b

