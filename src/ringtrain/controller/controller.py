@@ -138,7 +138,7 @@ class Controller:
         self.elastic = elastic
         self.stop_event = stop_event
         self.coordinator = ElasticCoordinator(self, elastic)
-        self.publisher = Publisher(checkpoints, run_dir, progress, self._callback)
+        self.publisher = Publisher(checkpoints, run_dir, progress, self.callback)
         self.events = GroupEvents(self)
 
         self.current: State = Starting(0)
@@ -147,7 +147,7 @@ class Controller:
         self.follow_on_failures: list[WorkerFailure] = []  # the other ranks' (result.py)
         self.error: TrainingFailedError | None = None
         self.metrics_per_rank: dict[int, dict[str, Any]] = {}
-        self._history: dict[int, dict[str, Any]] = {}  # round -> rank 0's metrics
+        self.history: dict[int, dict[str, Any]] = {}  # round -> rank 0's metrics
         self.next_round = checkpoints.next_round
         self.start_time = time.time()
         self._resumed: TrackedCheckpoint | None = None  # what this attempt's workers resumed
@@ -189,7 +189,7 @@ class Controller:
             self.run_dir.close()
             self.progress.close(self.state.value)
             if self.state is not RunState.ABORTED:
-                self._callback("on_end", result)
+                self.callback("on_end", result)
         return result
 
     def step(self, event: Event | PreemptionNotice | None = None) -> Transition:
@@ -315,7 +315,7 @@ class Controller:
             reason = f"the checkpoint could not be loaded ({failure.message}); set aside"
             return Transition(state, Starting(gen.number + 1), reason)
         self.failures.append(failure)
-        self._callback("on_failure", failure)
+        self.callback("on_failure", failure)
         decision = self.failure_policy.decide(failure, len(self.failures))
         logger.warning(decision.reason)
         self.progress.message(decision.reason)
@@ -370,8 +370,8 @@ class Controller:
         # Rounds after the checkpoint we resume from are recomputed: their report indices must
         # line up with the restored state, and their metrics replace the lost attempt's.
         self.next_round = latest.round + 1 if latest is not None else 0
-        for stale in [r for r in self._history if r >= self.next_round]:
-            del self._history[stale]
+        for stale in [r for r in self.history if r >= self.next_round]:
+            del self.history[stale]
         resume_from = self.checkpoints.worker_uri(latest) if latest is not None else None
         self._resumed, self._resume_uri = latest, resume_from
         if latest is not None:
@@ -380,7 +380,7 @@ class Controller:
                 self.progress.message(f"resuming from {latest.checkpoint.uri}")
         spec = self.make_spec(number, self.next_round, resume_from)
         gen = Generation(number, spec.world_size)
-        self._reset_stragglers()
+        self.reset_stragglers()
         self.run_dir.event("run_start", world_size=spec.world_size, attempt=number)
         for rank in range(spec.world_size):
             self.progress.worker_state(rank, "starting")
@@ -443,7 +443,7 @@ class Controller:
     def _stop_requested(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()
 
-    def _reset_stragglers(self) -> None:
+    def reset_stragglers(self) -> None:
         """A new group (restart or resize): clear every straggler flag, since ranks are
         renumbered and their timing windows describe the old group."""
         if self.stragglers is not None:
@@ -474,10 +474,7 @@ class Controller:
     def _write_result(self) -> None:
         write_result(self)
 
-    def _on_failure(self, gen: Generation, failure: WorkerFailure) -> None:
-        self.events.on_failure(gen, failure)
-
-    def _callback(self, hook: str, *args: Any) -> None:
+    def callback(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)
             if fn is None:

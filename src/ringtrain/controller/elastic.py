@@ -102,7 +102,7 @@ class ElasticCoordinator:
         ctl = self.ctl
         assert ctl.group is not None and decision.snapshot_step is not None
         ctl.failures.append(failure)
-        ctl._callback("on_failure", failure)
+        ctl.callback("on_failure", failure)
         self.generation += 1
         old_world, new_world = gen.world_size, len(decision.survivors)
         # Rounds some rank never reported are gone; a round whose files the lost rank owed can
@@ -148,7 +148,7 @@ class ElasticCoordinator:
         new = Generation(gen.number, new_world)
         new.resize = info
         self.ctl.world_size = new_world
-        self.ctl._reset_stragglers()
+        self.ctl.reset_stragglers()
         return new
 
     def _resize_orders(
@@ -370,7 +370,7 @@ class ElasticCoordinator:
         except OSError as exc:  # a connection went away just now: restart from disk
             reason = f"growing back failed while re-forming the group ({exc})"
             new.elastic_fallback = True
-            ctl._on_failure(
+            ctl.events.on_failure(
                 new,
                 WorkerFailure(
                     rank=0, kind="exit", message=reason, attempt=gen.number, time=time.time()

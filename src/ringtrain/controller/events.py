@@ -111,15 +111,15 @@ class GroupEvents:
             checkpoint=report.checkpoint_files is not None or report.checkpoint_pending,
         )
         ctl.progress.report(report.rank, report.round, report.metrics)
-        ctl._callback("on_report", report.rank, report.round, report.metrics)
+        ctl.callback("on_report", report.rank, report.round, report.metrics)
         reports = gen.rounds.add_report(report)
         if reports is None:
             return
         metrics = round_metrics(reports)
-        ctl._history[report.round] = metrics
+        ctl.history[report.round] = metrics
         ctl.next_round = report.round + 1
         ctl.progress.round_complete(report.round, metrics)
-        ctl._callback("on_round", report.round, metrics)
+        ctl.callback("on_round", report.round, metrics)
         if gen.rounds.complete(report.round, reports):
             ctl.publisher.try_publish(gen.rounds, report.round)
 
@@ -130,7 +130,7 @@ class GroupEvents:
             "timing", time=timing.time, rank=timing.rank, attempt=gen.number, **window
         )
         ctl.progress.timing(timing.rank, window)
-        ctl._callback("on_timing", timing.rank, window)
+        ctl.callback("on_timing", timing.rank, window)
         if ctl.stragglers is None:
             return
         for ev in ctl.stragglers.update(timing.rank, window):
@@ -152,7 +152,7 @@ class GroupEvents:
                 ctl.run_dir.event(
                     "straggler_cleared", rank=ev.rank, attempt=gen.number, message=ev.message
                 )
-            ctl._callback("on_straggler", ev)
+            ctl.callback("on_straggler", ev)
 
     def on_failure(self, gen: Generation, failure: WorkerFailure) -> None:
         previous = gen.failures.get(failure.rank)

@@ -25,7 +25,7 @@ def build_result(ctl: Controller) -> Result:
         error=ctl.error,
         failures=list(ctl.failures),
         follow_on_failures=list(ctl.follow_on_failures),
-        metrics_history=[ctl._history[r] for r in sorted(ctl._history)],
+        metrics_history=[ctl.history[r] for r in sorted(ctl.history)],
     )
 
 
