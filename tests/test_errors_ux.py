@@ -23,10 +23,11 @@ import traceback
 import pytest
 
 import ringtrain as rt
+from ringtrain.cli import for_cli
 from ringtrain.launch import local
 from ringtrain.launch.worker import install_sources, user_traceback
 from ringtrain.payload import pickle_payload, source_lines
-from ringtrain.trainer import RunNameTaken
+from ringtrain.trainer import RunNameTaken, finished_note
 
 RINGTRAIN = shutil.which("ringtrain") or os.path.join(os.path.dirname(sys.executable), "ringtrain")
 
@@ -186,12 +187,7 @@ def test_cli_usage_errors_are_one_line_naming_the_flag(tmp_path):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
         assert "drop --gpu" in proc.stderr and "<=0" not in proc.stderr, proc.stderr
 
-    # A taken name: the CLI names --name and --resume.
-    _fake_run(tmp_path / "runs", "done", status="FINISHED")
-    proc = ringtrain("run", "--name", "done", "train.py", cwd=tmp_path)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "--name" in proc.stderr and "ringtrain run --resume" in proc.stderr, proc.stderr
-    assert "RunConfig" not in proc.stderr and "Trainer.restore" not in proc.stderr
+    # A name taken by a run whose driver is alive: refused, naming --name.
     with _live_pid() as pid:
         _fake_run(tmp_path / "runs", "busy", status="RUNNING", driver_pid=pid)
         proc = ringtrain("run", "--name", "busy", "train.py", cwd=tmp_path)
@@ -210,15 +206,25 @@ def test_python_errors_name_the_fix_without_ringtrain_frames(tmp_path, monkeypat
     assert len(_ringtrain_frames(info.value)) >= 3
     monkeypatch.delenv("RINGTRAIN_DEBUG")
 
+    # A name taken by a live run: refused before anything starts, naming the Python fix.
     storage = str(tmp_path / "runs")
-    _fake_run(tmp_path / "runs", "done", status="FINISHED")
-    trainer = rt.Trainer(_noop, run_config=rt.RunConfig(name="done", storage_path=storage))
-    with pytest.raises(RunNameTaken) as info:
-        trainer.fit()
+    with _live_pid() as pid:
+        _fake_run(tmp_path / "runs", "busy", status="RUNNING", driver_pid=pid)
+        trainer = rt.Trainer(_noop, run_config=rt.RunConfig(name="busy", storage_path=storage))
+        with pytest.raises(RunNameTaken) as info:
+            trainer.fit()
     message = str(info.value)
-    assert "RunConfig(name=...)" in message and "Trainer.restore(" in message, message
+    assert "already running" in message and "RunConfig(name=...)" in message, message
     assert "--name" not in message
     assert len(_ringtrain_frames(info.value)) <= 1
+    # A name taken by a FINISHED run continues it (the run directory contract), but says so:
+    # RunConfig(name=...) in Python, --name on the command line (tests/test_notebook.py runs it).
+    _fake_run(tmp_path / "runs", "done", status="FINISHED", rounds=1)
+    note = finished_note(storage, "done")
+    assert note is not None and "already finished" in note and "1 rounds" in note
+    assert "RunConfig(name=...)" in note and "--name" in for_cli(note)
+    assert "RunConfig" not in for_cli(note)
+    assert finished_note(storage, "busy") is None and finished_note(storage, "new") is None
 
     if not _has_cuda():
         gpu = rt.Trainer(_noop, rt.ScalingConfig(use_gpu=True, num_workers=2))

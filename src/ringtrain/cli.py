@@ -271,10 +271,8 @@ def _debug() -> bool:
 _FLAGS: tuple[tuple[str, str], ...] = (
     (r"use another RunConfig\(name=\.\.\.\)", "use another --name"),
     (
-        r"give a new RunConfig\(name=\.\.\.\) \(None: a fresh timestamped name\), or continue "
-        r"it from its last checkpoint on purpose: Trainer\.restore\('([^']*)'[^)]*\)\.fit\(\)",
-        r"give another --name (or none: a fresh timestamped name), or continue it from its last "
-        r"checkpoint on purpose: ringtrain run --resume \1",
+        r"give a new RunConfig\(name=\.\.\.\) \(None: a fresh timestamped name\)",
+        "give another --name (or none: a fresh timestamped name)",
     ),
     (r"use use_gpu=False: CPU workers with gloo", "drop --gpu: CPU workers with gloo"),
     (r"use num_workers<=(\d+), or use_gpu=False", r"use -n \1 or fewer, or drop --gpu"),
@@ -400,13 +398,11 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         script = os.path.abspath(str(args.script))
         entrypoint, script_args = str(args.script), tuple(args.script_args)
         name = run_config.name or default_run_name(os.path.splitext(os.path.basename(script))[0])
-        from ringtrain.trainer import RunNameTaken, refuse_if_finished
+        from ringtrain.trainer import finished_note
 
-        try:
-            refuse_if_finished(run_config.storage_path, name)
-        except RunNameTaken as exc:
-            print(f"ringtrain run: {for_cli(str(exc))}", file=sys.stderr)
-            return 2
+        note = finished_note(run_config.storage_path, name)
+        if note is not None:
+            print(f"ringtrain run: note: {for_cli(note)}", file=sys.stderr)
     dashboard = None
     if args.dashboard:
         dashboard = _start_dashboard(

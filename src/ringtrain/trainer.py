@@ -12,6 +12,7 @@ import signal
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -215,9 +216,11 @@ class Trainer:
             ValueError: when the configuration cannot run on this machine (too few GPUs).
             TypeError: when ``train_fn`` or ``train_loop_config`` cannot be pickled (the
                 message names the variable).
-            RunNameTaken: when ``RunConfig.name`` names a run that already finished, or one
-                whose driver is still running (a run of the same name that failed or whose
-                driver died is resumed; ``Trainer.restore(path)`` continues a finished one).
+            RunNameTaken: when ``RunConfig.name`` names a run whose driver is still running.
+
+        A ``RunConfig.name`` taken by an earlier run continues that run from its latest valid
+        checkpoint (the run directory contract); when that run had FINISHED, a
+        :class:`RunContinuedWarning` says so, naming ``RunConfig(name=...)`` for a fresh run.
 
         These errors are raised before any worker starts, with one line that names the fix and
         no traceback through ringtrain (``RINGTRAIN_DEBUG=1`` keeps it).
@@ -229,10 +232,13 @@ class Trainer:
         try:
             validate_gpus(self.scaling_config)
             payload = _pickle_payload(self.train_fn, self.train_loop_config)
-            if not self._continue_finished:
-                refuse_if_finished(self.run_config.storage_path, name)
-        except (TypeError, ValueError, RunNameTaken) as exc:
+        except (TypeError, ValueError) as exc:
             raise short_error(exc) from None
+        note = (
+            None if self._continue_finished else finished_note(self.run_config.storage_path, name)
+        )
+        if note is not None:
+            warnings.warn(note, RunContinuedWarning, stacklevel=2)
         try:
             result = run_workers(
                 name=name,
@@ -450,29 +456,36 @@ class RunNameTaken(RuntimeError):
     translates it to its flags."""
 
 
-def refuse_if_finished(storage_path: str, name: str) -> None:
-    """Refuse to start a run whose name is taken by a run that FINISHED: running it again would
-    silently resume its last checkpoint (with whatever new settings) and append to its metrics.
-    A run that failed, was stopped or whose driver died is resumed as documented; a finished
-    one is continued only on purpose (``Trainer.restore``, ``ringtrain run --resume``).
+class RunContinuedWarning(UserWarning):
+    """A run was started with the name of a run that had FINISHED: it continues that run from
+    its latest checkpoint (its earlier rounds stay in ``Result.metrics_history``)."""
 
-    Raises:
-        RunNameTaken: naming ``RunConfig(name=...)`` and ``Trainer.restore(...)``.
-    """
+
+def finished_note(storage_path: str, name: str) -> str | None:
+    """What to tell a user who starts a run under the name of one that FINISHED: by the run
+    directory contract it continues that run from its latest valid checkpoint, with the new
+    settings, after the rounds it already has; in a notebook, running a cell again with more
+    epochs does exactly that, which must not happen silently. ``None`` for any other name
+    (new, failed, stopped, or whose driver died: resuming those is what the user wants).
+    The message names the Python fix (``RunConfig(name=...)``); ``ringtrain run`` translates
+    it to ``--name``."""
     run_dir = RunDirectory(storage_path, name)
     if not run_dir.is_local:
-        return
+        return None
     try:
         with open(os.path.join(run_dir.path, "result.json")) as f:
-            status = json.load(f).get("status")
+            previous = json.load(f)
+        status, rounds = previous.get("status"), previous.get("rounds")
     except (OSError, ValueError, AttributeError):
-        return
-    if status == "FINISHED":
-        raise RunNameTaken(
-            f"run {name!r} already finished ({run_dir.uri}); give a new RunConfig(name=...) "
-            f"(None: a fresh timestamped name), or continue it from its last checkpoint on "
-            f"purpose: Trainer.restore({run_dir.uri!r}, train_fn, train_loop_config=...).fit()"
-        )
+        return None
+    if status != "FINISHED":
+        return None
+    done = f", {rounds} rounds" if isinstance(rounds, int) else ""
+    return (
+        f"run {name!r} already finished ({run_dir.uri}{done}): continuing it from its latest "
+        f"checkpoint, after the rounds it has (they stay in metrics_history); for a fresh run "
+        f"give a new RunConfig(name=...) (None: a fresh timestamped name)"
+    )
 
 
 def short_error(exc: BaseException) -> BaseException:
