@@ -14,7 +14,9 @@ the same):
 Each run prints Horovod's ``Total img/sec on 2 CPU(s): X``; runs alternate (hvd, ddp, hvd, ...),
 and the summary is the median of each over ``--repeats`` runs, with the ratio hvd / ddp (1.0 =
 as fast as DDP) of the medians and the median of the per-pair ratios (each hvd run against the
-ddp run right after it: robust to a machine load that drifts during the benchmark). The model
+ddp run right after it: robust to a machine load that drifts during the benchmark), and the CPU
+seconds each run used (driver and workers, start-up included: less sensitive than img/s to
+other processes on the machine, as long as they do not share the cores' caches). The model
 is the stand-in ResNet of ``examples/horovod_torchvision.py`` (torchvision is not installed), on
 Horovod's 3x224x224 random images.
 
@@ -30,6 +32,7 @@ import argparse
 import json
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -45,8 +48,9 @@ PROGRAMS = {
 TOTAL = re.compile(r"Total img/sec on (\d+) CPU\(s\): ([0-9.]+)")
 
 
-def run_once(program: Path, args: argparse.Namespace, storage: str) -> float:
-    """One ``ringtrain run -np N`` of ``program``; its total img/s."""
+def run_once(program: Path, args: argparse.Namespace, storage: str) -> tuple[float, float]:
+    """One ``ringtrain run -np N`` of ``program``: its total img/s, and the CPU seconds (user +
+    system) of the whole run, driver and workers (reaped descendants), start-up included."""
     cmd = [
         sys.executable,
         "-m",
@@ -70,12 +74,15 @@ def run_once(program: Path, args: argparse.Namespace, storage: str) -> float:
         "--num-iters",
         str(args.iters),
     ]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     text = proc.stdout + proc.stderr
     match = TOTAL.search(text)
     if proc.returncode != 0 or match is None:
         raise RuntimeError(f"{program.name} failed ({proc.returncode}):\n{text[-3000:]}")
-    return float(match.group(2))
+    return float(match.group(2)), cpu
 
 
 def main() -> None:
@@ -91,13 +98,15 @@ def main() -> None:
     args = parser.parse_args()
 
     results: dict[str, list[float]] = {name: [] for name in PROGRAMS}
+    cpu: dict[str, list[float]] = {name: [] for name in PROGRAMS}
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="hvd-synthetic-") as storage:
         for repeat in range(args.repeats):
             for name, program in PROGRAMS.items():
-                value = run_once(program, args, storage)
+                value, seconds = run_once(program, args, storage)
                 results[name].append(value)
-                print(f"repeat {repeat}: {name} {value:.2f} img/s", flush=True)
+                cpu[name].append(seconds)
+                print(f"repeat {repeat}: {name} {value:.2f} img/s, {seconds:.1f} CPU s", flush=True)
     medians = {name: statistics.median(values) for name, values in results.items()}
     ratio = medians["hvd"] / medians["ddp"]
     # each hvd run and the ddp run right after it saw about the same machine load
@@ -107,14 +116,22 @@ def main() -> None:
         f"{args.iters}x{args.batches_per_iter} timed steps after {args.warmup} warm-up, "
         f"{args.repeats} repeats ({time.time() - started:.0f} s in all), {platform.machine()}"
     )
-    print("| program | total img/s (median) | runs |")
-    print("|---|---|---|")
+    print("| program | total img/s (median) | runs | CPU s per run (median) | runs |")
+    print("|---|---|---|---|---|")
     for name, values in results.items():
         runs = ", ".join(f"{v:.2f}" for v in values)
-        print(f"| {name} | {medians[name]:.2f} | {runs} |")
+        cpus = ", ".join(f"{v:.1f}" for v in cpu[name])
+        row = f"{medians[name]:.2f} | {runs} | {statistics.median(cpu[name]):.1f} | {cpus}"
+        print(f"| {name} | {row} |")
     print(f"\nratio hvd / ddp = {ratio:.3f} (of the medians), {paired:.3f} (median of the pairs)")
     if args.json:
-        summary = {"args": vars(args), "runs": results, "ratio": ratio, "paired_ratio": paired}
+        summary = {
+            "args": vars(args),
+            "runs": results,
+            "cpu_s": cpu,
+            "ratio": ratio,
+            "paired_ratio": paired,
+        }
         Path(args.json).write_text(json.dumps(summary, indent=2))
 
 
