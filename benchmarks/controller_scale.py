@@ -25,6 +25,7 @@ import json
 import os
 import queue
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -273,6 +274,7 @@ def run_one(n: int, measure_s: float, warmup_s: float, profile: bool = False) ->
         stop_event=stop,
     )
     cpu: dict[str, float] = {}
+    events_file = Path(run_dir.path) / "events.jsonl"
     main_tid = threading.get_native_id()  # the controller's loop runs on this thread
 
     def sample() -> None:
@@ -280,9 +282,11 @@ def run_one(n: int, measure_s: float, warmup_s: float, profile: bool = False) ->
         time.sleep(max(0.0, start - time.time()))
         cpu["t0"], cpu["c0"] = time.monotonic(), time.process_time()
         cpu["m0"] = _thread_cpu_s(main_tid)
+        cpu["e0"] = events_file.stat().st_size
         time.sleep(max(0.0, freeze_at - time.time()))
         cpu["t1"], cpu["c1"] = time.monotonic(), time.process_time()
         cpu["m1"] = _thread_cpu_s(main_tid)
+        cpu["e1"] = events_file.stat().st_size
         cpu["rss"] = _rss_mib()
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -298,6 +302,7 @@ def run_one(n: int, measure_s: float, warmup_s: float, profile: bool = False) ->
         ctl.run()
     sampler.join(timeout=5)
     events = [json.loads(line) for line in (Path(run_dir.path) / "events.jsonl").open()]
+    shutil.rmtree(tmp, ignore_errors=True)
     failure = next(e for e in events if e["type"] == "failure")
     decided = next(e for e in events if e["type"] == "decision")
     frozen = [e for e in events if e["type"] == "report" and e["rank"] == n // 2]
@@ -323,8 +328,8 @@ def run_one(n: int, measure_s: float, warmup_s: float, profile: bool = False) ->
         "failure": failure["message"][:80],
         "decide_s": decided["time"] - failure["time"],
         "checkpoints_published": published,
-        "events_bytes_per_s": (Path(run_dir.path) / "events.jsonl").stat().st_size
-        / max(1e-9, freeze_at - t0),
+        # Written during the measuring window (reports, checkpoints: the steady state).
+        "events_bytes_per_s": (cpu["e1"] - cpu["e0"]) / (cpu["t1"] - cpu["t0"]),
     }
 
 
