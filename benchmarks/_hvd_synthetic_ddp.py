@@ -1,10 +1,11 @@
-"""The baseline of ``hvd_synthetic.py``: Horovod's synthetic benchmark loop on plain torch DDP.
+"""The baseline of ``hvd_synthetic.py``: the synthetic benchmark's loop on plain torch DDP.
 
-The same model (``horovod_torchvision.models.<--model>`` with ``hvd.SyncBatchNorm``: torch's own
-``nn.SyncBatchNorm`` refuses CPU tensors, and ringtrain's is plain ``torch.distributed``; DDP's
-GPU-only check of SyncBatchNorm layers is skipped), the same fixed random batch, SGD at
-``lr=0.01 * world size``, ``timeit`` over the same warm-up/iteration counts, and the same result
-lines as ``examples/horovod_synthetic_benchmark.py``; only the gradient averaging differs:
+The same model (``resnet(--model)`` of ``examples/horovod_synthetic_benchmark.py`` with
+``hvd.SyncBatchNorm``: torch's own ``nn.SyncBatchNorm`` refuses CPU tensors, and ringtrain's is
+plain ``torch.distributed``; DDP's GPU-only check of SyncBatchNorm layers is skipped), the same
+fixed random batch, SGD at ``lr=0.01 * world size``, the same warm-up/iteration counts, and the
+same result lines as that example (the total is the sum of the ranks' rates there and here);
+only the gradient averaging differs:
 ``torch.nn.parallel.DistributedDataParallel`` (bucketed allreduce overlapped with backward)
 instead of ``hvd.DistributedOptimizer``. Started like the example (``ringtrain run -np 2``,
 which sets the torchrun variables), so the launcher is the same.
@@ -25,7 +26,7 @@ from torch import optim
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from horovod_torchvision import models
+from horovod_synthetic_benchmark import resnet
 
 from ringtrain.horovod import SyncBatchNorm
 
@@ -41,14 +42,14 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    torch.manual_seed(1234 + rank)  # as the example: each rank its own random batch
     # DDP refuses any nn.SyncBatchNorm outside a GPU (torch's own cannot run on CPU); ringtrain's
     # subclass can, so skip that check to train the very model the Horovod example trains.
     DistributedDataParallel._passing_sync_batchnorm_handle = lambda self, module: None  # type: ignore[method-assign]
-    model = DistributedDataParallel(getattr(models, args.model)(norm_layer=SyncBatchNorm))
+    model = DistributedDataParallel(resnet(args.model, norm=SyncBatchNorm))
     optimizer = optim.SGD(model.parameters(), lr=0.01 * size)
     data = torch.randn(args.batch_size, 3, 224, 224)
-    target = torch.LongTensor(args.batch_size).random_() % 1000
+    target = torch.randint(0, 1000, (args.batch_size,))
 
     def benchmark_step() -> None:
         optimizer.zero_grad()
@@ -72,7 +73,9 @@ def main() -> None:
         img_secs.append(img_sec)
     mean, conf = float(np.mean(img_secs)), float(1.96 * np.std(img_secs))
     log(f"Img/sec per CPU: {mean:.1f} +-{conf:.1f}")
-    log(f"Total img/sec on {size} CPU(s): {size * mean:.1f} +-{size * conf:.1f}")
+    total = torch.tensor([mean])
+    dist.all_reduce(total)  # the sum of the ranks' rates, as the example's hvd.allreduce(op=Sum)
+    log(f"Total img/sec on {size} CPU(s): {total.item():.1f} +-{size * conf:.1f}")
     dist.destroy_process_group()
 
 

@@ -1,24 +1,24 @@
-"""Horovod's synthetic benchmark on ringtrain.horovod vs the same loop on plain torch DDP.
+"""The Horovod-API synthetic benchmark on ringtrain.horovod vs the same loop on plain torch DDP.
 
 Two programs, the same model, batch and step counts, both started by ``ringtrain run -np 2``
 (so the launcher, the torch thread count (1 per worker on 2 cores) and the process group are
 the same):
 
-* ``hvd``: ``examples/horovod_synthetic_benchmark.py``, Horovod's own
-  ``pytorch_synthetic_benchmark.py`` with its import lines changed (``hvd.DistributedOptimizer``
-  averages the gradients, ``hvd.SyncBatchNorm`` as in the original);
+* ``hvd``: ``examples/horovod_synthetic_benchmark.py``, ringtrain's script written against
+  Horovod's API the way Horovod's ``pytorch_synthetic_benchmark.py`` measures throughput
+  (``hvd.DistributedOptimizer`` averages the gradients, ``hvd.SyncBatchNorm`` layers);
 * ``ddp``: ``benchmarks/_hvd_synthetic_ddp.py``, the same loop with
   ``torch.nn.parallel.DistributedDataParallel`` (and the same ``hvd.SyncBatchNorm``: torch's
   ``nn.SyncBatchNorm`` refuses CPU tensors).
 
-Each run prints Horovod's ``Total img/sec on 2 CPU(s): X``; runs alternate (hvd, ddp, hvd, ...),
+Each run prints ``Total img/sec on 2 CPU(s): X``; runs alternate (hvd, ddp, hvd, ...),
 and the summary is the median of each over ``--repeats`` runs, with the ratio hvd / ddp (1.0 =
 as fast as DDP) of the medians and the median of the per-pair ratios (each hvd run against the
 ddp run right after it: robust to a machine load that drifts during the benchmark), and the CPU
 seconds each run used (driver and workers, start-up included: less sensitive than img/s to
 other processes on the machine, as long as they do not share the cores' caches). The model
-is the stand-in ResNet of ``examples/horovod_torchvision.py`` (torchvision is not installed), on
-Horovod's 3x224x224 random images.
+is the stand-in ResNet of ``examples/horovod_synthetic_benchmark.py`` (torchvision is not
+installed), on 3x224x224 random images.
 
 Usage::
 

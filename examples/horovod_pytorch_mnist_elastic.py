@@ -1,205 +1,116 @@
-# ruff: noqa
-# fmt: off
-# Horovod's examples/elastic/pytorch/pytorch_mnist_elastic.py (Horovod 0.28.1; Copyright Uber Technologies, Inc.,
-# Apache License 2.0), run on ringtrain: the lines marked "# was:" are the only changes
-# (2 lines); the rest is byte for byte Horovod's (so neither linted nor formatted).
-# The torchvision names come from examples/horovod_torchvision.py (offline, no torchvision
-# needed). docs/horovod.md, "Porting Horovod scripts and launchers", says what maps to what.
-# Run:
-#   ringtrain run -np 2 --max-failures 1 examples/horovod_pytorch_mnist_elastic.py --epochs 1
+"""Elastic MNIST with Horovod's elastic API on ringtrain: training that survives a lost worker.
+
+ringtrain's own example, written against ``horovod.torch.elastic`` as a Horovod user would
+(Horovod's code is not vendored here). Everything that must survive a restart lives in one
+``hvd.elastic.TorchState`` (model, optimizer, an ``ElasticSampler``, the epoch and the batch);
+the training function is wrapped in ``@hvd.elastic.run``; ``state.commit()`` after every batch
+makes a verified ringtrain checkpoint; a reset callback rescales the learning rate to the new
+``hvd.size()``. When a worker dies, ringtrain restarts the group (``--max-failures``) and every
+rank resumes from the last commit, and the sampler skips the samples already seen this epoch.
+
+Run it (the model and data are those of ``examples/horovod_mnist.py``)::
+
+    ringtrain run -np 2 --max-failures 1 examples/horovod_pytorch_mnist_elastic.py --epochs 1
+"""
+
+from __future__ import annotations
+
 import argparse
-import torch.nn as nn
+import os
+import sys
+
+import torch
 import torch.nn.functional as F
-import torch.optim as optim
-from horovod_torchvision import datasets, transforms  # was: from torchvision import datasets, transforms
-import torch.utils.data.distributed
+from torch.utils.data import DataLoader
+
 import ringtrain.horovod as hvd  # was: import horovod.torch as hvd
 
-# Training settings
-parser = argparse.ArgumentParser(description='PyTorch MNIST Example')
-parser.add_argument('--batch-size', type=int, default=64, metavar='N',
-                    help='input batch size for training (default: 64)')
-parser.add_argument('--test-batch-size', type=int, default=1000, metavar='N',
-                    help='input batch size for testing (default: 1000)')
-parser.add_argument('--epochs', type=int, default=10, metavar='N',
-                    help='number of epochs to train (default: 10)')
-parser.add_argument('--lr', type=float, default=0.01, metavar='LR',
-                    help='learning rate (default: 0.01)')
-parser.add_argument('--momentum', type=float, default=0.5, metavar='M',
-                    help='SGD momentum (default: 0.5)')
-parser.add_argument('--no-cuda', action='store_true', default=False,
-                    help='disables CUDA training')
-parser.add_argument('--seed', type=int, default=42, metavar='S',
-                    help='random seed (default: 42)')
-parser.add_argument('--log-interval', type=int, default=10, metavar='N',
-                    help='how many batches to wait before logging training status')
-parser.add_argument('--fp16-allreduce', action='store_true', default=False,
-                    help='use fp16 compression during allreduce')
-parser.add_argument('--use-adasum', action='store_true', default=False,
-                    help='use adasum algorithm to do reduction')
-parser.add_argument('--data-dir',
-                    help='location of the training dataset in the local filesystem (will be downloaded if needed)')
-
-args = parser.parse_args()
-args.cuda = not args.no_cuda and torch.cuda.is_available()
-
-# Horovod: initialize library.
-hvd.init()
-torch.manual_seed(args.seed)
-
-if args.cuda:
-    # Horovod: pin GPU to local rank.
-    torch.cuda.set_device(hvd.local_rank())
-    torch.cuda.manual_seed(args.seed)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from horovod_mnist import ConvNet, Normalized, averaged, sharded
+from mnist import load_data
 
 
-# Horovod: limit # of CPU threads to be used per worker.
-torch.set_num_threads(1)
-
-kwargs = {'num_workers': 1, 'pin_memory': True} if args.cuda else {}
-data_dir = args.data_dir or f'data-{hvd.rank()}'
-train_dataset = \
-    datasets.MNIST(data_dir, train=True, download=True,
-                   transform=transforms.Compose([
-                       transforms.ToTensor(),
-                       transforms.Normalize((0.1307,), (0.3081,))
-                   ]))
-# Horovod: use DistributedSampler to partition the training data.
-train_sampler = torch.utils.data.distributed.DistributedSampler(
-    train_dataset, num_replicas=hvd.size(), rank=hvd.rank())
-train_loader = torch.utils.data.DataLoader(
-    train_dataset, batch_size=args.batch_size, sampler=train_sampler, **kwargs)
-
-test_dataset = \
-    datasets.MNIST(data_dir, train=False, transform=transforms.Compose([
-        transforms.ToTensor(),
-        transforms.Normalize((0.1307,), (0.3081,))
-    ]))
-# Horovod: use DistributedSampler to partition the test data.
-test_sampler = torch.utils.data.distributed.DistributedSampler(
-    test_dataset, num_replicas=hvd.size(), rank=hvd.rank())
-test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size,
-                                          sampler=test_sampler, **kwargs)
+def options() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Elastic MNIST with the Horovod API on ringtrain")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64, help="per worker")
+    p.add_argument("--lr", type=float, default=0.01, help="per worker; scaled by hvd.size()")
+    p.add_argument("--momentum", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--log-every", type=int, default=10, help="batches between progress lines")
+    p.add_argument("--fp16-allreduce", action="store_true", help="hvd.Compression.fp16")
+    p.add_argument("--data-dir", help="directory with MNIST's IDX files (default: the sample)")
+    return p.parse_args()
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super(Net, self).__init__()
-        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
-        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
-        self.conv2_drop = nn.Dropout2d()
-        self.fc1 = nn.Linear(320, 50)
-        self.fc2 = nn.Linear(50, 10)
+def main() -> None:
+    args = options()
+    hvd.init()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
 
-    def forward(self, x):
-        x = F.relu(F.max_pool2d(self.conv1(x), 2))
-        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
-        x = x.view(-1, 320)
-        x = F.relu(self.fc1(x))
-        x = F.dropout(x, training=self.training)
-        x = self.fc2(x)
-        return F.log_softmax(x)
+    train_items, test_items = load_data(args.data_dir)
+    train_set = Normalized(train_items)
+    # An ElasticSampler re-shards what is left of the epoch whenever the group changes.
+    sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
+    model = ConvNet()
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
+    optimizer = hvd.DistributedOptimizer(
+        sgd,
+        named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none,
+        op=hvd.Average,
+    )
 
-model = Net()
+    def rescale_lr() -> None:  # the group may have grown or shrunk
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * hvd.size()
 
-# By default, Adasum doesn't need scaling up learning rate.
-lr_scaler = hvd.size() if not args.use_adasum else 1
+    state = hvd.elastic.TorchState(
+        model=model, optimizer=optimizer, train_sampler=sampler, epoch=1, batch=0
+    )
+    state.register_reset_callbacks([rescale_lr])
 
-if args.cuda:
-    # Move model to GPU.
-    model.cuda()
-    # If using GPU Adasum allreduce, scale learning rate by local_size.
-    if args.use_adasum and hvd.nccl_built():
-        lr_scaler = hvd.local_size()
+    @hvd.elastic.run
+    def fit(state: hvd.elastic.TorchState) -> None:
+        # On entry (first start or after a restart), state is rank 0's last commit.
+        while state.epoch <= args.epochs:
+            state.model.train()
+            if state.batch == 0:  # a fresh epoch: reshuffle (a resumed one keeps its order)
+                state.train_sampler.set_epoch(state.epoch)
+            resumed_at = state.batch  # batches done; the loader yields only the unseen samples
+            for i, (images, labels) in enumerate(loader):
+                state.optimizer.zero_grad()
+                loss = F.nll_loss(state.model(images), labels)
+                loss.backward()
+                state.optimizer.step()
+                state.train_sampler.record_batch(i, args.batch_size)
+                state.batch = resumed_at + i + 1
+                if i % args.log_every == 0 and hvd.rank() == 0:
+                    print(f"epoch {state.epoch} batch {state.batch}: loss {loss.item():.4f}")
+                state.commit()
+            state.epoch, state.batch = state.epoch + 1, 0
 
-# Horovod: scale learning rate by lr_scaler.
-optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler,
-                      momentum=args.momentum)
+    fit(state)
 
-# Horovod: (optional) compression algorithm.
-compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-
-
-def metric_average(val, name):
-    tensor = torch.tensor(val)
-    avg_tensor = hvd.allreduce(tensor, name=name)
-    return avg_tensor.item()
-
-
-@hvd.elastic.run
-def train(state):
-    # post synchronization event (worker added, worker removed) init ...
-    for state.epoch in range(state.epoch, args.epochs + 1):
-        state.model.train()
-
-        train_sampler.set_epoch(state.epoch)
-        steps_remaining = len(train_loader) - state.batch
-
-        for state.batch, (data, target) in enumerate(train_loader):
-            if state.batch >= steps_remaining:
-                break
-
-            if args.cuda:
-                data, target = data.cuda(), target.cuda()
-            state.optimizer.zero_grad()
-            output = state.model(data)
-            loss = F.nll_loss(output, target)
-            loss.backward()
-            state.optimizer.step()
-            if state.batch % args.log_interval == 0:
-                # Horovod: use train_sampler to determine the number of examples in
-                # this worker's partition.
-                print('Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}'.format(
-                    state.epoch, state.batch * len(data), len(train_sampler),
-                    100.0 * state.batch / len(train_loader), loss.item()))
-            state.commit()
-        state.batch = 0
-
-
-def test():
+    # every rank scores its shard of the test set; the averages are the same everywhere
+    test_loader, test_sampler = sharded(Normalized(test_items), 1000)
     model.eval()
-    test_loss = 0.
-    test_accuracy = 0.
-    for data, target in test_loader:
-        if args.cuda:
-            data, target = data.cuda(), target.cuda()
-        output = model(data)
-        # sum up batch loss
-        test_loss += F.nll_loss(output, target, size_average=False).item()
-        # get the index of the max log-probability
-        pred = output.data.max(1, keepdim=True)[1]
-        test_accuracy += pred.eq(target.data.view_as(pred)).cpu().float().sum()
-
-    # Horovod: use test_sampler to determine the number of examples in
-    # this worker's partition.
-    test_loss /= len(test_sampler)
-    test_accuracy /= len(test_sampler)
-
-    # Horovod: average metric values across workers.
-    test_loss = metric_average(test_loss, 'avg_loss')
-    test_accuracy = metric_average(test_accuracy, 'avg_accuracy')
-
-    # Horovod: print output only on first rank.
+    loss_sum, correct = 0.0, 0.0
+    with torch.no_grad():
+        for images, labels in test_loader:
+            log_probs = model(images)
+            loss_sum += F.nll_loss(log_probs, labels, reduction="sum").item()
+            correct += (log_probs.argmax(dim=1) == labels).sum().item()
+    loss = averaged(loss_sum / len(test_sampler), "test_loss")
+    accuracy = averaged(correct / len(test_sampler), "test_accuracy")
     if hvd.rank() == 0:
-        print('\nTest set: Average loss: {:.4f}, Accuracy: {:.2f}%\n'.format(
-            test_loss, 100. * test_accuracy))
+        print(
+            f"\nTest set: Average loss: {loss:.4f}, Accuracy: {100 * accuracy:.2f}%\n", flush=True
+        )
 
 
-# Horovod: wrap optimizer with DistributedOptimizer.
-optimizer = hvd.DistributedOptimizer(optimizer,
-                                     named_parameters=model.named_parameters(),
-                                     compression=compression,
-                                     op=hvd.Adasum if args.use_adasum else hvd.Average)
-
-
-# adjust learning rate on reset
-def on_state_reset():
-    for param_group in optimizer.param_groups:
-        param_group['lr'] = args.lr * hvd.size()
-
-
-state = hvd.elastic.TorchState(model, optimizer, epoch=1, batch=0)
-state.register_reset_callbacks([on_state_reset])
-train(state)
-test()
+if __name__ == "__main__":
+    main()

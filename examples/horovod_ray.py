@@ -1,24 +1,23 @@
-"""Horovod on Ray, as Horovod's docs walk through it (``docs/ray.rst``, "Horovod Ray Executor"),
-run on ringtrain's Ray backend.
+"""Horovod's Ray executor API on ringtrain's Ray backend: MNIST trained by a ``RayExecutor``.
 
-The walkthrough's steps, made into one runnable script: start Ray, create a ``RayExecutor`` of
-``--num-proc`` workers, ``start()`` it, ``run`` the docs' ``simple_fn`` on every worker (each
-returns its rank; the ranks must be unique), then train Horovod's own MNIST example on the same
-executor (``train(args)`` of ``examples/horovod_pytorch_mnist.py``, with all of that script's
-flags), and ``shutdown()``. Against Horovod, the two import lines marked ``# was:`` change; on a
-machine with fewer cores than workers, ``ray.init`` is given ``num_cpus`` (the docs call
-``ray.init()``; on a cluster: ``ray.init(address="auto")``).
+ringtrain's own example, written against ``horovod.ray`` as a Horovod user would (Horovod's
+code is not vendored here): connect to Ray, build a ``RayExecutor(settings, num_workers=...,
+cpus_per_worker=...)``, ``start()`` it with a per-worker object, ``run`` a function on every
+worker (each returns its rank), ``execute`` a method of the per-worker object (the MNIST training
+of ``examples/horovod_mnist.py``, with that script's flags), and ``shutdown()``.
 
-Run it::
+Run it on a local Ray instance::
 
     python examples/horovod_ray.py --num-proc 2 --epochs 1
 
-Each ``run`` is one ringtrain run on fresh Ray actors (see docs/horovod.md, "Porting Horovod
-scripts and launchers", for what that changes against Horovod's long-lived actors).
+(on a cluster, connect with ``ray.init(address="auto")`` instead). Each ``run``/``execute`` is
+one ringtrain run on fresh Ray actors: see docs/horovod.md for what that changes against
+Horovod's long-lived actors.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -28,37 +27,45 @@ import ringtrain.horovod as hvd  # was: import horovod.torch as hvd
 from ringtrain.horovod.ray import RayExecutor  # was: from horovod.ray import RayExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from horovod_pytorch_mnist import parser, train
+from horovod_mnist import build_parser, train
 
 
-# Using the stateless `run` method, a function can take in any args or kwargs
-def simple_fn():
+def my_rank() -> int:
+    """Runs on every worker: joins the group and says which rank it got."""
     hvd.init()
-    print("hvd rank", hvd.rank())
     return hvd.rank()
 
 
+class MnistJob:
+    """The object ``start()`` builds in each worker; ``execute`` calls into it."""
+
+    def __init__(self, options: argparse.Namespace) -> None:
+        self.options = options
+
+    def fit(self) -> float:
+        return train(self.options)
+
+
+def main() -> None:
+    options = build_parser().parse_args()
+    workers = options.num_proc or 2
+    # a local Ray instance with at least one CPU per worker, even on a smaller machine
+    ray.init(num_cpus=max(workers, os.cpu_count() or 1))
+    try:
+        executor = RayExecutor(
+            RayExecutor.create_settings(timeout_s=60), num_workers=workers, cpus_per_worker=1
+        )
+        executor.start(executable_cls=MnistJob, executable_kwargs={"options": options})
+        ranks = executor.run(my_rank)
+        if sorted(ranks) != list(range(workers)):
+            raise SystemExit(f"expected the ranks 0..{workers - 1} once each, got {ranks}")
+        print(f"RayExecutor.run(my_rank) -> {ranks}", flush=True)
+        accuracies = executor.execute(lambda job: job.fit())
+        print(f"RayExecutor.execute(fit) -> {[round(a, 4) for a in accuracies]}", flush=True)
+        executor.shutdown()
+    finally:
+        ray.shutdown()
+
+
 if __name__ == "__main__":
-    args = parser.parse_args()
-    args.cuda = False
-    num_workers = args.num_proc or 2
-
-    # Start the Ray cluster or attach to an existing Ray cluster
-    ray.init(num_cpus=max(num_workers, os.cpu_count() or 1))
-
-    # Start num_workers actors on the cluster
-    settings = RayExecutor.create_settings(timeout_s=30)
-    executor = RayExecutor(settings, num_workers=num_workers, use_gpu=False)
-    executor.start()
-
-    # Execute the function on all workers at once
-    result = executor.run(simple_fn)
-    # Check that the rank of all workers is unique
-    assert sorted(result) == list(range(num_workers)), result
-    print(f"RayExecutor.run(simple_fn) -> {result}", flush=True)
-
-    # Horovod's MNIST example, trained by the same executor
-    executor.run(train, args=[args])
-
-    executor.shutdown()
-    ray.shutdown()
+    main()
