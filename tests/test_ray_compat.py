@@ -1,9 +1,13 @@
 """Ray Train compatibility: Ray's own PyTorch examples port by changing their imports.
 
-The ports live in ``examples/ray_ports/``. These tests check that each differs from the Ray
-example installed with Ray in exactly the lines docs/ray.md lists, that the ported fashion-MNIST
-loop gives, epoch by epoch and rank by rank, the very metrics Ray's ``TorchTrainer`` gives on the
-same (synthetic, seeded) data, and that the names Ray Train code calls exist with Ray's meaning.
+The repository holds no copy of Ray's examples: the tests take the examples installed with Ray
+(``ray/train/examples/pytorch/`` and ``ray/train/examples/horovod/``), rewrite their import lines
+with ``tests/ray_port.py`` (and check that only import lines changed, as many as docs/ray.md's
+table says), and run them. Their data downloads (``torchvision.datasets.FashionMNIST`` and
+``MNIST``) come from the seeded synthetic stand-in ``tests/stubs/torchvision``, put on the
+workers' ``sys.path`` for these runs only. The ported fashion-MNIST loop gives, epoch by epoch
+and rank by rank, the very metrics Ray's ``TorchTrainer`` gives running the same installed file
+unchanged on the same data, and the names Ray Train code calls exist with Ray's meaning.
 
 The Ray comparison starts one local Ray instance for the module (before the first test, so its
 processes predate every test's leak check); it is skipped when Ray Train cannot be imported
@@ -13,9 +17,9 @@ processes predate every test's leak check); it is skipped when Ray Train cannot 
 from __future__ import annotations
 
 import concurrent.futures
-import difflib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -23,103 +27,60 @@ import pytest
 import torch
 
 import ringtrain as rt
+from ray_port import changed_lines, port, port_line, ray_example
 from ringtrain.env import DistributedContext
 from ringtrain.train.horovod import HorovodConfig, HorovodTrainer
 from ringtrain.train.torch import TorchConfig, TorchTrainer
 
 ROOT = Path(__file__).resolve().parent.parent
-PORTS = ROOT / "examples" / "ray_ports"
-SAMPLES = "256"  # FASHION_MNIST_SAMPLES for the synthetic stand-in: a few seconds per run
+STUBS = Path(__file__).resolve().parent / "stubs"  # the torchvision stand-in
+SAMPLES = "256"  # TORCHVISION_STUB_SAMPLES: a few seconds per run
 FASHION_CONFIG = {"lr": 1e-3, "epochs": 2, "batch_size_per_worker": 16}
-
-# port file -> {ported import line: Ray's line}; the lines a port changes besides the data
-# stand-in (docs/ray.md gives the same table).
-IMPORT_SWAPS = {
-    "torch_fashion_mnist_example.py": {
-        "import ringtrain as ray": "import ray.train",
-        "from ringtrain.train import ScalingConfig": "from ray.train import ScalingConfig",
-        "from ringtrain.train.torch import TorchTrainer": (
-            "from ray.train.torch import TorchTrainer"
-        ),
-    },
-    "torch_linear_example.py": {
-        "import ringtrain.train as train": "import ray.train as train",
-        "from ringtrain.train import Checkpoint, RunConfig, ScalingConfig": (
-            "from ray.train import Checkpoint, RunConfig, ScalingConfig"
-        ),
-        "from ringtrain.train.torch import TorchTrainer": (
-            "from ray.train.torch import TorchTrainer"
-        ),
-    },
-    "torch_quick_start.py": {
-        "import ringtrain as ray": "import ray.train.torch",
-        "    from ringtrain.train.torch import TorchTrainer": (
-            "    from ray.train.torch import TorchTrainer"
-        ),
-        "    from ringtrain.train import ScalingConfig": "    from ray.train import ScalingConfig",
-    },
-}
-IMPORT_SWAPS["horovod_example.py"] = {
-    "import ringtrain.horovod as hvd": "import horovod.torch as hvd",
-    "from ringtrain import train": "from ray import train",
-    "from ringtrain.train import ScalingConfig": "from ray.train import ScalingConfig",
-    "from ringtrain.train.horovod import HorovodTrainer": (
-        "from ray.train.horovod import HorovodTrainer"
-    ),
-}
-# (lines removed from Ray's file, lines added) by each port in all, docstring included.
-DIFF_SIZES = {
-    "horovod_example.py": (15, 23),
-    "torch_fashion_mnist_example.py": (27, 30),
-    "torch_linear_example.py": (3, 11),
-    "torch_quick_start.py": (11, 16),
+# Ray example -> the number of lines its port changes, all of them import lines (docs/ray.md
+# gives the same table).
+PORTED_LINES = {
+    "torch_fashion_mnist_example.py": 3,
+    "torch_linear_example.py": 3,
+    "torch_quick_start.py": 3,
+    "horovod_example.py": 4,
 }
 
 
-def ray_original(name: str) -> Path | None:
-    try:
-        import ray
-    except ImportError:
-        return None
-    kind = "horovod" if name.startswith("horovod") else "pytorch"
-    path = Path(ray.__file__).parent / "train" / "examples" / kind / name
-    return path if path.exists() else None
-
-
-def to_ray(name: str) -> str:
-    """The port with its import lines swapped back to Ray's."""
-    lines = (PORTS / name).read_text().splitlines(keepends=True)
-    swaps = IMPORT_SWAPS[name]
-    found = [line.rstrip("\n") for line in lines if line.rstrip("\n") in swaps]
-    assert sorted(found) == sorted(swaps), f"{name}: import lines {found} != {list(swaps)}"
-    return "".join(swaps.get(x.rstrip("\n"), x.rstrip("\n")) + "\n" for x in lines)
+def installed(name: str) -> Path:
+    path = ray_example(name)
+    if path is None:
+        pytest.skip(f"Ray's {name} is not installed: pip install 'ray[train]'")
+    return path
 
 
 # -- no processes ---------------------------------------------------------------------------
 
 
-def test_ports_differ_from_rays_examples_only_where_docs_say() -> None:
+def test_docs_import_table_is_what_port_does() -> None:
+    """Every row of docs/ray.md's "Ray Train line | ringtrain line" table is tests/ray_port.py's
+    rule (this needs no Ray)."""
     doc = (ROOT / "docs" / "ray.md").read_text()
-    for name, (removed, added) in DIFF_SIZES.items():
-        for port_line, ray_line in IMPORT_SWAPS[name].items():
-            assert f"`{port_line.strip()}`" in doc and f"`{ray_line.strip()}`" in doc, name
-        original = ray_original(name)
-        if original is None:
-            continue  # Ray's examples are not installed: the docs check above still ran
-        diff = list(
-            difflib.unified_diff(
-                original.read_text().splitlines(), (PORTS / name).read_text().splitlines(), n=0
-            )
-        )
-        minus = [d for d in diff if d.startswith("-") and not d.startswith("---")]
-        plus = [d for d in diff if d.startswith("+") and not d.startswith("+++")]
-        assert (len(minus), len(plus)) == (removed, added), f"{name}: {diff}"
-        # every import line Ray's file loses is one of the swapped ones or a data download's
-        for line in minus:
-            text = line[1:].strip()
-            if "ray" in text and text.startswith(("import ", "from ")):
-                assert text in {r.strip() for r in IMPORT_SWAPS[name].values()}, (name, text)
-        assert f"| `{name}` | {removed} | {added} |" in doc.replace("  ", " "), name
+    rows = re.findall(r"^\| `((?:import|from) [^`]+)`[^|]*\| `([^`]+)`", doc, re.MULTILINE)
+    assert len(rows) >= 8, rows
+    for ray_line, ours in rows:
+        assert port_line(ray_line) == ours, (ray_line, port_line(ray_line), ours)
+    assert port_line("import ray") == "import ray"  # the real Ray stays (ray.init in __main__)
+    assert port("x = 1\nimport ray.train\n") == ("x = 1\nimport ringtrain as ray\n", 1)
+    assert "examples/ray_ports" not in doc
+
+
+def test_installed_examples_port_by_their_import_lines_only() -> None:
+    doc = (ROOT / "docs" / "ray.md").read_text()
+    for name, count in PORTED_LINES.items():
+        assert f"| `{name}` | {count} |" in doc, name
+        original = installed(name).read_text()
+        ported, changed = port(original)  # asserts every changed line is an import statement
+        assert changed == count, (name, changed_lines(original))
+        for ray_line, ours in changed_lines(original):
+            assert re.search(r"\b(ray|horovod)\b", ray_line) and "ringtrain" in ours, (name, ours)
+            assert f"`{ray_line.strip()}`" in doc and f"`{ours.strip()}`" in doc, (name, ours)
+        assert "from ray" not in ported and "import ray." not in ported, name
+        assert "import ray\n" not in ported or "ray.init(" in ported, name  # only __main__'s
 
 
 def test_trainer_takes_rays_keyword_names() -> None:
@@ -210,10 +171,21 @@ def test_context_answers_rays_method_names() -> None:
 # -- the same numbers as Ray ----------------------------------------------------------------
 
 
+def _use_stubs(config) -> None:
+    """In a worker: the torchvision stand-in first on sys.path, its size, and a home directory
+    for the examples' ``FileLock("~/...")`` files."""
+    import sys
+
+    sys.path.insert(0, config["stubs"])
+    os.environ["TORCHVISION_STUB_SAMPLES"] = config["samples"]
+    os.environ["HOME"] = config["home"]
+
+
 def _ringtrain_loop(config):
     """In each ringtrain worker: the ported fashion-MNIST loop (its reports are the compared
-    numbers), the context and loader checks, then quick-start's distributed loop and the linear
-    example's loop (which reports ``Checkpoint.from_directory`` on every rank)."""
+    numbers), the context and loader checks, then quick-start's distributed loop, the linear
+    example's loop (which reports ``Checkpoint.from_directory`` on every rank) and the Horovod
+    example's loop."""
     import runpy
 
     import torch
@@ -223,7 +195,7 @@ def _ringtrain_loop(config):
     import ringtrain as ray
 
     torch.set_num_threads(1)
-    os.environ["FASHION_MNIST_SAMPLES"] = config["samples"]
+    _use_stubs(config)
     fashion = runpy.run_path(config["fashion"])
     fashion["train_func_per_worker"](config["fashion_config"])
 
@@ -247,25 +219,28 @@ def _ringtrain_loop(config):
     linear = runpy.run_path(config["linear"])
     losses = linear["train_func"]({"lr": 1e-2, "batch_size": 4, "epochs": 2})
     assert len(losses) == 2 and losses[1]["loss"] < losses[0]["loss"], losses
-    os.environ["MNIST_SAMPLES"] = config["samples"]
     horovod = runpy.run_path(config["horovod"])  # HorovodTrainer's loop: hvd.init() and all
     horovod["train_func"]({"num_epochs": 1, "batch_size": 32, "log_interval": 100})
 
 
 def make_ray_loop():
-    """The function each Ray Train worker runs: Ray's fashion-MNIST loop, its reports recorded.
-    (Nested, so that it is pickled by value: Ray's workers cannot import this module.)"""
+    """The function each Ray Train worker runs: Ray's fashion-MNIST loop from the installed file,
+    unchanged, its reports recorded. (Nested, so that it is pickled by value: Ray's workers
+    cannot import this module.)"""
 
     def ray_loop(config):
         import json
         import os
         import runpy
+        import sys
 
         import ray.train
         import torch
 
         torch.set_num_threads(1)
-        os.environ["FASHION_MNIST_SAMPLES"] = config["samples"]
+        sys.path.insert(0, config["stubs"])
+        os.environ["TORCHVISION_STUB_SAMPLES"] = config["samples"]
+        os.environ["HOME"] = config["home"]
         fashion = runpy.run_path(config["fashion"])
         history = []
         real = ray.train.report
@@ -309,15 +284,20 @@ def test_fashion_mnist_port_gives_ray_train_numbers(ray_train, tmp_path) -> None
     import ray.train
     from ray.train.torch import TorchTrainer as RayTorchTrainer
 
-    ray_script = tmp_path / "ray_fashion.py"
-    ray_script.write_text(to_ray("torch_fashion_mnist_example.py"))
+    ported = {}
+    for name in PORTED_LINES:
+        ported[name] = tmp_path / f"ported_{name}"
+        ported[name].write_text(port(installed(name).read_text())[0])
+    home = tmp_path / "home"  # the examples' FileLock("~/data.lock") files
+    home.mkdir()
+    common = {"samples": SAMPLES, "stubs": str(STUBS), "home": str(home)}
     out = tmp_path / "ray_out"
     out.mkdir()
     ray_trainer = RayTorchTrainer(
         make_ray_loop(),
         train_loop_config={
-            "samples": SAMPLES,
-            "fashion": str(ray_script),
+            **common,
+            "fashion": str(installed("torch_fashion_mnist_example.py")),  # Ray's file, unchanged
             "fashion_config": FASHION_CONFIG,
             "out": str(out),
         },
@@ -327,11 +307,11 @@ def test_fashion_mnist_port_gives_ray_train_numbers(ray_train, tmp_path) -> None
     ours_trainer = TorchTrainer(
         train_loop_per_worker=_ringtrain_loop,
         train_loop_config={
-            "samples": SAMPLES,
-            "fashion": str(PORTS / "torch_fashion_mnist_example.py"),
-            "quick_start": str(PORTS / "torch_quick_start.py"),
-            "linear": str(PORTS / "torch_linear_example.py"),
-            "horovod": str(PORTS / "horovod_example.py"),
+            **common,
+            "fashion": str(ported["torch_fashion_mnist_example.py"]),
+            "quick_start": str(ported["torch_quick_start.py"]),
+            "linear": str(ported["torch_linear_example.py"]),
+            "horovod": str(ported["horovod_example.py"]),
             "fashion_config": FASHION_CONFIG,
         },
         scaling_config=rt.ScalingConfig(num_workers=2),

@@ -1,0 +1,95 @@
+"""Port a Ray Train script to ringtrain by rewriting its import lines, and nothing else.
+
+``port(source)`` is what docs/ray.md's "Coming from Ray Train" table says by hand: every import
+of ``ray.train`` (and ``horovod.torch``) becomes the ringtrain import that binds the same name to
+ringtrain's mirror of it; every other line is left as it is. tests/test_ray_compat.py ports the
+examples installed with Ray this way at test time, so the repository holds no copy of Ray's code.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+# (pattern of an import statement, with the line's indentation cut off; its replacement).
+# Tried in order; the first that matches the whole statement wins.
+IMPORT_MAP: tuple[tuple[str, str], ...] = (
+    # the body calls ray.train.… / ray.train.torch.…: bind ``ray`` to ringtrain
+    (r"import ray\.train(\.torch|\.horovod)?", "import ringtrain as ray"),
+    (r"import ray\.train(\.torch|\.horovod)? as (\w+)", r"import ringtrain.train\1 as \2"),
+    (r"from ray import train", "from ringtrain import train"),
+    (r"from ray import train as (\w+)", r"from ringtrain import train as \1"),
+    (r"from ray\.train(\.torch|\.horovod)? import (.+)", r"from ringtrain.train\1 import \2"),
+    (r"import horovod\.torch as (\w+)", r"import ringtrain.horovod as \1"),
+    (r"from horovod\.torch import (.+)", r"from ringtrain.horovod import \1"),
+)
+
+
+def _is_import(line: str) -> bool:
+    """Whether ``line`` (indentation allowed) is exactly one import statement."""
+    try:
+        body = ast.parse(line.strip()).body
+    except SyntaxError:
+        return False
+    return len(body) == 1 and isinstance(body[0], (ast.Import, ast.ImportFrom))
+
+
+def port_line(line: str) -> str:
+    """``line`` with its Ray import swapped for ringtrain's; any other line unchanged."""
+    stripped = line.strip()
+    if not stripped.startswith(("import ", "from ")):
+        return line
+    indent = line[: len(line) - len(line.lstrip())]
+    for pattern, replacement in IMPORT_MAP:
+        match = re.fullmatch(pattern, stripped)
+        if match:
+            return indent + match.expand(replacement)
+    return line
+
+
+def port(source: str) -> tuple[str, int]:
+    """Port a Ray Train script.
+
+    Args:
+        source: the script's text.
+
+    Returns:
+        ``(ported source, number of lines changed)``.
+
+    Raises:
+        AssertionError: a changed line is not an import statement before and after the swap (the
+            rules above would then be wrong), or the ported source does not parse.
+    """
+    lines = source.splitlines(keepends=True)
+    out = []
+    changed = 0
+    for line in lines:
+        ending = line[len(line.rstrip("\r\n")) :]
+        text = line[: len(line) - len(ending)]
+        new = port_line(text)
+        if new != text:
+            assert _is_import(text) and _is_import(new), f"not an import swap: {text!r} -> {new!r}"
+            changed += 1
+        out.append(new + ending)
+    ported = "".join(out)
+    ast.parse(ported)
+    return ported, changed
+
+
+def ray_example(name: str) -> Path | None:
+    """The example ``name`` as installed with Ray (``ray/train/examples/{pytorch,horovod}/``),
+    or None when Ray or the file is not installed."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    kind = "horovod" if name.startswith("horovod") else "pytorch"
+    path = Path(ray.__file__).parent / "train" / "examples" / kind / name
+    return path if path.exists() else None
+
+
+def changed_lines(source: str) -> list[tuple[str, str]]:
+    """``[(Ray's line, ported line)]`` for every line ``port`` changes in ``source``."""
+    ported, _ = port(source)
+    return [(a, b) for a, b in zip(source.splitlines(), ported.splitlines(), strict=True) if a != b]
