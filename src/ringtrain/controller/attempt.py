@@ -3,27 +3,17 @@ this module held as ``Attempt`` is :class:`~ringtrain.controller.generation.Gene
 
 from __future__ import annotations
 
-import re
 import signal
 
-from ringtrain.result import WorkerFailure
+from ringtrain.result import PEER_ERROR, WorkerFailure
 
-# Errors a rank raises because a *peer* died: never the root cause when another failure exists.
-PEER_ERROR = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
-    r"failed to recv|Socket Timeout|NCCL communicator was aborted|"
-    r"DistBackendError|DistNetworkError|ProcessGroupGloo|Gloo|remote process exited",
-    re.IGNORECASE,
-)
+__all__ = ["PEER_ERROR", "root_cause", "signal_name"]
 
 
 def root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
     """The failure that explains the others: a non-peer error first, then the earliest."""
 
-    def secondary(f: WorkerFailure) -> bool:
-        return f.kind == "exception" and bool(PEER_ERROR.search(f"{f.exc_type} {f.message}"))
-
-    primaries = [f for f in failures if not secondary(f)] or failures
+    primaries = [f for f in failures if not f.peer_error] or failures
     return min(primaries, key=lambda f: (f.time, f.rank))
 
 
