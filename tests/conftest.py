@@ -4,11 +4,19 @@ behind (the autouse fixture fails the test that leaks)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
 
 from ringtrain import session as session_mod
+
+# Tests live in tiers (unit/, multiprocess/, backends/, e2e/); a few import another tier's test
+# module for its fixtures and fakes, so every tier directory is importable by its module name.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _tier in ("unit", "multiprocess", "backends", "e2e"):
+    if os.path.join(_TESTS, _tier) not in sys.path:
+        sys.path.insert(0, os.path.join(_TESTS, _tier))
 
 _DIST_VARS = (
     "RANK",

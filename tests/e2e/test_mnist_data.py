@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mnist.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mnist.py"
 
 
 def _load_example():

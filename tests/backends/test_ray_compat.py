@@ -32,8 +32,8 @@ from ringtrain.env import DistributedContext
 from ringtrain.train.horovod import HorovodConfig, HorovodTrainer
 from ringtrain.train.torch import TorchConfig, TorchTrainer
 
-ROOT = Path(__file__).resolve().parent.parent
-STUBS = Path(__file__).resolve().parent / "stubs"  # the torchvision stand-in
+ROOT = Path(__file__).resolve().parents[2]
+STUBS = Path(__file__).resolve().parents[1] / "stubs"  # the torchvision stand-in
 SAMPLES = "256"  # TORCHVISION_STUB_SAMPLES: a few seconds per run
 FASHION_CONFIG = {"lr": 1e-3, "epochs": 2, "batch_size_per_worker": 16}
 # Ray example -> the number of lines its port changes, all of them import lines (docs/ray.md

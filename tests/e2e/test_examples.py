@@ -8,7 +8,8 @@ import re
 import subprocess
 import sys
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
 
 
 def test_mnist_main_job_reaches_95_percent_on_held_out_digits(tmp_path):

@@ -75,7 +75,7 @@ def _start_driver(tmp_path, mode: str):
     token = uuid.uuid4().hex
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    here = os.path.dirname(__file__)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *sys.path]), **{MARK: token})
     driver = subprocess.Popen(
         [sys.executable, "-c", _DRIVER, str(tmp_path / "runs"), str(pid_dir), mode],

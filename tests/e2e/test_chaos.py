@@ -31,7 +31,7 @@ from ringtrain.chaos.campaign import campaign_tag
 from ringtrain.chaos.display import Display
 from ringtrain.chaos.procs import TAG_ENV, kill_tagged, tagged
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def leaky_rng_fn(config):
@@ -116,7 +116,7 @@ def test_cli_reports_divergence_at_the_first_checkpoint_after_the_resume(tmp_pat
         textwrap.dedent(
             f"""
             import sys
-            sys.path.insert(0, {TESTS!r})
+            sys.path[:0] = [{os.path.dirname(os.path.abspath(__file__))!r}, {TESTS!r}]
             import ringtrain as rt
             from test_chaos import leaky_rng_fn as train_fn
             config = {{"epochs": 3}}

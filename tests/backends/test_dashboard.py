@@ -49,7 +49,7 @@ needs_browser = pytest.mark.skipif(
 RINGTRAIN = shutil.which("ringtrain") or os.path.join(os.path.dirname(sys.executable), "ringtrain")
 ARTIFACTS = Path(
     os.environ.get("RINGTRAIN_TEST_ARTIFACTS")
-    or Path(__file__).resolve().parent.parent / ".pytest_artifacts"
+    or Path(__file__).resolve().parents[2] / ".pytest_artifacts"
 )
 WAIT_MS = 30_000  # generous: a loaded 2-core machine must not fail these
 T0 = 1763720000.0

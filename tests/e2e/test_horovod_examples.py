@@ -23,7 +23,7 @@ from conftest import child_pids
 from ringtrain.horovod.ray import ElasticRayExecutor, RayExecutor
 from ringtrain.result import TrainingFailedError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 HOROVOD_IMPORTS = {  # example -> its ringtrain imports, each standing for one Horovod import
     "horovod_mnist.py": 2,

@@ -23,7 +23,7 @@ from ringtrain.tune.resources import ResourcePool, check_fits, trial_demand
 
 pytest.importorskip("optuna")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_config(tmp_path, name, **kw):

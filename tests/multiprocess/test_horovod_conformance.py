@@ -25,7 +25,7 @@ import pytest
 
 import ringtrain.horovod as hvd
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 
 #: ``horovod/torch/__init__.py`` (v0.28.1): the names it imports when the extension loads.
 HOROVOD_TORCH_0_28_1 = [

@@ -24,7 +24,7 @@ from rich.console import Console
 from conftest import wait_until
 from ringtrain.tune.progress import SweepDisplay, TrialRow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(HERE, os.pardir, "examples", "tiny_epochs.py")
 TOP = "╭"  # a panel's top-left corner: one per panel drawn and left on screen
 

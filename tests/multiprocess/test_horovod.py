@@ -18,7 +18,7 @@ import ringtrain as rt
 import ringtrain.horovod as hvd
 from ringtrain.comm.fusion import fusion_threshold_from_env, plan_buckets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fit(fn, n, tmp_path, name, config=None, **run_kwargs):

@@ -259,7 +259,7 @@ def _run_dying_driver(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(
         DRIVER.format(
-            tests=os.path.dirname(__file__),
+            tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             storage=str(tmp_path / "runs"),
             epochs=EPOCHS,
             out=str(out),
@@ -287,7 +287,7 @@ def test_driver_killed_then_trainer_restore_finishes_bit_exactly(tmp_path, tmp_p
 def test_driver_killed_then_cli_resume_finishes_bit_exactly(tmp_path, tmp_path_factory):
     clean = _baseline(tmp_path_factory)
     run, out = _run_dying_driver(tmp_path)
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
         [sys.executable, "-m", "ringtrain.cli", "run", "--resume", str(run), "--progress", "off"],
         capture_output=True,
@@ -308,7 +308,7 @@ def test_cli_script_restarts_with_max_failures(tmp_path, tmp_path_factory):
         textwrap.dedent(
             f"""
             import sys
-            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
             import workloads
             workloads.exact_fn({{"epochs": {EPOCHS}, "out": {str(out)!r},
                                  "kill": ("step", 14), "kill_rank": 0}})

@@ -132,7 +132,8 @@ def _start_sleeping_driver(tmp_path):
     have written their pid files."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, *sys.path]))
     driver = subprocess.Popen(
         [sys.executable, "-c", _DRIVER, str(tmp_path), str(pid_dir)],
         env=env,
