@@ -273,8 +273,9 @@ class Trainer:
             path: the run directory, ``{storage_path}/{name}`` (a local path or fsspec URL).
             train_fn: the train function; default: the one the run was started with (stored in
                 the run directory, as cloudpickle).
-            signing_key, signing_key_file: the key the run was signed with (default: the
-                ``run_config`` override's, else ``$RINGTRAIN_SIGNING_KEY`` or your key file).
+            signing_key: the key the run was signed with (default: the ``run_config``
+                override's, else ``$RINGTRAIN_SIGNING_KEY`` or your key file).
+            signing_key_file: a file holding that key, instead of ``signing_key``.
             trust_unsigned: accept a ``config.json`` / ``payload.pkl`` / checkpoints not signed
                 with the key (``payload.pkl`` is code: only if you trust whoever can write the
                 storage).

@@ -293,10 +293,11 @@ class Tuner:
             path: the sweep directory, ``{storage_path}/{name}``.
             train_fn: the training function; default: the one the sweep was started with
                 (stored in the sweep directory with cloudpickle).
-
-            signing_key, signing_key_file, trust_unsigned: the key ``tuner.pkl`` was signed
-                with (default: ``$RINGTRAIN_SIGNING_KEY`` or your key file), or accept it
-                unsigned (it is code: only if you trust whoever can write the storage).
+            signing_key: the key ``tuner.pkl`` was signed with (default:
+                ``$RINGTRAIN_SIGNING_KEY`` or your key file).
+            signing_key_file: a file holding that key, instead of ``signing_key``.
+            trust_unsigned: accept ``tuner.pkl`` unsigned (it is code: only if you trust
+                whoever can write the storage).
 
         Raises:
             FileNotFoundError: if ``path`` is not a sweep directory (no ``tuner.pkl``).
