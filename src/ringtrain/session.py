@@ -2,7 +2,9 @@
 
 A worker process has exactly one :class:`Session`, installed by the worker bootstrap
 (``ringtrain.launch.worker``) before the train function or script runs. It is the one place this
-process keeps distributed state; the slot below is the only module-level state of the worker side,
+process keeps distributed state, and it holds the worker's plug-ins (elastic training, step timing,
+precision: :mod:`ringtrain.hooks`); the slot below is the only module-level state of the worker
+side (the public functions of this module read it: they have no session argument to be given),
 and tests reset it with :func:`_reset_session`. A process that ringtrain did not start (a plain
 ``python`` run, torchrun, SLURM) gets a session built lazily from its environment: reports are then
 kept in memory, and the process group is initialised on first need.
@@ -10,17 +12,21 @@ kept in memory, and the process group is initialised on first need.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import numbers
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ringtrain.channel import CheckpointDone, Heartbeat, Report, Timing, WorkerChannel
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.checkpoint import Checkpoint
-from ringtrain.env import ENV_START_ROUND, DistributedContext, context_from_env
+from ringtrain.env import DistributedContext, context_from_env
+from ringtrain.hooks import HookRegistry, StepState
+from ringtrain.worker_config import WorkerConfig
 
 logger = logging.getLogger("ringtrain")
 
@@ -41,6 +47,7 @@ class Session:
             prepared loader, a step, a report); what the heartbeat tells the driver.
         timer: the step timer (``MonitorConfig.timing``), ``None`` when timing is off.
         timing_interval_s: how often the heartbeat thread sends a timing window (seconds).
+        hooks: this worker's plug-ins (:mod:`ringtrain.hooks`): elastic, timing, precision...
     """
 
     context: DistributedContext
@@ -60,12 +67,19 @@ class Session:
     # Where training is (note_epoch): sent with each timing window for the driver's progress bar.
     progress_hint: dict[str, Any] = field(default_factory=dict)
     _hint_sent: dict[str, Any] | None = None
+    hooks: HookRegistry = field(default_factory=HookRegistry)
     elastic: Any = None  # the ElasticRuntime of an elastic run (ringtrain.elastic.worker)
     # Called with every new TrainState.step, on the training thread (ringtrain.chaos's faults).
     step_listeners: list[Any] = field(default_factory=list)
     _writer: Any = None
     _run_fs: Any = None
     _run_path: str | None = None
+
+    @property
+    def worker_config(self) -> WorkerConfig:
+        """What the driver told this worker (``Start``'s :class:`WorkerConfig`; the defaults
+        outside a ringtrain-launched worker)."""
+        return self.context.config
 
     def start_heartbeat(self, interval_s: float) -> None:
         """Every ``interval_s`` seconds, tell the driver how long ago this rank last made
@@ -171,9 +185,56 @@ def current_session() -> Session:
     with _session_lock:
         if _session is None:
             ctx = context_from_env()
-            start = int(ctx.extra.get(ENV_START_ROUND, "0") or 0)
+            start = ctx.config.start_round
             _session = Session(context=ctx, next_round=start)
         return _session
+
+
+def installed_session() -> Session | None:
+    """This process's session if one is installed or was built, else None (never builds one:
+    cheap enough for every batch and step, and what plug-ins use to find theirs)."""
+    return _session
+
+
+def current_hooks() -> HookRegistry:
+    """This process's hook registry (:mod:`ringtrain.hooks`), building the session on first use."""
+    return current_session().hooks
+
+
+def step_taken(state: StepState) -> None:
+    """``TrainState.step`` was set: record the progress and run the step hooks
+    (:meth:`ringtrain.hooks.WorkerPlugin.on_step`). Nothing outside a session's process."""
+    session = _session
+    if session is None:
+        return
+    mark_progress(state.step)
+    session.hooks.on_step(state)
+
+
+def takes_config(train_fn: Callable[..., object]) -> bool:
+    """Whether ``train_fn`` is called as ``train_fn(config)`` (it has a positional parameter)
+    rather than ``train_fn()``; a callable without a signature is given the config."""
+    try:
+        params = inspect.signature(train_fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return bool(positional)
+
+
+def call_train_fn(train_fn: Callable[..., object], config: Mapping[str, Any] | None) -> None:
+    """Call the user's train function once, the one way every runner does (the worker
+    bootstrap, the elastic runner, an in-process ``fit()``, chaos runs): ``train_fn(config)``
+    (``{}`` when ``config`` is None) if it takes a positional parameter, else ``train_fn()``.
+    Its return value is ignored; what it raises propagates."""
+    if takes_config(train_fn):
+        train_fn(config if config is not None else {})
+    else:
+        train_fn()
 
 
 def mark_progress(step: int | None = None) -> None:
@@ -284,6 +345,7 @@ def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
         # connection, so that the driver shows this round's epoch as "k/N" (once per epoch).
         session._hint_sent = session.progress_hint
         session.send_timing()
+    session.hooks.on_report(clean, round_)
     session.last_metrics = clean
     session.last_progress = time.monotonic()
     session.progressed = True

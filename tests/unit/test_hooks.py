@@ -1,0 +1,162 @@
+"""The worker hook registry (ringtrain/hooks.py): every hook a no-op by default, plug-ins called in
+registration order, a plug-in receiving each hook from the real core call sites (TrainState's step
+and restore, a prepared loader, prepare_model, report), and one way to call a train function."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ringtrain import hooks as hooks_mod
+from ringtrain import session as session_mod
+from ringtrain.hooks import HOOKS, HookRegistry, LoaderSetup, ModelSetup, WorkerPlugin
+
+
+class Recorder(WorkerPlugin):
+    """Records every hook it receives as ``(name, tag, *args)``."""
+
+    def __init__(self, log: list[tuple[Any, ...]], tag: str = "") -> None:
+        self.log = log
+        self.tag = tag
+
+    def on_worker_start(self, session: Any) -> None:
+        self.log.append(("on_worker_start", self.tag, session))
+
+    def on_worker_stop(self, error: BaseException | None) -> None:
+        self.log.append(("on_worker_stop", self.tag, error))
+
+    def on_step(self, state: Any) -> None:
+        self.log.append(("on_step", self.tag, state.step))
+
+    def on_batch_start(self) -> None:
+        self.log.append(("on_batch_start", self.tag))
+
+    def on_batch(self, batch: object) -> None:
+        self.log.append(("on_batch", self.tag, batch))
+
+    def on_batches_end(self) -> None:
+        self.log.append(("on_batches_end", self.tag))
+
+    def on_prepare_loader(self, setup: LoaderSetup) -> None:
+        self.log.append(("on_prepare_loader", self.tag, setup.world_size))
+
+    def before_wrap(self, setup: ModelSetup) -> None:
+        self.log.append(("before_wrap", self.tag, setup.module is setup.model))
+
+    def after_wrap(self, setup: ModelSetup) -> None:
+        self.log.append(("after_wrap", self.tag, setup.model))
+
+    def on_restore(self, state: object, checkpoint: object) -> None:
+        self.log.append(("on_restore", self.tag, checkpoint))
+
+    def on_report(self, metrics: Any, round_: int) -> None:
+        self.log.append(("on_report", self.tag, dict(metrics), round_))
+
+
+def test_every_hook_does_nothing_by_default():
+    registry = HookRegistry()
+    calls = _one_call_of_each(registry)
+    for name, args in calls.items():
+        assert getattr(registry, name)(*args) is None, name
+        assert getattr(WorkerPlugin, name)(object(), *args) is None, name
+    # A plug-in that defines one hook is called for that one only.
+    log: list[tuple[Any, ...]] = []
+
+    class OnlyStep(WorkerPlugin):
+        def on_step(self, state: Any) -> None:
+            log.append(("on_step", state.step))
+
+    registry.register(OnlyStep())
+    for name, args in calls.items():
+        getattr(registry, name)(*args)
+    assert log == [("on_step", 7)]
+
+
+def test_plugins_run_in_registration_order_and_can_leave():
+    log: list[tuple[Any, ...]] = []
+    registry = HookRegistry()
+    first, second = Recorder(log, "a"), Recorder(log, "b")
+    registry.register(first)
+    registry.register(second)
+    assert registry.plugins() == (first, second)
+    assert registry.find(Recorder) is first
+    for name, args in _one_call_of_each(registry).items():
+        getattr(registry, name)(*args)
+    assert [entry[0] for entry in log[::2]] == list(HOOKS)
+    assert [entry[1] for entry in log] == ["a", "b"] * len(HOOKS)
+    registry.unregister(first)
+    log.clear()
+    registry.on_batch_start()
+    assert log == [("on_batch_start", "b")]
+    registry.unregister(first)  # not registered: nothing
+    assert registry.find(Recorder) is second
+
+
+def test_a_structural_plugin_and_the_registration_errors():
+    class Duck:  # no base class: only the methods it has are called
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def on_step(self, state: Any) -> None:
+            self.steps.append(state.step)
+
+    registry = HookRegistry()
+    duck = Duck()
+    registry.register(duck)
+    registry.on_step(_Step(3))
+    registry.on_batch(object())  # Duck has no on_batch
+    assert duck.steps == [3]
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(duck)
+
+    class Misspelt:
+        def on_steps(self, state: Any) -> None: ...
+
+    with pytest.raises(ValueError, match="defines none of the worker hooks"):
+        registry.register(Misspelt())
+
+    class Leave(BaseException):
+        pass
+
+    class Raises(WorkerPlugin):
+        def on_batch_start(self) -> None:
+            raise Leave("pause")
+
+    registry.register(Raises())
+    with pytest.raises(Leave):
+        registry.on_batch_start()
+
+
+class _Step:
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+def _one_call_of_each(registry: HookRegistry) -> dict[str, tuple[Any, ...]]:
+    module = torch.nn.Linear(1, 1)
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    return {
+        "on_worker_start": (object(),),
+        "on_worker_stop": (None,),
+        "on_step": (_Step(7),),
+        "on_batch_start": (),
+        "on_batch": ("batch",),
+        "on_batches_end": (),
+        "on_prepare_loader": (LoaderSetup(loader, world_size=1, world_rank=0),),
+        "before_wrap": (ModelSetup(module, module, torch.device("cpu"), 1),),
+        "after_wrap": (ModelSetup(module, module, torch.device("cpu"), 1),),
+        "on_restore": (object(), "ckpt"),
+        "on_report": ({"loss": 1.0}, 0),
+    }
+
+
+def test_call_train_fn_passes_the_config_only_to_a_function_that_takes_one():
+    seen: list[Any] = []
+    session_mod.call_train_fn(lambda config: seen.append(config), {"lr": 1})
+    session_mod.call_train_fn(lambda: seen.append("none"), {"lr": 1})
+    session_mod.call_train_fn(lambda *args: seen.append(args), None)
+    session_mod.call_train_fn(lambda config=None: seen.append(config), None)
+    assert seen == [{"lr": 1}, "none", ({},), {}]
+    assert hooks_mod.SYNC_TOKEN_ATTR.startswith("_ringtrain")
