@@ -109,3 +109,16 @@ def test_the_checker_finds_links_and_catches_broken_ones(tmp_path: Path) -> None
         "other.md#nope) other.md has no heading #nope",
         "./missing_too.md) ./missing_too.md does not exist",
     ]
+
+
+def test_every_page_of_docs_is_in_the_mkdocs_nav() -> None:
+    """A new page in docs/ must be added to mkdocs.yml's nav (else ``mkdocs build --strict``
+    fails in CI: said here first, without mkdocs)."""
+    nav = set(
+        re.findall(
+            r"^\s*-\s+(?:[^:\n]+:\s+)?(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M
+        )
+    )
+    pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
+    assert sorted(pages - nav) == [], "add these pages to the nav of mkdocs.yml"
+    assert sorted(nav - pages) == [], "mkdocs.yml's nav names pages that do not exist"
