@@ -8,6 +8,10 @@ import time
 
 import pytest
 
+from fakes import FakeGroup, FakeLauncher
+from fakes import HeartbeatGroup as _HeartbeatGroup
+from fakes import controller_events as _events
+from fakes import make_controller as _controller
 from ringtrain.channel import Exited, Hello, Interrupted, JoinReady, Resumed
 from ringtrain.controller.states import (
     Growing,
@@ -20,7 +24,6 @@ from ringtrain.controller.states import (
     Transition,
 )
 from ringtrain.elastic.policy import ElasticPolicy
-from test_controller import FakeGroup, FakeLauncher, _controller, _events, _HeartbeatGroup
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,5 @@
-"""The controller's state machine, driven by a scripted fake worker group (no processes)."""
+"""The controller's state machine, driven by a scripted fake worker group (tests/fakes.py; no
+processes)."""
 
 from __future__ import annotations
 
@@ -9,80 +10,17 @@ import time
 import fsspec
 import pytest
 
-from ringtrain.channel import CheckpointDone, Done, Exited, Heartbeat, Hello, Report, WorkerError
+from fakes import FakeLauncher
+from fakes import GuardedGroup as _GuardedGroup
+from fakes import HeartbeatGroup as _HeartbeatGroup
+from fakes import make_controller as _controller
+from ringtrain.channel import CheckpointDone, Done, Exited, Hello, Report, WorkerError
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import CheckpointConfig, FailureConfig
-from ringtrain.controller.controller import Controller, RunState
+from ringtrain.controller.controller import RunState
 from ringtrain.controller.policy import Decision, FailurePolicy
-from ringtrain.launch.base import WorkerSpec
-from ringtrain.monitor.progress import make_progress
 from ringtrain.result import TrainingFailedError, WorkerFailure
-from ringtrain.rundir import RunDirectory
-
-
-class FakeGroup:
-    def __init__(self, world_size, script):
-        self.world_size = world_size
-        self.script = list(script)  # list of event batches, one batch per poll
-        self.stopped = False
-
-    def poll(self, timeout_s):
-        if not self.script:
-            return []
-        batch = self.script.pop(0)
-        # A callable batch runs when it is polled (after every earlier event was handled): it can
-        # look at or change the run directory at that moment, and returns the events to deliver.
-        return batch() if callable(batch) else batch
-
-    def stop(self, grace_s=5.0):
-        self.stopped = True
-
-    def pids(self):
-        return {}
-
-
-class FakeLauncher:
-    def __init__(self, attempts):
-        self.attempts = list(attempts)
-        self.specs: list[WorkerSpec] = []
-        self.groups: list[FakeGroup] = []
-
-    def start(self, spec):
-        self.specs.append(spec)
-        script = self.attempts.pop(0)
-        if hasattr(script, "poll"):  # a ready-made worker group
-            self.groups.append(script)
-            return script
-        # A callable script is built when its attempt starts (after the controller has cleared
-        # the previous attempt's staging directories), as real workers would write files then.
-        group = FakeGroup(spec.world_size, script() if callable(script) else script)
-        self.groups.append(group)
-        return group
-
-
-def _controller(tmp_path, launcher, world_size=2, max_failures=0, **kwargs):
-    run_dir = RunDirectory(str(tmp_path), "run")
-    run_dir.create()
-    ckpts = CheckpointManager(run_dir.fs, run_dir.path, CheckpointConfig())
-    return Controller(
-        launcher=launcher,
-        make_spec=lambda attempt, start, latest: WorkerSpec(
-            world_size=world_size,
-            run_dir=run_dir.uri,
-            attempt=attempt,
-            start_round=start,
-            latest_checkpoint=latest,
-        ),
-        world_size=world_size,
-        run_dir=run_dir,
-        checkpoints=ckpts,
-        failure_policy=FailurePolicy(FailureConfig(max_failures=max_failures)),
-        progress=make_progress("off"),
-        failure_grace_s=0.0,
-        poll_interval_s=0.0,
-        **kwargs,
-    )
 
 
 def _report(rank, round_, **metrics):
@@ -401,39 +339,6 @@ def test_failed_checkpoint_write_is_skipped_and_training_goes_on(tmp_path, how):
 
 
 # ---------------------------------------------------------------- hang detection
-
-
-class _GuardedGroup(FakeGroup):
-    """A FakeGroup that ends the attempt cleanly after ``guard_s`` seconds, so that a controller
-    that never notices a hang makes the test fail instead of spinning until the pytest timeout."""
-
-    def __init__(self, world_size, script, guard_s=5.0):
-        super().__init__(world_size, script)
-        self.started = time.monotonic()
-        self.guard_s = guard_s
-
-    def poll(self, timeout_s):
-        if time.monotonic() - self.started > self.guard_s:
-            return [Exited(r, time.time(), 0) for r in range(self.world_size)]
-        return super().poll(timeout_s)
-
-
-class _HeartbeatGroup(_GuardedGroup):
-    """Every rank says Hello, then only sends heartbeats; ``age(rank, elapsed)`` is the rank's
-    ``progress_age_s`` (None: the rank sends nothing)."""
-
-    def __init__(self, world_size, age, guard_s=5.0):
-        super().__init__(world_size, [[Hello(r, 100 + r, "h") for r in range(world_size)]], guard_s)
-        self.age = age
-
-    def poll(self, timeout_s):
-        events = super().poll(timeout_s)
-        if events:
-            return events
-        time.sleep(0.01)
-        elapsed = time.monotonic() - self.started
-        beats = [(r, self.age(r, elapsed)) for r in range(self.world_size)]
-        return [Heartbeat(r, time.time(), a, step=40 + r) for r, a in beats if a is not None]
 
 
 @pytest.mark.parametrize("max_failures", [0, 1])
