@@ -468,7 +468,8 @@ def _elastic_grow_hooks(config, step: int) -> None:
                 elastic._poll_driver()
                 time.sleep(0.05)
     marker = config.get("kill_joiner_once")
-    if marker and os.environ.get("RINGTRAIN_ELASTIC", "")[-2:] == ",1":
+    elastic_settings = rt.get_context().config.elastic
+    if marker and elastic_settings is not None and elastic_settings.joining:
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
         except FileExistsError:

@@ -4,8 +4,9 @@ Built on :mod:`multiprocessing.connection`: the driver listens on loopback (or o
 multi-node backend needs) with a per-run secret; a client must answer an HMAC-SHA256 challenge
 with that secret (:mod:`ringtrain.handshake`) before a single byte is unpickled, so nobody else on
 the host can inject reports, and idle or garbage connections cannot stall the workers'.
-Messages are small frozen dataclasses. This module imports neither torch nor the controller, so both
-sides can use it.
+Messages are small frozen dataclasses; what the driver tells a worker travels typed, as the
+:class:`~ringtrain.worker_config.WorkerConfig` inside :class:`Start`, never as strings to parse.
+This module imports neither torch nor the controller, so both sides can use it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ringtrain.handshake import (
     listen_backlog,
     listen_socket,
 )
+from ringtrain.worker_config import WorkerConfig
 
 # ---------------------------------------------------------------- messages (worker -> driver)
 
@@ -153,11 +155,14 @@ class Start:
     function mode, ``None`` in script mode. ``latest_checkpoint``: URI to resume from, or None.
     ``checkpoint_files``: the file table (``{path: {"size", "sha256"}}``) of that checkpoint's
     manifest, whose signature the driver checked: workers read only these files and hash each
-    as they read it (``None``: they check the manifest themselves)."""
+    as they read it (``None``: they check the manifest themselves). ``config``: everything else
+    the driver tells the worker (timeouts, checkpoint mode, timing, step limit, elastic
+    settings, attempt, first report round), typed."""
 
     payload: bytes | None = None
     latest_checkpoint: str | None = None
     checkpoint_files: dict[str, dict[str, Any]] | None = None
+    config: WorkerConfig = field(default_factory=WorkerConfig)
 
 
 @dataclass(frozen=True)

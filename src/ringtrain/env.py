@@ -1,35 +1,48 @@
-"""Where rank information comes from.
+"""Where rank information comes from: one class per cluster environment.
 
-This is the only module that reads the distributed environment variables. ringtrain's local launcher
-sets the same variables torchrun sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) plus a few ``RINGTRAIN_*``
-ones for its driver channel, so a worker it starts, a process started by torchrun and one started by
-SLURM's ``srun`` are all described by one :class:`DistributedContext`.
+This is the only module that reads the distributed environment variables. Each launcher that can
+start a worker is one :class:`ClusterEnvironment` (as Lightning Fabric's ``ClusterEnvironment``):
+:class:`RingtrainEnvironment` (our own launcher), :class:`TorchrunEnvironment`,
+:class:`SlurmEnvironment` and :class:`SingleProcessEnvironment` (no launcher: one process). Each
+says whether it started this process (``detect()``) and builds the :class:`DistributedContext`
+(``context()``); :data:`ENVIRONMENTS` is the order they are asked in.
+
+ringtrain's local launcher sets the same variables torchrun sets (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), Horovod's,
+and the bootstrap of its driver channel (:data:`BOOTSTRAP_ENV`). Everything else the driver tells a
+worker travels typed, as a :class:`~ringtrain.worker_config.WorkerConfig` inside the channel's
+authenticated ``Start`` message, which the worker puts into its context
+(:meth:`DistributedContext.with_config`).
+
+Why the bootstrap stays in the environment: a worker must know where the driver listens and the
+secret that authenticates it before it can receive anything over the channel, and a variable is how
+a parent hands both to a child it starts (a command line would show the secret in ``ps``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-# Variables of the ringtrain launcher contract (driver -> worker).
+from ringtrain.worker_config import WorkerConfig
+
+# The bootstrap of the ringtrain launcher (driver -> worker, before the channel exists).
 ENV_DRIVER_ADDR = "RINGTRAIN_DRIVER_ADDR"  # "host:port" of the driver's report channel
 ENV_AUTHKEY = "RINGTRAIN_AUTHKEY"  # hex secret of the channel
-ENV_RUN_DIR = "RINGTRAIN_RUN_DIR"  # the run directory (path or fsspec URL)
-ENV_ATTEMPT = "RINGTRAIN_ATTEMPT"  # 0 on the first attempt
-ENV_USE_GPU = "RINGTRAIN_USE_GPU"  # "1" when workers drive one CUDA device each
-ENV_START_ROUND = "RINGTRAIN_START_ROUND"  # first report round of this attempt
-ENV_THREADS = "RINGTRAIN_NUM_THREADS"
-ENV_WORKER_TIMEOUT = "RINGTRAIN_WORKER_TIMEOUT_S"  # FailureConfig.worker_timeout_s ("" = none)
-ENV_ASYNC_CHECKPOINT = "RINGTRAIN_ASYNC_CHECKPOINT"  # "1": TrainState saves in the background
-ENV_TIMING = "RINGTRAIN_TIMING_INTERVAL_S"  # step timing window in seconds ("" or unset = off)
-ENV_COMM_TIMING = "RINGTRAIN_COMM_TIMING"  # MonitorConfig.comm_timing
-ENV_MAX_STEPS = "RINGTRAIN_MAX_STEPS"  # stop cleanly after this many steps (`ringtrain bench`)
-ENV_ELASTIC = "RINGTRAIN_ELASTIC"  # "min,max,snapshot_interval_steps" (elastic runs only)
-ENV_ELASTIC_BATCH = "RINGTRAIN_ELASTIC_BATCH"  # ScalingConfig.elastic_batch_policy (elastic)
+ENV_RUN_TOKEN = "RINGTRAIN_RUN_TOKEN"  # marks every process of a local group (launch/reaper.py)
+ENV_RAY_NODE_ID = "RINGTRAIN_RAY_NODE_ID"  # informational: the Ray node a worker runs on
+# Read for the attempt number when another launcher sets it; ours sends WorkerConfig.attempt.
+ENV_ATTEMPT = "RINGTRAIN_ATTEMPT"
+
+BOOTSTRAP_ENV = frozenset({ENV_DRIVER_ADDR, ENV_AUTHKEY, ENV_RUN_TOKEN, ENV_RAY_NODE_ID})
+"""The only ``RINGTRAIN_*`` variables a launcher sets in a worker's environment: the channel's
+address and secret (needed before ``Start`` can arrive), the reaper's run token (it finds a group's
+processes by their environment) and, on Ray, the node id (informational). Configuration travels in
+:class:`~ringtrain.worker_config.WorkerConfig`."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class DistributedContext:
         run_dir: the run directory (path or fsspec URL), or ``None`` outside a ringtrain run.
         source: where the information came from: ``"ringtrain"``, ``"torchrun"``, ``"slurm"``,
             or ``"single"`` (no distributed environment: a single process).
+        config: what the driver told this worker (:class:`~ringtrain.worker_config.WorkerConfig`;
+            the defaults outside a ringtrain-launched worker).
     """
 
     world_rank: int = 0
@@ -62,13 +77,23 @@ class DistributedContext:
     attempt: int = 0
     run_dir: str | None = None
     source: str = "single"
-    extra: Mapping[str, str] = field(default_factory=dict, repr=False)
+    config: WorkerConfig = field(default_factory=WorkerConfig, repr=False)
+
+    def with_config(self, config: WorkerConfig) -> DistributedContext:
+        """This context with the driver's ``config`` (from ``Start``): its ``use_gpu``,
+        ``attempt`` and ``run_dir`` become the context's."""
+        return dataclasses.replace(
+            self,
+            use_gpu=config.use_gpu,
+            attempt=config.attempt,
+            run_dir=config.run_dir,
+            config=config,
+        )
 
     @property
     def worker_timeout_s(self) -> float | None:
         """``FailureConfig.worker_timeout_s`` of the run (None: no hang detection)."""
-        text = self.extra.get(ENV_WORKER_TIMEOUT, "")
-        return float(text) if text else None
+        return self.config.worker_timeout_s
 
     @property
     def device(self) -> Any:
@@ -150,16 +175,206 @@ def _int(environ: Mapping[str, str], *names: str, default: int | None = None) ->
     return default
 
 
+class ClusterEnvironment:
+    """One way a process can be started as a rank of a job (a launcher's variables).
+
+    Subclasses set :attr:`source` and implement :meth:`detect` and the rank methods;
+    :meth:`context` assembles and checks them.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+    """
+
+    source: ClassVar[str] = "single"
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
+
+    def detect(self) -> bool:
+        """Whether this environment started the process."""
+        raise NotImplementedError
+
+    def world_size(self) -> int:
+        return 1
+
+    def world_rank(self) -> int:
+        return 0
+
+    def local_rank(self) -> int:
+        return 0
+
+    def local_world_size(self) -> int:
+        return 1
+
+    def node_rank(self) -> int:
+        return 0
+
+    def master_addr(self) -> str:
+        return self.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+    def master_port(self) -> int:
+        return _int(self.environ, "MASTER_PORT", default=29500)
+
+    def use_gpu(self) -> bool:
+        """Under torchrun/SLURM nobody tells us: use the GPU when this process can see one."""
+        return _cuda_requested(self.environ)
+
+    def attempt(self) -> int:
+        return _int(self.environ, ENV_ATTEMPT, "TORCHELASTIC_RESTART_COUNT", default=0)
+
+    def context(self) -> DistributedContext:
+        """The context of this process.
+
+        Raises:
+            ValueError: if a variable is malformed or ranks are out of range.
+            KeyError: if a variable this environment needs is missing.
+        """
+        rank, world_size = self.world_rank(), self.world_size()
+        local_rank, local_world_size = self.local_rank(), self.local_world_size()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+        if not 0 <= local_rank < local_world_size:
+            raise ValueError(
+                f"local rank {local_rank} is outside [0, local_world_size={local_world_size})"
+            )
+        return DistributedContext(
+            world_rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            node_rank=self.node_rank(),
+            master_addr=self.master_addr(),
+            master_port=self.master_port(),
+            use_gpu=self.use_gpu(),
+            attempt=self.attempt(),
+            source=self.source,
+        )
+
+
+class TorchrunEnvironment(ClusterEnvironment):
+    """Started by ``torchrun`` (or anything that sets ``RANK`` and ``WORLD_SIZE``)."""
+
+    source: ClassVar[str] = "torchrun"
+
+    def detect(self) -> bool:
+        return bool(self.environ.get("RANK") and self.environ.get("WORLD_SIZE"))
+
+    def world_size(self) -> int:
+        return _int(self.environ, "WORLD_SIZE")
+
+    def world_rank(self) -> int:
+        return _int(self.environ, "RANK")
+
+    def local_rank(self) -> int:
+        return _int(self.environ, "LOCAL_RANK", default=0)
+
+    def local_world_size(self) -> int:
+        return _int(self.environ, "LOCAL_WORLD_SIZE", default=self.world_size())
+
+    def node_rank(self) -> int:
+        return _int(self.environ, "GROUP_RANK", "NODE_RANK", default=0)
+
+
+class RingtrainEnvironment(TorchrunEnvironment):
+    """Started by ringtrain's launcher: torchrun's variables plus the driver channel's bootstrap
+    (:data:`BOOTSTRAP_ENV`). The device, attempt and run directory come with the driver's
+    ``WorkerConfig`` in ``Start`` (:meth:`DistributedContext.with_config`); until then the
+    context says CPU."""
+
+    source: ClassVar[str] = "ringtrain"
+
+    def detect(self) -> bool:
+        return bool(self.environ.get(ENV_DRIVER_ADDR))
+
+    def use_gpu(self) -> bool:
+        return False
+
+    def driver_address(self) -> str:
+        """``host:port`` of the driver's channel."""
+        return self.environ[ENV_DRIVER_ADDR]
+
+    def authkey(self) -> bytes:
+        """The channel's secret.
+
+        Raises:
+            KeyError: if the launcher did not set it.
+        """
+        return bytes.fromhex(self.environ[ENV_AUTHKEY])
+
+
+class SlurmEnvironment(ClusterEnvironment):
+    """Started by SLURM's ``srun`` with more than one task."""
+
+    source: ClassVar[str] = "slurm"
+
+    def detect(self) -> bool:
+        env = self.environ
+        return bool(
+            env.get("SLURM_PROCID")
+            and env.get("SLURM_NTASKS")
+            and _int(env, "SLURM_NTASKS", default=1) > 1
+        )
+
+    def world_size(self) -> int:
+        return _int(self.environ, "SLURM_NTASKS")
+
+    def world_rank(self) -> int:
+        return _int(self.environ, "SLURM_PROCID")
+
+    def local_rank(self) -> int:
+        return _int(self.environ, "SLURM_LOCALID", default=0)
+
+    def local_world_size(self) -> int:
+        env = self.environ
+        return _int(env, "SLURM_NTASKS_PER_NODE", default=0) or max(
+            1, self.world_size() // _int(env, "SLURM_NNODES", default=1)
+        )
+
+    def node_rank(self) -> int:
+        return _int(self.environ, "SLURM_NODEID", default=0)
+
+    def master_addr(self) -> str:
+        return self.environ.get("MASTER_ADDR") or _first_slurm_host(
+            self.environ.get("SLURM_NODELIST", "")
+        )
+
+
+class SingleProcessEnvironment(ClusterEnvironment):
+    """No launcher: one process, world size 1, on the CPU (a plain ``python`` run)."""
+
+    source: ClassVar[str] = "single"
+
+    def detect(self) -> bool:
+        return True
+
+    def context(self) -> DistributedContext:
+        return DistributedContext()
+
+
+ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (
+    RingtrainEnvironment,
+    TorchrunEnvironment,
+    SlurmEnvironment,
+    SingleProcessEnvironment,
+)
+"""The cluster environments in the order they are asked: the first whose ``detect()`` is true
+describes the process (ringtrain's launcher also sets torchrun's variables, so it comes first;
+a single process is the fallback)."""
+
+
+def detect_environment(environ: Mapping[str, str] | None = None) -> ClusterEnvironment:
+    """The :class:`ClusterEnvironment` that started this process (the first of
+    :data:`ENVIRONMENTS` that detects itself in ``environ``, default ``os.environ``)."""
+    for cls in ENVIRONMENTS:
+        candidate = cls(environ)
+        if candidate.detect():
+            return candidate
+    return SingleProcessEnvironment(environ)  # unreachable: the last one always detects
+
+
 def detect_source(environ: Mapping[str, str] | None = None) -> str:
     """Which launcher started this process: ringtrain, torchrun, slurm, or single."""
-    env = os.environ if environ is None else environ
-    if env.get(ENV_DRIVER_ADDR):
-        return "ringtrain"
-    if env.get("RANK") and env.get("WORLD_SIZE"):
-        return "torchrun"
-    if env.get("SLURM_PROCID") and env.get("SLURM_NTASKS") and int(env["SLURM_NTASKS"]) > 1:
-        return "slurm"
-    return "single"
+    return detect_environment(environ).source
 
 
 def context_from_env(environ: Mapping[str, str] | None = None) -> DistributedContext:
@@ -174,68 +389,10 @@ def context_from_env(environ: Mapping[str, str] | None = None) -> DistributedCon
     Raises:
         ValueError: if a variable is malformed or ranks are out of range.
     """
-    env = os.environ if environ is None else environ
-    source = detect_source(env)
-    if source == "single":
-        return DistributedContext(use_gpu=env.get(ENV_USE_GPU) == "1")
-    if source == "slurm":
-        world_size = _int(env, "SLURM_NTASKS")
-        rank = _int(env, "SLURM_PROCID")
-        local_rank = _int(env, "SLURM_LOCALID", default=0)
-        local_world_size = _int(env, "SLURM_NTASKS_PER_NODE", default=0) or max(
-            1, world_size // _int(env, "SLURM_NNODES", default=1)
-        )
-        node_rank = _int(env, "SLURM_NODEID", default=0)
-        master_addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_NODELIST", ""))
-        master_port = _int(env, "MASTER_PORT", default=29500)
-    else:
-        world_size = _int(env, "WORLD_SIZE")
-        rank = _int(env, "RANK")
-        local_rank = _int(env, "LOCAL_RANK", default=0)
-        local_world_size = _int(env, "LOCAL_WORLD_SIZE", default=world_size)
-        node_rank = _int(env, "GROUP_RANK", "NODE_RANK", default=0)
-        master_addr = env.get("MASTER_ADDR", "127.0.0.1")
-        master_port = _int(env, "MASTER_PORT", default=29500)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
-    if not 0 <= local_rank < local_world_size:
-        raise ValueError(
-            f"local rank {local_rank} is outside [0, local_world_size={local_world_size})"
-        )
-    use_gpu = env.get(ENV_USE_GPU) == "1" if ENV_USE_GPU in env else _cuda_requested(env)
-    return DistributedContext(
-        world_rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world_size,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        use_gpu=use_gpu,
-        attempt=_int(env, ENV_ATTEMPT, "TORCHELASTIC_RESTART_COUNT", default=0),
-        run_dir=env.get(ENV_RUN_DIR) or None,
-        source=source,
-        extra={
-            k: env[k]
-            for k in (
-                ENV_DRIVER_ADDR,
-                ENV_AUTHKEY,
-                ENV_START_ROUND,
-                ENV_WORKER_TIMEOUT,
-                ENV_ASYNC_CHECKPOINT,
-                ENV_TIMING,
-                ENV_COMM_TIMING,
-                ENV_MAX_STEPS,
-                ENV_ELASTIC,
-                ENV_ELASTIC_BATCH,
-            )
-            if k in env
-        },
-    )
+    return detect_environment(environ).context()
 
 
 def _cuda_requested(env: Mapping[str, str]) -> bool:
-    # Under torchrun/SLURM nobody tells us; use the GPU when this process can see one.
     if env.get("CUDA_VISIBLE_DEVICES", None) == "":
         return False
     try:
@@ -268,15 +425,12 @@ def worker_environment(
     master_addr: str,
     master_port: int,
     threads: int,
-    use_gpu: bool,
-    attempt: int,
-    run_dir: str,
     driver_addr: str,
     authkey_hex: str,
-    start_round: int,
 ) -> dict[str, str]:
-    """The variables the launcher sets in each worker: torchrun's, Horovod's, plus ringtrain's
-    channel.
+    """The variables the launcher sets in each worker: torchrun's, Horovod's, the thread count
+    OpenMP and MKL read at start-up, and the bootstrap of ringtrain's channel (the rest of what
+    the driver tells a worker comes typed in ``Start``: :mod:`ringtrain.worker_config`).
 
     Horovod's (``HOROVOD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``, ``_CROSS_RANK``,
     ``_CROSS_SIZE``), as ``horovodrun`` sets them, for Horovod scripts and tooling: the cross
@@ -302,13 +456,8 @@ def worker_environment(
         "HOROVOD_CROSS_SIZE": str(num_nodes),
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
-        ENV_THREADS: str(threads),
-        ENV_USE_GPU: "1" if use_gpu else "0",
-        ENV_ATTEMPT: str(attempt),
-        ENV_RUN_DIR: run_dir,
         ENV_DRIVER_ADDR: driver_addr,
         ENV_AUTHKEY: authkey_hex,
-        ENV_START_ROUND: str(start_round),
         "PYTHONUNBUFFERED": "1",
     }
 

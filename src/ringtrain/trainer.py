@@ -24,24 +24,16 @@ from ringtrain.checkpoint.storage import is_local_fs, protocols
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
-from ringtrain.env import (
-    ENV_ASYNC_CHECKPOINT,
-    ENV_COMM_TIMING,
-    ENV_ELASTIC,
-    ENV_ELASTIC_BATCH,
-    ENV_MAX_STEPS,
-    ENV_TIMING,
-    ENV_WORKER_TIMEOUT,
-    detect_source,
-)
+from ringtrain.env import detect_source
+from ringtrain.launch.backends import backend_for
 from ringtrain.launch.base import Launcher, WorkerSpec
-from ringtrain.launch.local import LocalLauncher
 from ringtrain.monitor.progress import make_progress
 from ringtrain.monitor.runs import pid_alive
 from ringtrain.monitor.sinks import default_sinks
 from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
+from ringtrain.worker_config import build_worker_config
 
 logger = logging.getLogger("ringtrain")
 # The progress display already shows every decision; without a handler of the application's,
@@ -80,31 +72,13 @@ def default_run_name(entrypoint: str) -> str:
 def validate_gpus(scaling: ScalingConfig) -> None:
     """Raise before any process starts when ``use_gpu`` asks for more GPUs than this host has.
     (On Ray the GPUs are the cluster's: its placement group checks them.)"""
-    if not scaling.use_gpu or scaling.backend != "local":
-        return
-    import torch
-
-    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if available < scaling.max_workers:
-        fix = (
-            f"use num_workers<={available}, or use_gpu=False for CPU workers"
-            if available
-            else "use use_gpu=False: CPU workers with gloo"
-        )
-        raise ValueError(
-            f"ScalingConfig(use_gpu=True, num_workers={scaling.num_workers}) needs "
-            f"{scaling.max_workers} CUDA devices, this machine has {available or 'none'} ({fix})"
-        )
+    backend_for(scaling).check_host()
 
 
 def make_launcher(scaling: ScalingConfig) -> Launcher:
     """The launcher ``scaling.backend`` names: local processes, or Ray actors (Ray is imported
     only then; ImportError naming ``pip install 'ringtrain[ray]'`` when it is missing)."""
-    if scaling.backend == "ray":
-        from ringtrain.launch.ray import RayLauncher
-
-        return RayLauncher.from_scaling_config(scaling)
-    return LocalLauncher()
+    return backend_for(scaling).launcher()
 
 
 def _resolve_train_fn(
@@ -577,31 +551,16 @@ def run_workers(
     threads = scaling_config.threads_per_worker()
     timeout = run_config.failure_config.worker_timeout_s
     monitor = run_config.monitor_config
-    worker_env = {
-        ENV_WORKER_TIMEOUT: "" if timeout is None else repr(float(timeout)),
-        ENV_ASYNC_CHECKPOINT: "1" if run_config.checkpoint_config.async_save else "0",
-        ENV_TIMING: repr(float(monitor.timing_interval_s)) if monitor.timing else "",
-        ENV_COMM_TIMING: monitor.comm_timing,
-    }
-    if max_steps is not None:
-        worker_env[ENV_MAX_STEPS] = str(int(max_steps))
-    worker_env.update(extra_env or {})
+    # Everything the workers are told travels typed in Start (ringtrain.worker_config).
+    worker_config = build_worker_config(scaling_config, run_config, max_steps=max_steps)
     elastic = None
-    if scaling_config.elastic:  # num_workers=(min, max): resize in place (docs/elastic.md)
+    if worker_config.elastic is not None:  # num_workers=(min, max): resize in place
         from ringtrain.elastic.policy import ElasticPolicy
-        from ringtrain.elastic.worker import ElasticSettings
 
-        grow_after_s = scaling_config.elastic_grow_after_s
-        settings = ElasticSettings(
-            scaling_config.min_workers,
-            scaling_config.max_workers,
-            run_config.failure_config.snapshot_interval_steps,
-            grow=grow_after_s is not None,
-        )
-        worker_env[ENV_ELASTIC] = settings.to_env()
-        worker_env[ENV_ELASTIC_BATCH] = scaling_config.elastic_batch_policy
         elastic = ElasticPolicy(
-            settings.min_workers, settings.max_workers, grow_after_s=grow_after_s
+            worker_config.elastic.min_workers,
+            worker_config.elastic.max_workers,
+            grow_after_s=scaling_config.elastic_grow_after_s,
         )
 
     def make_spec(attempt: int, start_round: int, latest: str | None) -> WorkerSpec:
@@ -616,8 +575,9 @@ def run_workers(
             attempt=attempt,
             start_round=start_round,
             latest_checkpoint=latest,
-            env=dict(worker_env),
+            env=dict(extra_env or {}),
             checkpoint_files=checkpoints.resume_files if latest is not None else None,
+            config=worker_config,
         )
 
     # TensorBoard and CSV logs: driver-side callbacks, ahead of the user's.

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringtrain.config import ELASTIC_BATCH_POLICIES
-from ringtrain.env import ENV_ELASTIC_BATCH, DistributedContext
+from ringtrain.env import DistributedContext
 
 logger = logging.getLogger("ringtrain")
 
@@ -157,7 +157,7 @@ def plan_batch(
 
 def policy_of(ctx: DistributedContext) -> str:
     """The run's ``elastic_batch_policy`` as the driver passed it (default outside one)."""
-    return ctx.extra.get(ENV_ELASTIC_BATCH) or DEFAULT_POLICY
+    return ctx.config.elastic_batch_policy
 
 
 def plan_for_loader(data_loader: Any, ctx: DistributedContext) -> BatchPlan | None:
@@ -208,91 +208,10 @@ def plan_for_loader(data_loader: Any, ctx: DistributedContext) -> BatchPlan | No
 
 
 # ---------------------------------------------------------------------- micro-batches
+# Splitting a step's batch is not elastic's own: it lives with gradient accumulation.
+from ringtrain.accumulate import batch_length, micro_batches, split_batch  # noqa: E402
 
-
-def batch_length(batch: Any) -> int | None:
-    """Samples in ``batch``: dim 0 of its first tensor (nested in tuples, lists, dicts)."""
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    if isinstance(batch, Mapping):
-        items: Any = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        items = batch
-    else:
-        return None
-    for item in items:
-        found = batch_length(item)
-        if found is not None:
-            return found
-    return None
-
-
-def _slice(value: Any, start: int, stop: int, n: int) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value[start:stop] if value.dim() and value.shape[0] == n else value
-    if isinstance(value, Mapping):
-        return type(value)({k: _slice(v, start, stop, n) for k, v in value.items()})  # type: ignore[call-arg]
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_slice(v, start, stop, n) for v in value))
-    if isinstance(value, (list, tuple)):
-        nested = any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in value)
-        if len(value) == n and not nested:
-            return type(value)(value[start:stop])  # a collated list of strings, ids...
-        return type(value)(_slice(v, start, stop, n) for v in value)
-    return value
-
-
-def split_batch(batch: Any, max_size: int) -> list[tuple[Any, float]]:
-    """``batch`` cut along dim 0 into ``ceil(n / max_size)`` nearly equal micro-batches (sizes
-    differ by at most one, larger first), each with its weight ``len(micro) / n`` (pure).
-
-    Tensors whose dim 0 is the batch length are sliced, as are collated lists of that length
-    (of strings, numbers); everything else (scalars, other tensors) is repeated in each part.
-
-    Args:
-        batch: a tensor, or tuples, lists and dicts of them.
-        max_size: the largest micro-batch (samples, >= 1).
-
-    Returns:
-        ``[(micro_batch, weight), ...]``; ``[(batch, 1.0)]`` when ``n <= max_size`` or ``batch``
-        has no tensor with a batch dimension.
-
-    Raises:
-        ValueError: ``max_size`` < 1.
-    """
-    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
-        raise ValueError(f"micro_batches: max_size must be an integer >= 1, got {max_size!r}")
-    n = batch_length(batch)
-    if n is None or n <= max_size:
-        return [(batch, 1.0)]
-    parts = -(-n // max_size)
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append((_slice(batch, start, start + size, n), size / n))
-        start += size
-    return out
-
-
-def micro_batches(batch: Any, model: Any, max_size: int | None) -> Iterator[tuple[Any, float]]:
-    """Yield ``(micro_batch, weight)`` for each part of :func:`split_batch`; the caller runs the
-    forward and ``(loss * weight).backward()`` of each before taking the next. With a DDP
-    ``model``, all but the last run under ``no_sync()`` (through :func:`ringtrain.accumulate`),
-    so the gradients are allreduced once per step. ``max_size=None``: ``batch`` whole."""
-    from ringtrain.accumulate import accumulate
-
-    parts = [(batch, 1.0)] if max_size is None else split_batch(batch, max_size)
-    if model is None:
-        yield from parts
-        return
-    for part in parts:
-        with accumulate(model, len(parts)):
-            yield part
+__all__ = ["batch_length", "micro_batches", "split_batch"]
 
 
 # ---------------------------------------------------------------------- learning rate

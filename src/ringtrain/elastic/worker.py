@@ -20,7 +20,8 @@ group below ``max``, the members allreduce (MAX) a "grow requested" flag, as Hor
 fetch from a prepared loader (or, in a loop without one, the next step boundary) raises
 :class:`GrowPause` out of the train function, and each member says ``Interrupted(grow=True)``
 and waits for its Resize exactly as after a lost peer, but without rolling back. A joining
-worker (started with :func:`joiner_env`) skips the first process-group start: it waits for its
+worker (its ``Start`` says ``WorkerConfig.elastic.joining``: the driver's channel group marks it)
+skips the first process-group start: it waits for its
 Resize, receives the snapshot by broadcast, and enters the train function with
 ``get_checkpoint()`` returning it.
 
@@ -36,7 +37,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -44,7 +44,8 @@ from ringtrain.channel import GrowRequest, Interrupted, JoinReady, Resize, Resum
 from ringtrain.distributed import collective_timeout_s, destroy_process_group, init_process_group
 from ringtrain.elastic import snapshot as snapshots
 from ringtrain.elastic.sockets import GroupSockets
-from ringtrain.env import ENV_ELASTIC, DistributedContext
+from ringtrain.env import DistributedContext
+from ringtrain.worker_config import ElasticSettings
 
 logger = logging.getLogger("ringtrain")
 
@@ -64,48 +65,6 @@ class GrowPause(BaseException):
     (internal; a BaseException so that a train function's ``except Exception`` lets it pass)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ElasticSettings:
-    """``RINGTRAIN_ELASTIC`` = ``"min,max,snapshot_interval_steps,grow,joining"``, as the driver
-    sets it (``grow``: 1 when the group may grow back to ``max``; ``joining``: 1 in a worker
-    started to join a running group, see :func:`joiner_env`)."""
-
-    min_workers: int
-    max_workers: int
-    snapshot_interval_steps: int
-    grow: bool = False
-    joining: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> ElasticSettings:
-        parts = [int(part) for part in text.split(",")]
-        lo, hi, every = parts[:3]
-        grow, joining = [*parts[3:5], 0, 0][:2]
-        return cls(lo, hi, every, bool(grow), bool(joining))
-
-    def to_env(self) -> str:
-        return (
-            f"{self.min_workers},{self.max_workers},{self.snapshot_interval_steps},"
-            f"{int(self.grow)},{int(self.joining)}"
-        )
-
-
-def joiner_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The environment of a worker started to join a running elastic group (a launcher's
-    ``grow``): ``env`` (the attempt's ``WorkerSpec.env``) with ``RINGTRAIN_ELASTIC`` marked as
-    joining. The launcher adds the usual per-worker variables (rank, world size, driver
-    address) on top.
-
-    Raises:
-        ValueError: if ``env`` is not an elastic run's.
-    """
-    text = env.get(ENV_ELASTIC)
-    if not text:
-        raise ValueError(f"joiner_env: {ENV_ELASTIC} is not set; the run is not elastic")
-    settings = dataclasses.replace(ElasticSettings.parse(text), joining=True)
-    return {**env, ENV_ELASTIC: settings.to_env()}
-
-
 def at_batch_boundary() -> None:
     """Called by a prepared data loader before it fetches each batch: leaves the train function
     with :class:`GrowPause` once the members agreed to pause for a grow (the step they agreed on
@@ -119,8 +78,8 @@ def at_batch_boundary() -> None:
 
 
 def settings_of(ctx: DistributedContext) -> ElasticSettings | None:
-    text = ctx.extra.get(ENV_ELASTIC)
-    return ElasticSettings.parse(text) if text else None
+    """The run's elastic settings (``WorkerConfig.elastic``); ``None`` outside an elastic run."""
+    return ctx.config.elastic
 
 
 def constant_global_batch(data_loader: Any, ctx: DistributedContext, plan: Any = None) -> Any:

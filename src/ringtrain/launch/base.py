@@ -8,6 +8,7 @@ WorkerError, Done, Exited) through ``poll`` and can be stopped from any state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 from ringtrain.channel import Event, Hello, Start
 from ringtrain.handshake import listen_backlog, listen_socket
+from ringtrain.worker_config import WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,10 @@ class WorkerSpec:
         start_round: the report round the first ``report()`` of this attempt gets.
         latest_checkpoint: URI of the checkpoint to resume from, or ``None``.
         checkpoint_files: the verified manifest's file table of ``latest_checkpoint``.
-        env: extra environment variables for the workers.
+        env: extra environment variables for the workers (e.g. a sweep trial's
+            ``CUDA_VISIBLE_DEVICES``); configuration goes into ``config``.
+        config: the run's :class:`~ringtrain.worker_config.WorkerConfig`; each worker's
+            ``Start`` carries :meth:`start_config`.
     """
 
     world_size: int
@@ -49,6 +54,25 @@ class WorkerSpec:
     latest_checkpoint: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     checkpoint_files: dict[str, dict[str, Any]] | None = None
+    config: WorkerConfig = field(default_factory=WorkerConfig)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run resizes in place (``config.elastic`` is set)."""
+        return self.config.elastic is not None
+
+    def start_config(self, *, joining: bool = False) -> WorkerConfig:
+        """The config a worker of this attempt receives in ``Start``: ``config`` with this
+        spec's run directory, attempt, first report round and device; ``joining``: a worker an
+        elastic grow started (:meth:`WorkerConfig.for_joiner`)."""
+        config = dataclasses.replace(
+            self.config,
+            run_dir=self.run_dir,
+            attempt=self.attempt,
+            start_round=self.start_round,
+            use_gpu=self.use_gpu,
+        )
+        return config.for_joiner() if joining else config
 
 
 def start_store(host: str, world_size: int) -> Any:
@@ -110,11 +134,11 @@ class GrowableGroup(WorkerGroup, Protocol):
 
     def grow(self, ranks: list[int]) -> list[int]:
         """Start one joining worker per rank in ``ranks`` (consecutive from ``world_size``),
-        with the spec's env passed through :func:`ringtrain.elastic.worker.joiner_env`. Each
-        says Hello with its rank and waits for a Resize; its events come through ``poll``;
-        ``world_size`` is unchanged. Returns the ranks started (a prefix of ``ranks``; ``[]``:
-        no capacity now). Raises ``OSError``/``RuntimeError`` if starting failed (nothing of
-        the call left running)."""
+        with the attempt's spec; the channel group marks it joining in its ``Start``
+        (:meth:`WorkerSpec.start_config`). Each says Hello with its rank and waits for a
+        Resize; its events come through ``poll``; ``world_size`` is unchanged. Returns the
+        ranks started (a prefix of ``ranks``; ``[]``: no capacity now). Raises
+        ``OSError``/``RuntimeError`` if starting failed (nothing of the call left running)."""
         ...
 
     def discard(self, ranks: list[int]) -> None:
@@ -166,6 +190,7 @@ class ChannelGroup:
                     payload=self.spec.payload,
                     latest_checkpoint=self.spec.latest_checkpoint,
                     checkpoint_files=self.spec.checkpoint_files,
+                    config=self.spec.start_config(joining=hello.rank in joining),
                 )
             )
             self._events.put(hello)

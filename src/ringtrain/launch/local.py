@@ -112,12 +112,8 @@ class LocalWorkerGroup(ChannelGroup):
                 master_addr=LOOPBACK,
                 master_port=self._store.port,
                 threads=spec.threads,
-                use_gpu=spec.use_gpu,
-                attempt=spec.attempt,
-                run_dir=spec.run_dir,
                 driver_addr=self._listener.address,
                 authkey_hex=self._authkey.hex(),
-                start_round=spec.start_round,
             )
         )
         pipe = subprocess.PIPE if self._forward_output else None
@@ -189,9 +185,9 @@ class LocalWorkerGroup(ChannelGroup):
 
     def grow(self, ranks: list[int]) -> list[int]:
         """Start a joining worker for each of ``ranks`` (consecutive from ``world_size``): the
-        attempt's worker with :func:`~ringtrain.elastic.worker.joiner_env`, which says Hello
-        with its rank and waits for a Resize (see :meth:`resize`). On this machine a process
-        can always be started, so every rank is.
+        attempt's worker (its ``Start`` marks it joining: :meth:`WorkerSpec.start_config`),
+        which says Hello with its rank and waits for a Resize (see :meth:`resize`). On this
+        machine a process can always be started, so every rank is.
 
         Returns:
             ``ranks``.
@@ -201,8 +197,8 @@ class LocalWorkerGroup(ChannelGroup):
             ValueError: if ``ranks`` do not follow the current members, or the run is not
                 elastic.
         """
-        from ringtrain.elastic.worker import joiner_env
-
+        if not self.spec.elastic:
+            raise ValueError("grow: the run is not elastic (WorkerSpec.config.elastic is None)")
         with self._lock:
             expected = list(range(self.world_size, self.world_size + len(ranks)))
             if list(ranks) != expected or self._joining or self._stopped:
@@ -211,10 +207,9 @@ class LocalWorkerGroup(ChannelGroup):
                     f"(expected {expected}; joining now: {sorted(self._joining)})"
                 )
             self._joining.update(ranks)
-        env = joiner_env(self._base_env)
         try:
             for rank in ranks:
-                self._start_worker(rank, self.world_size + len(ranks), env)
+                self._start_worker(rank, self.world_size + len(ranks), self._base_env)
         except BaseException:
             self.discard(ranks)
             raise

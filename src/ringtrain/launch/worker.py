@@ -4,7 +4,10 @@ Started by a launcher with the variables of :func:`ringtrain.env.worker_environm
 
 1. arranges to die with its parent (``PR_SET_PDEATHSIG`` on Linux, plus a watchdog thread that
    polls the parent pid everywhere), so no worker outlives a killed driver;
-2. connects to the driver's authenticated channel, says Hello and receives its Start message;
+2. connects to the driver's authenticated channel (its address and secret are the only
+   ``RINGTRAIN_*`` variables it reads: :data:`ringtrain.env.BOOTSTRAP_ENV`), says Hello and
+   receives its Start message, whose :class:`~ringtrain.worker_config.WorkerConfig` says
+   everything else (timeouts, checkpoint mode, timing, step limit, elastic settings);
 3. sets the torch thread count, installs the session, and in function mode initialises the
    process group (gloo on CPU, NCCL on GPU) before calling ``train_fn(config)``; in script mode runs
    the script as ``__main__`` (the script calls ``init_process_group`` itself, or lets ringtrain do
@@ -34,19 +37,9 @@ from typing import Any
 
 from ringtrain.channel import Done, Hello, Start, WorkerChannel, WorkerError
 from ringtrain.distributed import destroy_process_group, init_process_group
-from ringtrain.env import (
-    ENV_ASYNC_CHECKPOINT,
-    ENV_AUTHKEY,
-    ENV_COMM_TIMING,
-    ENV_DRIVER_ADDR,
-    ENV_ELASTIC,
-    ENV_MAX_STEPS,
-    ENV_START_ROUND,
-    ENV_THREADS,
-    ENV_TIMING,
-    context_from_env,
-)
+from ringtrain.env import RingtrainEnvironment
 from ringtrain.monitor.timing import StepLimitReached, StepTimer
+from ringtrain.worker_config import WorkerConfig
 
 PR_SET_PDEATHSIG = 1
 FINISH_WRITE_TIMEOUT_S = 120.0
@@ -79,90 +72,114 @@ def main(argv: list[str] | None = None) -> int:
 
     from ringtrain import session as session_mod
 
-    ctx = context_from_env()
-    channel = WorkerChannel.connect(
-        os.environ[ENV_DRIVER_ADDR], bytes.fromhex(os.environ[ENV_AUTHKEY])
-    )
+    environment = RingtrainEnvironment()
+    ctx = environment.context()
+    channel = WorkerChannel.connect(environment.driver_address(), environment.authkey())
     channel.send(Hello(rank=ctx.world_rank, pid=os.getpid(), hostname=socket.gethostname()))
     start: Start = channel.recv()
+    config = start.config
     sess = session_mod.Session(
-        context=ctx,
+        context=ctx.with_config(config),
         channel=channel,
-        next_round=int(ctx.extra.get(ENV_START_ROUND, "0")),
-        async_checkpoint=ctx.extra.get(ENV_ASYNC_CHECKPOINT) == "1",
+        next_round=config.start_round,
+        async_checkpoint=config.async_checkpoint,
     )
-    _setup_timing(sess)
+    _setup_timing(sess, config)
     session_mod._install_session(sess)
-    sess.start_heartbeat(heartbeat_interval(ctx.worker_timeout_s))
+    sess.start_heartbeat(heartbeat_interval(config.worker_timeout_s))
 
     code = 0
     try:
         import torch
 
-        torch.set_num_threads(int(os.environ.get(ENV_THREADS, "1")))
+        torch.set_num_threads(num_threads())
         if argv and argv[0] == "--script":
-            script, script_args = argv[1], argv[2:]
-            sys.argv = [script, *script_args]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            if start.latest_checkpoint:
-                sess.latest_checkpoint = _resume_checkpoint(start)
-            try:
-                runpy.run_path(script, run_name="__main__")
-            except SystemExit as exc:
-                if exc.code not in (None, 0):
-                    raise
-            except StepLimitReached:
-                pass
+            _run_script(argv[1], argv[2:], start, sess)
         else:
-            import cloudpickle
-
-            assert start.payload is not None, "function mode needs a payload"
-            train_fn, config, *extra = cloudpickle.loads(start.payload)
-            install_sources(extra[0] if extra else {})
-            # After unpickling: the train function's module may register the fsspec protocol
-            # of the run's storage.
-            if start.latest_checkpoint:
-                sess.latest_checkpoint = _resume_checkpoint(start)
-            elastic = bool(ctx.extra.get(ENV_ELASTIC))
-            if not elastic:
-                init_process_group(ctx)
-            try:
-                if elastic:  # ScalingConfig(num_workers=(min, max)): resizes in place
-                    from ringtrain.elastic.worker import run_elastic
-
-                    run_elastic(train_fn, config, _takes_config(train_fn), sess)
-                elif _takes_config(train_fn):
-                    train_fn(config if config is not None else {})
-                else:
-                    train_fn()
-            except StepLimitReached:
-                pass
+            _run_function(start, sess)
         sess.wait_for_checkpoint()  # the last checkpoint must be on storage before Done
         _send_last_timing(sess)
         channel.send(Done(rank=sess.context.world_rank, time=time.time(), rounds=sess.next_round))
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
-        # A checkpoint this rank was writing in the background is finished first (bounded): a
-        # peer's failure must not also cost the checkpoint this rank had nearly saved.
-        sess.wait_for_checkpoint(timeout_s=FINISH_WRITE_TIMEOUT_S)
-        _send_last_timing(sess)
-        formatted = user_traceback(exc)
-        try:
-            channel.send(
-                WorkerError(
-                    rank=sess.context.world_rank,  # an elastic resize may have renumbered it
-                    time=time.time(),
-                    exc_type=type(exc).__name__,
-                    message=str(exc),
-                    traceback=formatted,
-                )
-            )
-        except OSError:  # the driver cannot print it: this rank's stderr is all that is left
-            sys.stderr.write(formatted)
+        _report_error(sess, channel, exc)
     finally:
         destroy_process_group()
         channel.close()
     return code
+
+
+def num_threads() -> int:
+    """torch's intra-op threads: ``OMP_NUM_THREADS``, which the launcher sets (OpenMP and MKL
+    read it when the process starts, before any code of ours could tell them)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+def _run_script(script: str, script_args: list[str], start: Start, sess: Any) -> None:
+    """Script mode: run ``script`` as ``__main__`` with ``script_args`` as its arguments."""
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    if start.latest_checkpoint:
+        sess.latest_checkpoint = _resume_checkpoint(start)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    except StepLimitReached:
+        pass
+
+
+def _run_function(start: Start, sess: Any) -> None:
+    """Function mode: unpickle ``(train_fn, config)`` from ``start`` and call it (elastic runs
+    through :func:`ringtrain.elastic.worker.run_elastic`)."""
+    import cloudpickle
+
+    assert start.payload is not None, "function mode needs a payload"
+    train_fn, config, *extra = cloudpickle.loads(start.payload)
+    install_sources(extra[0] if extra else {})
+    # After unpickling: the train function's module may register the fsspec protocol of the
+    # run's storage.
+    if start.latest_checkpoint:
+        sess.latest_checkpoint = _resume_checkpoint(start)
+    elastic = start.config.elastic is not None
+    if not elastic:
+        init_process_group(sess.context)
+    try:
+        if elastic:  # ScalingConfig(num_workers=(min, max)): resizes in place
+            from ringtrain.elastic.worker import run_elastic
+
+            run_elastic(train_fn, config, _takes_config(train_fn), sess)
+        elif _takes_config(train_fn):
+            train_fn(config if config is not None else {})
+        else:
+            train_fn()
+    except StepLimitReached:
+        pass
+
+
+def _report_error(sess: Any, channel: WorkerChannel, exc: BaseException) -> None:
+    """Tell the driver why this worker fails (or print it when the channel is gone)."""
+    # A checkpoint this rank was writing in the background is finished first (bounded): a
+    # peer's failure must not also cost the checkpoint this rank had nearly saved.
+    sess.wait_for_checkpoint(timeout_s=FINISH_WRITE_TIMEOUT_S)
+    _send_last_timing(sess)
+    formatted = user_traceback(exc)
+    try:
+        channel.send(
+            WorkerError(
+                rank=sess.context.world_rank,  # an elastic resize may have renumbered it
+                time=time.time(),
+                exc_type=type(exc).__name__,
+                message=str(exc),
+                traceback=formatted,
+            )
+        )
+    except OSError:  # the driver cannot print it: this rank's stderr is all that is left
+        sys.stderr.write(formatted)
 
 
 _INTERNAL = (
@@ -209,16 +226,15 @@ def _resume_checkpoint(start: Start) -> Any:
     return ckpt
 
 
-def _setup_timing(sess: Any) -> None:
-    """Give the session a step timer when the driver asked for timing (``MonitorConfig``)."""
-    interval = sess.context.extra.get(ENV_TIMING, "")
-    max_steps = sess.context.extra.get(ENV_MAX_STEPS, "")
-    if not interval and not max_steps:
+def _setup_timing(sess: Any, config: WorkerConfig) -> None:
+    """Give the session a step timer when the driver asked for timing (``MonitorConfig``) or a
+    step limit (``ringtrain bench``)."""
+    if config.timing_interval_s is None and config.max_steps is None:
         return
-    sess.timer = StepTimer(max_steps=int(max_steps) if max_steps else None)
-    sess.timer.comm_timing = sess.context.extra.get(ENV_COMM_TIMING, "auto")
-    if interval:
-        sess.timing_interval_s = float(interval)
+    sess.timer = StepTimer(max_steps=config.max_steps)
+    sess.timer.comm_timing = config.comm_timing
+    if config.timing_interval_s is not None:
+        sess.timing_interval_s = config.timing_interval_s
     else:  # a step limit without timing windows: count steps, send nothing
         sess.timing_interval_s = float("inf")
 
