@@ -1,101 +1,32 @@
-"""Shared fixtures: every test must leave no worker process, no distributed env var and no session
-behind (the autouse fixture fails the test that leaks)."""
+"""Shared fixtures: every test must leave no worker process, no thread, no process group, no
+``RINGTRAIN_*``/``HOROVOD_*``/distributed environment variable and no session behind (the autouse
+``_no_leaks`` fails the test that leaks, naming what it left). Helpers the tests share live in
+``tests/support.py`` (``from support import wait_until``), fakes in ``tests/fakes.py``; each tier
+has its own conftest (``tests/unit/conftest.py`` refuses to start a process)."""
 
 from __future__ import annotations
 
 import os
-import sys
-import time
+import threading
+from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
 from ringtrain import session as session_mod
+from support import child_pids, wait_until
 
-# Tests live in tiers (unit/, multiprocess/, backends/, e2e/); a few import another tier's test
-# module for its fixtures and fakes, so every tier directory is importable by its module name.
-_TESTS = os.path.dirname(os.path.abspath(__file__))
-for _tier in ("unit", "multiprocess", "backends", "e2e"):
-    if os.path.join(_TESTS, _tier) not in sys.path:
-        sys.path.insert(0, os.path.join(_TESTS, _tier))
-
+# Variables that torchrun/torch and ringtrain's own launch contract set in worker processes: a
+# test that leaves one in the pytest process changes how every later test behaves.
 _DIST_VARS = (
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
-    "RINGTRAIN_DRIVER_ADDR",
 )
-
-
-def child_pids(pid: int | None = None) -> set[int]:
-    """Live (non-zombie) direct children of ``pid`` (default: this process), from /proc."""
-    parent = os.getpid() if pid is None else pid
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, ppid = fields[0], int(fields[1])
-        if ppid == parent and state != "Z":
-            found.add(int(entry))
-    return found
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def pids_with_environ(needle: bytes, *, whole_entry: bool = False) -> list[int]:
-    """Live (non-zombie) processes whose environment contains ``needle`` (with ``whole_entry``,
-    as one whole ``NAME=value`` entry), from ``/proc/*/environ``; sorted."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        hit = needle in environ.split(b"\0") if whole_entry else needle in environ
-        if hit and pid_alive(int(entry)):
-            found.append(int(entry))
-    return sorted(found)
-
-
-def touch_marker(path: str) -> None:
-    with open(path, "w") as f:
-        f.write("code ran")
-
-
-class Poisoned:
-    """Unpickling this calls ``touch_marker(marker)``: what a malicious file would do (the test
-    then checks that ``marker`` does not exist)."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (touch_marker, (self.marker,))
-
-
-def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
+_ENV_PREFIXES = ("RINGTRAIN_", "HOROVOD_")
 
 
 # One CPU-bound process: spins until its parent (pytest) is gone, however pytest ends.
@@ -153,17 +84,73 @@ def _private_signing_key(tmp_path_factory):
     yield
 
 
+def _watched_env() -> dict[str, str]:
+    """The environment variables the leak check watches, with their values."""
+    return {k: v for k, v in os.environ.items() if k in _DIST_VARS or k.startswith(_ENV_PREFIXES)}
+
+
+def _env_leaks(before: dict[str, str]) -> list[str]:
+    """What a test did to the watched variables; puts them back as they were (so that one leak
+    fails one test, not every later one)."""
+    after = _watched_env()
+    leaks = []
+    for name in sorted(set(before) | set(after)):
+        if name not in before:
+            leaks.append(f"{name}={after[name]!r} (added)")
+            del os.environ[name]
+        elif name not in after:
+            leaks.append(f"{name} (removed, was {before[name]!r})")
+            os.environ[name] = before[name]
+        elif after[name] != before[name]:
+            leaks.append(f"{name}={after[name]!r} (was {before[name]!r})")
+            os.environ[name] = before[name]
+    return leaks
+
+
+def _watched_thread(t: threading.Thread) -> bool:
+    # Non-daemon threads keep the process alive; ringtrain's own daemon threads (heartbeat,
+    # store, checkpoint writer, dashboard, ...) must be stopped by whoever started them.
+    return t.is_alive() and (not t.daemon or t.name.startswith("ringtrain"))
+
+
+def _thread_leaks(before: set[threading.Thread]) -> list[str]:
+    def new() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t not in before and _watched_thread(t)]
+
+    wait_until(lambda: not new(), timeout_s=5)  # a thread may be finishing its last lines
+    return [f"{t.name} ({'daemon' if t.daemon else 'non-daemon'})" for t in new()]
+
+
+def _process_group_leak(before: bool) -> list[str]:
+    if before or not (dist.is_available() and dist.is_initialized()):
+        return []
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    return [f"an initialized torch.distributed default process group ({backend})"]
+
+
+def _child_leaks(before: set[int]) -> list[str]:
+    if child_pids() - before:
+        wait_until(lambda: not (child_pids() - before), timeout_s=5)
+    return [f"child process {pid}" for pid in sorted(child_pids() - before)]
+
+
 @pytest.fixture(autouse=True)
-def _no_leaks():
+def _no_leaks() -> Iterator[None]:
+    """Fail the test that leaves a child process, a watched thread, a torch.distributed default
+    process group, a changed ``RINGTRAIN_*``/``HOROVOD_*``/distributed variable or a session
+    behind, naming each (and undo what can be undone, so later tests start clean)."""
     before_children = child_pids()
-    before_env = {k: os.environ.get(k) for k in _DIST_VARS}
+    before_threads = set(threading.enumerate())
+    before_env = _watched_env()
+    before_group = dist.is_available() and dist.is_initialized()
     session_mod._reset_session()
     yield
     session_mod._reset_session()
-    leaked = child_pids() - before_children
-    if leaked:
-        wait_until(lambda: not (child_pids() - before_children), timeout_s=5)
-        leaked = child_pids() - before_children
-    assert not leaked, f"test leaked child processes {sorted(leaked)}"
-    after_env = {k: os.environ.get(k) for k in _DIST_VARS}
-    assert after_env == before_env, f"test leaked environment variables: {after_env}"
+    leaks = (
+        _child_leaks(before_children)
+        + _thread_leaks(before_threads)
+        + _process_group_leak(before_group)
+        + _env_leaks(before_env)
+    )
+    assert not leaks, "test leaked: " + "; ".join(leaks)

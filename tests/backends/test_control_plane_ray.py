@@ -1,23 +1,23 @@
 """On Ray, the rendezvous store listens on its node's address, not the wildcard (issue 18).
 
-Reuses tests/test_ray.py's two-node cluster fixture (started on this machine, so the actor's
-sockets can be read from /proc)."""
+Uses the two-node cluster fixture of tests/backends/conftest.py (started on this machine, so
+the actor's sockets can be read from /proc)."""
 
 from __future__ import annotations
 
 import pytest
 
 import net_workloads
-from conftest import wait_until
+from support import wait_until
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'")
 pytest.importorskip("ray.util.state", reason="the Ray state API needs ray[default]")
 
+from ray_cluster import assert_torn_down  # noqa: E402
 from ringtrain.launch.ray_worker import remote_worker_class  # noqa: E402
-from test_ray import assert_torn_down, cluster  # noqa: E402, F401  (the fixture)
 
 
-def test_the_rank0_actor_store_binds_the_node_address(cluster):  # noqa: F811
+def test_the_rank0_actor_store_binds_the_node_address(cluster):
     actor = remote_worker_class(ray).options(num_cpus=1).remote()
     try:
         port = ray.get(actor.host_store.remote(2), timeout=120)

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 import ringtrain as rt
-from conftest import wait_until
 from ringtrain.monitor.dashboard import DashboardServer, create_app, is_loopback
 from ringtrain.monitor.dashboard.data import Cursors, EventTail, RunStore
+from support import wait_until
 
 with warnings.catch_warnings():
     # Starlette >= 1.x nudges towards httpx2; the TestClient works the same with httpx.

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import ringtrain as rt
-from conftest import Poisoned
 from ringtrain import session as session_mod
 from ringtrain.env import DistributedContext
+from support import Poisoned
 
 pl = pytest.importorskip(
     "lightning.pytorch", reason="needs the extra: pip install 'ringtrain[lightning]'"

@@ -19,14 +19,13 @@ import torch
 
 import ringtrain as rt
 import workloads
-from conftest import wait_until
-from test_resume import assert_bit_identical
+from ray_cluster import assert_torn_down, leftovers
+from support import assert_bit_identical, wait_until
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'")
 pytest.importorskip("ray.util.state", reason="the Ray state API needs ray[default]")
 
 from ray.cluster_utils import Cluster  # noqa: E402
-from ray.util.state import list_actors, list_placement_groups  # noqa: E402
 
 from ringtrain.launch.ray import (  # noqa: E402
     NodeResources,
@@ -39,46 +38,10 @@ EPOCHS = 3  # exact_fn: 30 steps, a report every 4 steps and at each epoch's end
 _finals: dict[str, dict] = {}
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A head node and one worker node on this machine, 2 CPUs each; Ray initialised on it."""
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "include_dashboard": True,
-            "dashboard_port": 0,
-            # notice a lost node within about a second (test_node_death_...)
-            "_system_config": {"health_check_period_ms": 300, "health_check_failure_threshold": 3},
-        },
-    )
-    c.add_node(num_cpus=2)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
-
-
-def _leftovers() -> tuple[list, list]:
-    actors = list_actors(filters=[("state", "=", "ALIVE")])
-    groups = [g for g in list_placement_groups() if g.state != "REMOVED"]
-    return actors, groups
-
-
-def _cpus_free() -> bool:
-    return ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", -1)
-
-
-def assert_torn_down() -> None:
-    """No actor alive, no placement group left, every CPU free again (Ray's state API and
-    resource view lag a moment: bounded wait). Also keeps the next test's placement (SPREAD is
-    best-effort) from seeing a node still busy."""
-    wait_until(lambda: _leftovers() == ([], []) and _cpus_free(), timeout_s=20, interval_s=0.2)
-    actors, groups = _leftovers()
-    assert actors == [], f"actors left alive: {actors}"
-    assert groups == [], f"placement groups left: {groups}"
-    assert _cpus_free(), f"resources still held: {ray.available_resources()}"
+# notice a lost node within about a second (test_node_death_...)
+RAY_HEAD_ARGS = {
+    "_system_config": {"health_check_period_ms": 300, "health_check_failure_threshold": 3}
+}
 
 
 def _run_config(tmp_path, name, **kwargs):
@@ -383,5 +346,5 @@ def test_tune_sweep_gang_schedules_trials_on_the_cluster(cluster, tmp_path):
     points = sorted([(r["start"], 1) for r in records] + [(r["end"], -1) for r in records])
     running = [sum(d for _, d in points[: i + 1]) for i in range(len(points))]
     assert max(running) <= 4
-    assert wait_until(lambda: _leftovers() == ([], []), timeout_s=30)
+    assert wait_until(lambda: leftovers() == ([], []), timeout_s=30)
     assert ray.is_initialized()  # the sweep used the caller's Ray and left it running

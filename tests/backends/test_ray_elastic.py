@@ -20,43 +20,13 @@ import workloads
 ray = pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'")
 pytest.importorskip("ray.util.state", reason="the Ray state API needs ray[default]")
 
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from test_elastic import _events, _records  # noqa: E402
-from test_ray import assert_torn_down  # noqa: E402
+from ray_cluster import assert_torn_down  # noqa: E402
+from support import read_events as _events  # noqa: E402
+from support import read_jsonl_dir as _records  # noqa: E402
 
 EPOCHS = 2  # 120 samples, global batch 12 (3 x 4, then 2 x 6): 10 steps per epoch
 STEPS = 10 * EPOCHS
 VICTIM = 2  # the rank whose actor is killed
-
-
-def _start_cluster(attempts: int = 3) -> Cluster:
-    """Ray gives a starting node 30 s (a constant in ray/_private/node.py) to register with the
-    GCS; on a loaded machine a node can take longer, and the start raises. Try again, from a
-    clean slate, rather than fail a test on the machine's speed."""
-    for attempt in range(1, attempts + 1):
-        c = Cluster()
-        try:
-            c.add_node(num_cpus=2, include_dashboard=True, dashboard_port=0)
-            c.add_node(num_cpus=2)
-            c.wait_for_nodes(timeout=120)
-            return c
-        except Exception as exc:  # "The current node timed out during startup", or a timeout
-            c.shutdown()
-            if attempt == attempts:
-                raise
-            print(f"the Ray test cluster did not start ({exc}); starting it again")
-    raise AssertionError("unreachable")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A head node and one worker node on this machine, 2 CPUs each; Ray initialised on it."""
-    c = _start_cluster()
-    ray.init(address=c.address, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
 
 
 def _fit(

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conftest import wait_until
 from ringtrain.tune.progress import SweepDisplay, TrialRow
+from support import wait_until
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(HERE, os.pardir, "examples", "tiny_epochs.py")

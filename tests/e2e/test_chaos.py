@@ -25,11 +25,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ringtrain as rt
 import workloads
-from conftest import pids_with_environ
 from ringtrain.chaos import ChaosConfig, Fault, compare, make_plan, run_campaign
 from ringtrain.chaos.campaign import campaign_tag
 from ringtrain.chaos.display import Display
 from ringtrain.chaos.procs import TAG_ENV, kill_tagged, tagged
+from support import pids_with_environ
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import ringtrain.horovod as hvd
-from conftest import child_pids
 from ringtrain.horovod.ray import ElasticRayExecutor, RayExecutor
 from ringtrain.result import TrainingFailedError
+from support import child_pids
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -26,12 +26,12 @@ from hypothesis import strategies as st
 
 import ringtrain as rt
 import workloads
-from conftest import Poisoned
 from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint.checkpoint import CheckpointLoadError
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import CheckpointConfig
 from ringtrain.state import STATE_FILE, TrainState, rank_file
+from support import Poisoned
 
 LOCAL = fsspec.filesystem("file")
 

@@ -21,11 +21,11 @@ import torch
 
 import net_workloads
 import ringtrain as rt
-from conftest import wait_until
 from ringtrain import handshake
 from ringtrain.channel import DriverListener, Hello, WorkerChannel, new_authkey
 from ringtrain.launch.base import WorkerSpec, start_store
 from ringtrain.launch.local import LocalLauncher, LocalWorkerGroup
+from support import wait_until
 
 # --------------------------------------------------------------------------- helpers
 

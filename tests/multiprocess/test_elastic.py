@@ -9,7 +9,6 @@ parameters with a run that switches world size through a disk checkpoint at the 
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
 
@@ -21,19 +20,11 @@ import workloads
 from ringtrain.channel import Interrupted
 from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
 from ringtrain.result import WorkerFailure
+from support import read_events as _events
+from support import read_jsonl_dir as _records
 
 EPOCHS = 2  # 120 samples, global batch 12 (3 x 4 or 2 x 6): 10 steps per epoch, 20 in all
 KILL_STEP = 5
-
-
-def _records(log_dir):
-    return [json.loads(line) for f in sorted(log_dir.glob("*.jsonl")) for line in f.open()]
-
-
-def _events(run_path, kind=None):
-    with open(f"{run_path}/events.jsonl") as f:
-        events = [json.loads(line) for line in f]
-    return [e for e in events if kind is None or e["type"] == kind]
 
 
 def _fit(tmp_path, name, num_workers, *, max_failures=3, restore_from=None, scaling=None, **config):

@@ -14,7 +14,7 @@ import torch
 
 import ringtrain as rt
 import workloads
-from conftest import pid_alive, wait_until
+from support import pid_alive, wait_until
 
 
 def fit(fn, n, tmp_path, name="run", config=None, raise_on_error=True, **run_kwargs):

@@ -29,7 +29,7 @@ import pytest
 
 import hygiene_workloads
 import ringtrain as rt
-from conftest import pid_alive, pids_with_environ, wait_until
+from support import pid_alive, pids_with_environ, wait_until
 
 MARK = "RT_HYGIENE_TEST"
 GRACE_S = 1.0  # the requirement: nothing of the run alive 1 s after the driver is gone

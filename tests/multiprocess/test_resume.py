@@ -19,6 +19,7 @@ import torch
 
 import ringtrain as rt
 import workloads
+from support import assert_bit_identical
 
 EPOCHS = 3  # 120 samples, batch 6 per rank, 2 ranks: 10 steps per epoch, 30 steps in all
 _baselines: dict[tuple, dict] = {}
@@ -47,17 +48,6 @@ def _baseline(tmp_path_factory, epochs=EPOCHS, **config):
         assert result.failures == []
         _baselines[key] = final
     return _baselines[key]
-
-
-def assert_bit_identical(a: dict, b: dict) -> None:
-    assert a["step"] == b["step"]
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), f"parameter {k} differs"
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for i in sa:
-        assert torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"])
 
 
 # Round numbers: a report every 4 steps and at each epoch's end (steps 4, 8, 10 | 12, 16, 20 |...).

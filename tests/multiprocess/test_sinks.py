@@ -16,10 +16,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import ringtrain as rt
 import workloads
-from conftest import wait_until
 from ringtrain.monitor.sinks import CSVCallback, TensorBoardCallback, default_sinks
 from ringtrain.monitor.straggler import StragglerEvent
 from ringtrain.rundir import RunDirectory
+from support import wait_until
 
 TIMING_TAGS = {
     "step_s",

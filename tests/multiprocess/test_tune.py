@@ -17,9 +17,9 @@ import pytest
 
 import ringtrain as rt
 import tune_workloads
-from conftest import wait_until
 from ringtrain import tune
 from ringtrain.tune.resources import ResourcePool, check_fits, trial_demand
+from support import wait_until
 
 pytest.importorskip("optuna")
 

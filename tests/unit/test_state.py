@@ -18,11 +18,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringtrain as rt
-from conftest import Poisoned
 from ringtrain import session as session_mod
 from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint.checkpoint import CheckpointLoadError
 from ringtrain.state import STATE_FILE, TrainState, capture_rng, rank_file, restore_rng
+from support import Poisoned
 
 # ---------------------------------------------------------------- helpers
 

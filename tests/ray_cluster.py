@@ -1,0 +1,60 @@
+"""A two-node Ray cluster on this machine for the Ray tests (tests/backends/conftest.py's
+``cluster`` fixture) and the check that a test left nothing of ringtrain's behind in it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from support import wait_until
+
+
+def start_cluster(head_args: dict[str, Any] | None = None, attempts: int = 3) -> Any:
+    """A head and a worker node, 2 CPUs each, the head with a dashboard (the state API needs it);
+    ``head_args`` are more ``add_node`` arguments of the head (e.g. ``_system_config``).
+
+    Ray gives a starting node 30 s (a constant in ray/_private/node.py) to register with the GCS;
+    on a loaded machine a node can take longer, and the start raises. Try again, from a clean
+    slate, rather than fail a test on the machine's speed."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(1, attempts + 1):
+        c = Cluster()
+        try:
+            c.add_node(num_cpus=2, include_dashboard=True, dashboard_port=0, **(head_args or {}))
+            c.add_node(num_cpus=2)
+            c.wait_for_nodes(timeout=120)
+            return c
+        except Exception as exc:  # "The current node timed out during startup", or a timeout
+            c.shutdown()
+            if attempt == attempts:
+                raise
+            print(f"the Ray test cluster did not start ({exc}); starting it again")
+    raise AssertionError("unreachable")
+
+
+def leftovers() -> tuple[list, list]:
+    """Ray actors alive and placement groups not removed."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")])
+    groups = [g for g in list_placement_groups() if g.state != "REMOVED"]
+    return actors, groups
+
+
+def _cpus_free() -> bool:
+    import ray
+
+    return ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", -1)
+
+
+def assert_torn_down() -> None:
+    """No actor alive, no placement group left, every CPU free again (Ray's state API and
+    resource view lag a moment: bounded wait). Also keeps the next test's placement (SPREAD is
+    best-effort) from seeing a node still busy."""
+    import ray
+
+    wait_until(lambda: leftovers() == ([], []) and _cpus_free(), timeout_s=20, interval_s=0.2)
+    actors, groups = leftovers()
+    assert actors == [], f"actors left alive: {actors}"
+    assert groups == [], f"placement groups left: {groups}"
+    assert _cpus_free(), f"resources still held: {ray.available_resources()}"

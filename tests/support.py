@@ -1,0 +1,194 @@
+"""Helpers shared by the test tiers (import them as ``from support import ...``).
+
+``tests/`` is on ``sys.path`` in every tier (``tests/conftest.py`` lives there), so a test module
+of any tier, and a worker process that unpickles a test's train function, can import this module.
+Nothing here starts a process: the unit tier may import it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ringtrain as rt
+
+# ---------------------------------------------------------------- processes, from /proc
+
+
+def child_pids(pid: int | None = None) -> set[int]:
+    """Live (non-zombie) direct children of ``pid`` (default: this process), from /proc."""
+    parent = os.getpid() if pid is None else pid
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == parent and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def pids_with_environ(needle: bytes, *, whole_entry: bool = False) -> list[int]:
+    """Live (non-zombie) processes whose environment contains ``needle`` (with ``whole_entry``,
+    as one whole ``NAME=value`` entry), from ``/proc/*/environ``; sorted."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        hit = needle in environ.split(b"\0") if whole_entry else needle in environ
+        if hit and pid_alive(int(entry)):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout_s: float = 20.0, interval_s: float = 0.05
+) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout_s`` (seconds) passed; its last value.
+    Timeouts are generous bounds for a loaded machine, never a measure of speed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+# ---------------------------------------------------------------- hostile pickles
+
+
+def touch_marker(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("code ran")
+
+
+class Poisoned:
+    """Unpickling this calls ``touch_marker(marker)``: what a malicious file would do (the test
+    then checks that ``marker`` does not exist)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[[str], None], tuple[str]]:
+        return (touch_marker, (self.marker,))
+
+
+# ---------------------------------------------------------------- run directories and results
+
+
+def read_events(run_path: str | os.PathLike[str], kind: str | None = None) -> list[dict]:
+    """The records of ``<run_path>/events.jsonl`` (only those of type ``kind`` if given)."""
+    with open(Path(run_path) / "events.jsonl") as f:
+        events = [json.loads(line) for line in f]
+    return [e for e in events if kind is None or e["type"] == kind]
+
+
+def read_jsonl_dir(log_dir: Path) -> list[dict]:
+    """Every record of every ``*.jsonl`` file in ``log_dir`` (files in name order): the per-rank
+    logs the workloads write."""
+    return [json.loads(line) for f in sorted(log_dir.glob("*.jsonl")) for line in f.open()]
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    """Two final states of ``workloads.exact_fn`` (step, parameters, SGD momentum) are equal,
+    tensor by tensor with ``torch.equal``."""
+    assert a["step"] == b["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"parameter {k} differs"
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        assert torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"])
+
+
+# ---------------------------------------------------------------- one way to run a job
+
+_SCALING = {f.name for f in dataclasses.fields(rt.ScalingConfig)} - {"num_workers"}
+_RUN = {f.name for f in dataclasses.fields(rt.RunConfig)} - {"name", "storage_path"}
+_FAILURE = {f.name for f in dataclasses.fields(rt.FailureConfig)}
+_CHECKPOINT = {f.name for f in dataclasses.fields(rt.CheckpointConfig)}
+
+
+def job_configs(
+    workers: int | tuple[int, int], name: str, storage_path: str, config: Mapping[str, Any]
+) -> tuple[rt.ScalingConfig, rt.RunConfig]:
+    """``config`` mapped onto the configs: a field of ScalingConfig, RunConfig, FailureConfig or
+    CheckpointConfig by its name (``max_failures=2``, ``async_save=False``, ``backend="ray"``,
+    ``callbacks=[...]``); ``progress`` defaults to ``"off"``.
+
+    Raises:
+        TypeError: for a name that is no field of these configs.
+    """
+    unknown = set(config) - _SCALING - _RUN - _FAILURE - _CHECKPOINT
+    if unknown:
+        raise TypeError(
+            f"run_job: {sorted(unknown)} is no field of ScalingConfig, RunConfig, FailureConfig "
+            "or CheckpointConfig (pass the train function's own settings as train_loop_config)"
+        )
+    pick = lambda names: {k: v for k, v in config.items() if k in names}
+    run = {"progress": "off", **pick(_RUN)}
+    if pick(_FAILURE):
+        run["failure_config"] = rt.FailureConfig(**pick(_FAILURE))
+    if pick(_CHECKPOINT):
+        run["checkpoint_config"] = rt.CheckpointConfig(**pick(_CHECKPOINT))
+    scaling = rt.ScalingConfig(num_workers=workers, **pick(_SCALING))
+    return scaling, rt.RunConfig(name=name, storage_path=storage_path, **run)
+
+
+def run_job(
+    train_fn: Callable[..., Any],
+    workers: int | tuple[int, int] = 2,
+    *,
+    storage_path: str | os.PathLike[str],
+    name: str = "run",
+    train_loop_config: dict[str, Any] | None = None,
+    restore_from: str | None = None,
+    **config: Any,
+) -> rt.Result:
+    """Run ``train_fn`` on ``workers`` real worker processes and return the Result.
+
+    Args:
+        train_fn: a module-level function (workers import it by name).
+        workers: ``ScalingConfig.num_workers``: a count, or ``(min, max)`` for an elastic run.
+        storage_path: the runs directory; the run is ``<storage_path>/<name>``.
+        train_loop_config: the ``config`` dict ``train_fn`` receives.
+        restore_from: a run directory to continue with ``Trainer.restore`` (the RunConfig of
+            that run is reused; only ScalingConfig fields of ``config`` apply).
+        **config: fields of ScalingConfig, RunConfig, FailureConfig, CheckpointConfig by name.
+    """
+    scaling, run = job_configs(workers, name, str(storage_path), config)
+    if restore_from is not None:
+        trainer = rt.Trainer.restore(
+            restore_from, train_fn, scaling_config=scaling, train_loop_config=train_loop_config
+        )
+    else:
+        trainer = rt.Trainer(train_fn, scaling, run, train_loop_config=train_loop_config)
+    return trainer.fit()
