@@ -8,11 +8,15 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 import ringtrain as rt
+from loaders import assert_same_batches as _assert_same_batches
+from loaders import check_global_rng_untouched, check_state_dict_resumes
+from loaders import dataset as _dataset
+from loaders import prepared as _prepared
+from loaders import take as _take
 from ringtrain.data import ResumableDistributedSampler
-from ringtrain.prepare import PreparedDataLoader
 
 
 class _Sized(torch.utils.data.Dataset[int]):
@@ -127,36 +131,6 @@ def test_bad_offsets_raise(bad):
 # ---------------------------------------------------------------- the prepared loader
 
 
-def _dataset(n: int = 23) -> TensorDataset:
-    g = torch.Generator().manual_seed(99)
-    return TensorDataset(torch.arange(n), torch.randn(n, 3, generator=g))
-
-
-def _prepared(
-    num_workers: int = 0, batch_size: int = 4, seed: int = 7, shuffle: bool = True, n: int = 23
-) -> PreparedDataLoader:
-    dl = DataLoader(_dataset(n), batch_size=batch_size, shuffle=shuffle, num_workers=num_workers)
-    return rt.prepare_data_loader(dl, seed=seed)
-
-
-def _take(loader: PreparedDataLoader, k: int | None = None) -> list[list[torch.Tensor]]:
-    """``k`` batches of ``loader`` (all of the epoch when None); the iterator is closed after, so
-    loader worker processes end."""
-    it = iter(loader)
-    try:
-        return [list(b) for b in (it if k is None else itertools.islice(it, k))]
-    finally:
-        it.close()
-
-
-def _assert_same_batches(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert len(x) == len(y)
-        for tx, ty in zip(x, y, strict=True):
-            assert torch.equal(tx, ty)
-
-
 def test_prepared_loader_shuffles_like_the_sampler_and_varies_by_epoch():
     loader = _prepared()
     assert rt.get_context().world_size == 1
@@ -175,32 +149,9 @@ def test_prepared_loader_shuffles_like_the_sampler_and_varies_by_epoch():
     assert ids1.tolist() == list(ref)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("k", [0, 2, 5])
-def test_state_dict_resumes_at_the_next_batch(num_workers, k):
-    # Reference: an uninterrupted loader, epoch 0 (skipped) then epochs 1 and 2.
-    ref = _prepared(num_workers)
-    _take(ref)
-    ref_e1 = _take(ref)
-    ref_e2 = _take(ref)
-    assert len(ref_e1) == 6  # 23 samples, batches of 4
-
-    # Interrupted: k batches of epoch 1, then save.
-    first = _prepared(num_workers)
-    first.set_epoch(1)
-    head = _take(first, k)
-    state = first.state_dict()
-    assert state["epoch"] == 1 and state["batch"] == k
-    assert state["samples"] == min(4 * k, 23)
-    _assert_same_batches(head, ref_e1[:k])
-
-    resumed = _prepared(num_workers)
-    resumed.load_state_dict(state)
-    assert resumed.epoch == 1 and resumed.batch == k
-    rest = _take(resumed)
-    _assert_same_batches(rest, ref_e1[k:])
-    assert resumed.epoch == 2 and resumed.batch == 0
-    _assert_same_batches(_take(resumed), ref_e2)
+def test_state_dict_resumes_at_the_next_batch(k):
+    check_state_dict_resumes(0, k)  # with loader workers: tests/multiprocess/test_data_workers.py
 
 
 def test_state_dict_at_the_last_batch_resumes_with_nothing_left():
@@ -276,14 +227,8 @@ def test_load_state_dict_rejects_another_world_size():
         _prepared().load_state_dict(state)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_iterating_never_touches_the_global_torch_rng(num_workers):
-    loader = _prepared(num_workers)
-    torch.manual_seed(1234)
-    before = torch.get_rng_state()
-    _take(loader)  # a full epoch
-    _take(loader, 2)  # and part of the next one
-    assert torch.equal(torch.get_rng_state(), before)
+def test_iterating_never_touches_the_global_torch_rng():
+    check_global_rng_untouched(0)  # with loader workers: tests/multiprocess/test_data_workers.py
 
 
 def test_a_plain_shuffled_loader_does_draw_from_the_global_rng():
@@ -294,29 +239,3 @@ def test_a_plain_shuffled_loader_does_draw_from_the_global_rng():
     for _ in dl:
         pass
     assert not torch.equal(torch.get_rng_state(), before)
-
-
-class _Augmented(torch.utils.data.Dataset):
-    """A dataset with a random augmentation, drawn from the torch RNG of the process that loads
-    the sample (a loader worker's, with ``num_workers > 0``)."""
-
-    def __len__(self) -> int:
-        return 24
-
-    def __getitem__(self, i: int):
-        return i, torch.rand(1)
-
-
-def test_resume_with_workers_reproduces_random_augmentations():
-    def make():
-        dl = DataLoader(_Augmented(), batch_size=4, shuffle=True, num_workers=2)
-        return rt.prepare_data_loader(dl, seed=1)
-
-    full = _take(make())
-    first = make()
-    _take(first, 3)
-    resumed = make()
-    resumed.load_state_dict(first.state_dict())
-    rest = _take(resumed)
-    assert [b[0].tolist() for b in rest] == [b[0].tolist() for b in full[3:]]  # same samples
-    _assert_same_batches(rest, full[3:])  # ... and the same augmentations
