@@ -1,6 +1,7 @@
-"""Train functions for tests/test_comm_ddp.py and tests/test_amp.py (issue 5, DDP-user side):
-communication hooks, DDP options, mixed precision and gradient accumulation on real gloo ranks.
-They live in an importable module so that worker processes load them by reference."""
+"""Train functions for tests/multiprocess/test_comm_ddp.py and tests/multiprocess/test_amp.py
+(issue 5, DDP-user side): communication hooks, DDP options, mixed precision and gradient
+accumulation on real gloo ranks. They live in an importable module so that worker processes load
+them by reference."""
 
 from __future__ import annotations
 

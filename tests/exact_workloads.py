@@ -1,4 +1,4 @@
-"""Train functions for tests/test_exact_resume.py and benchmarks/exact_order.py (issue 18):
+"""Train functions for tests/e2e/test_exact_resume.py and benchmarks/exact_order.py (issue 18):
 bit-exact resume at any world size. Loaded by reference in the worker processes.
 
 A kill schedule is a list of ``[attempt, rank, *moment]``: in attempt ``attempt``, rank ``rank``

@@ -1,4 +1,5 @@
-"""Train functions for tests/test_fsdp.py (loaded by reference in the worker processes)."""
+"""Train functions for tests/multiprocess/test_fsdp.py (loaded by reference in the worker
+processes)."""
 
 from __future__ import annotations
 

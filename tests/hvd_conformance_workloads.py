@@ -1,4 +1,5 @@
-"""The Horovod conformance battery of tests/test_horovod_conformance.py, run in each rank.
+"""The Horovod conformance battery of tests/multiprocess/test_horovod_conformance.py, run in each
+rank.
 
 ``python hvd_conformance_workloads.py`` under torchrun-style variables (RANK, WORLD_SIZE,
 MASTER_ADDR...) runs every check and prints one JSON line: ``{"rank": r, "checks": {name:

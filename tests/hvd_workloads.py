@@ -1,4 +1,4 @@
-"""Train functions of tests/test_horovod.py. Each runs in real gloo workers, checks
+"""Train functions of tests/multiprocess/test_horovod.py. Each runs in real gloo workers, checks
 ringtrain.horovod against references computed with plain torch.distributed, and reports the
 names of the failed checks (an empty list on success) so that the test sees every rank's result."""
 

@@ -1,4 +1,5 @@
-"""Train functions for tests/test_process_hygiene.py (loaded by reference in the workers).
+"""Train functions for tests/multiprocess/test_process_hygiene.py (loaded by reference in the
+workers).
 
 ``loader_fn`` iterates a ``DataLoader(num_workers=2)`` prepared by ringtrain and, once its loader
 workers exist, writes ``{"pid", "loaders"}`` to ``{pid_dir}/rank{R}.attempt{A}.json``; then by

@@ -1,4 +1,4 @@
-"""Lightning train functions for tests/test_lightning.py, importable by worker processes.
+"""Lightning train functions for tests/backends/test_lightning.py, importable by worker processes.
 
 ``train_fn`` runs under ringtrain (``rt.Trainer(...).fit()``); running this file as a script runs
 the same LightningModule with Lightning's own DDP launcher (``strategy="ddp"``, ``devices=2``,

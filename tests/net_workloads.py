@@ -1,5 +1,5 @@
-"""Train functions and /proc readers for tests/test_control_plane.py (an importable module, so
-the worker processes load the functions by reference)."""
+"""Train functions and /proc readers for tests/multiprocess/test_control_plane.py (an importable
+module, so the worker processes load the functions by reference)."""
 
 from __future__ import annotations
 

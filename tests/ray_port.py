@@ -2,8 +2,9 @@
 
 ``port(source)`` is what docs/ray.md's "Coming from Ray Train" table says by hand: every import
 of ``ray.train`` (and ``horovod.torch``) becomes the ringtrain import that binds the same name to
-ringtrain's mirror of it; every other line is left as it is. tests/test_ray_compat.py ports the
-examples installed with Ray this way at test time, so the repository holds no copy of Ray's code.
+ringtrain's mirror of it; every other line is left as it is. tests/backends/test_ray_compat.py
+ports the examples installed with Ray this way at test time, so the repository holds no copy of
+Ray's code.
 """
 
 from __future__ import annotations

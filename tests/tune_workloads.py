@@ -1,4 +1,5 @@
-"""Train functions for the sweep tests (tests/test_tune.py): real, tiny training runs."""
+"""Train functions for the sweep tests (tests/multiprocess/test_tune.py): real, tiny training
+runs."""
 
 from __future__ import annotations
 

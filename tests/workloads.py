@@ -447,13 +447,13 @@ def elastic_fn(config):
 
 
 def _elastic_grow_hooks(config, step: int) -> None:
-    """Growing back (tests/test_elastic.py): ``slow_world``/``slow_s``: sleep ``slow_s`` per
-    step while the world size is ``slow_world`` (so that a joining worker has time to start);
-    ``hold_step``: at that step, while the world size is ``slow_world``, wait (up to 300 s) until
-    the driver's GrowRequest has arrived, so that the grow happens before the run ends however
-    slowly the joining worker starts on a loaded machine; ``kill_joiner_once``: a marker path;
-    the first worker that joined a running group (and creates the marker) SIGKILLs itself after
-    its first step."""
+    """Growing back (tests/multiprocess/test_elastic.py): ``slow_world``/``slow_s``: sleep
+    ``slow_s`` per step while the world size is ``slow_world`` (so that a joining worker has time
+    to start); ``hold_step``: at that step, while the world size is ``slow_world``, wait (up to
+    300 s) until the driver's GrowRequest has arrived, so that the grow happens before the run
+    ends however slowly the joining worker starts on a loaded machine; ``kill_joiner_once``: a
+    marker path; the first worker that joined a running group (and creates the marker) SIGKILLs
+    itself after its first step."""
     world = rt.get_context().world_size
     if config.get("slow_world") == world:
         time.sleep(config.get("slow_s", 0.2))

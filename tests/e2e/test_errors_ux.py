@@ -218,7 +218,8 @@ def test_python_errors_name_the_fix_without_ringtrain_frames(tmp_path, monkeypat
     assert "--name" not in message
     assert len(_ringtrain_frames(info.value)) <= 1
     # A name taken by a FINISHED run continues it (the run directory contract), but says so:
-    # RunConfig(name=...) in Python, --name on the command line (tests/test_notebook.py runs it).
+    # RunConfig(name=...) in Python, --name on the command line (tests/backends/test_notebook.py
+    # runs it).
     _fake_run(tmp_path / "runs", "done", status="FINISHED", rounds=1)
     note = finished_note(storage, "done")
     assert note is not None and "already finished" in note and "1 rounds" in note

@@ -3,7 +3,7 @@
 The examples are ringtrain's own scripts written against Horovod's API; each runs here as a user
 would run it (``ringtrain run -np 2 SCRIPT`` with the script's own flags, ``python SCRIPT
 --num-proc N`` through ``horovod.run``, or on a local Ray instance), with tiny settings.
-``examples/horovod_mnist.py`` under ``ringtrain run -np 2`` is tests/test_horovod.py's.
+``examples/horovod_mnist.py`` under ``ringtrain run -np 2`` is tests/multiprocess/test_horovod.py's.
 """
 
 from __future__ import annotations
