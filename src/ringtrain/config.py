@@ -8,21 +8,17 @@ is written to the run directory's ``config.json``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-BACKENDS = ("local", "ray")
-"""Launcher backends known to this version."""
+from ringtrain.launch.backends import backend_for
+from ringtrain.validation import check_int, short_errors
 
 ELASTIC_BATCH_POLICIES = ("resize_batch", "accumulate", "scale_lr")
 """``ScalingConfig.elastic_batch_policy`` values (docs/elastic.md, "Same math")."""
-
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-"""Ray placement group strategies (``backend="ray"``), as Ray names them."""
 
 CALLBACK_HOOKS = (
     "on_report",
@@ -37,39 +33,8 @@ CALLBACK_HOOKS = (
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
-_Config = TypeVar("_Config", bound=type)
 
-
-def _short_errors(cls: _Config) -> _Config:
-    """A config whose bad value raises from the user's own line: the ``TypeError`` /
-    ``ValueError`` (its message names the field and the fix) loses the frames of the dataclass
-    ``__init__``, ``__post_init__`` and the checks, so the user sees one ringtrain frame instead
-    of four to six. ``RINGTRAIN_DEBUG=1`` keeps the whole traceback."""
-    init = cls.__dict__["__init__"]
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except (TypeError, ValueError) as exc:
-            if os.environ.get("RINGTRAIN_DEBUG", "") not in ("", "0"):
-                raise
-            raise exc.with_traceback(None)  # noqa: B904 (the same exception, shorter)
-
-    setattr(cls, "__init__", __init__)  # noqa: B010
-    return cls
-
-
-def _check_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"{owner}.{name} must be an int, got {type(value).__name__} {value!r} ({fix})"
-        )
-    if value < minimum:
-        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value} ({fix})")
-
-
-@_short_errors
+@short_errors
 @dataclass(frozen=True)
 class ScalingConfig:
     """How many workers, and on what.
@@ -136,40 +101,32 @@ class ScalingConfig:
             )
         if not isinstance(self.use_gpu, bool):
             raise TypeError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(
-                f"ScalingConfig.backend must be one of {', '.join(map(repr, BACKENDS))}, "
-                f"got {self.backend!r} (use backend='local' to run on this machine)"
-            )
+        backend = backend_for(self)  # ValueError naming the known backends
         if self.resources_per_worker is not None:
             if not isinstance(self.resources_per_worker, Mapping):
                 raise TypeError(
                     "ScalingConfig.resources_per_worker must be a dict like {'CPU': 2}, "
                     f"got {type(self.resources_per_worker).__name__}"
                 )
-            for key, amount in self.resources_per_worker.items():
-                if key not in ("CPU", "GPU") and (
-                    self.backend != "ray" or not isinstance(key, str) or not key
-                ):
-                    raise ValueError(
-                        f"ScalingConfig.resources_per_worker has unknown resource {key!r} "
-                        "(use 'CPU' for threads per worker, 'GPU' for devices per worker; "
-                        "custom Ray resources need backend='ray')"
-                    )
-                if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
-                    raise ValueError(
-                        f"ScalingConfig.resources_per_worker[{key!r}] must be a positive number, "
-                        f"got {amount!r}"
-                    )
-            gpus = self.resources_per_worker.get("GPU")
-            if gpus is not None and (not self.use_gpu or gpus != 1):
-                raise ValueError(
-                    f"ScalingConfig.resources_per_worker['GPU']={gpus!r} is not supported: each "
-                    "worker drives exactly one GPU (set use_gpu=True and drop the 'GPU' key)"
-                )
             # A frozen dataclass may still hold a caller's mutable dict; keep our own copy.
             object.__setattr__(self, "resources_per_worker", dict(self.resources_per_worker))
-        self._check_ray_fields()
+        backend.validate()  # resource names, placement_strategy, ray_address, ...
+        self._check_resource_amounts()
+
+    def _check_resource_amounts(self) -> None:
+        resources = self.resources_per_worker or {}
+        for key, amount in resources.items():
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+                raise ValueError(
+                    f"ScalingConfig.resources_per_worker[{key!r}] must be a positive number, "
+                    f"got {amount!r}"
+                )
+        gpus = resources.get("GPU")
+        if gpus is not None and (not self.use_gpu or gpus != 1):
+            raise ValueError(
+                f"ScalingConfig.resources_per_worker['GPU']={gpus!r} is not supported: each "
+                "worker drives exactly one GPU (set use_gpu=True and drop the 'GPU' key)"
+            )
 
     def _check_num_workers(self) -> None:
         n = self.num_workers
@@ -180,21 +137,16 @@ class ScalingConfig:
                     "(use num_workers=(2, 4) for elastic training between 2 and 4 workers)"
                 )
             fix = "use num_workers=(min, max) with 1 <= min <= max"
-            _check_int("ScalingConfig", "num_workers[0] (min)", n[0], 1, fix)
-            _check_int("ScalingConfig", "num_workers[1] (max)", n[1], 1, fix)
+            check_int("ScalingConfig", "num_workers[0] (min)", n[0], 1, fix)
+            check_int("ScalingConfig", "num_workers[1] (max)", n[1], 1, fix)
             if n[0] > n[1]:
                 raise ValueError(
                     f"ScalingConfig.num_workers=({n[0]}, {n[1]}): min must be <= max ({fix})"
                 )
-            if self.backend not in ("local", "ray"):
-                raise ValueError(
-                    f"ScalingConfig.num_workers={tuple(n)!r} (elastic) needs backend='local' "
-                    f"or backend='ray', got backend={self.backend!r}"
-                )
             # JSON gives back a list (config.json); keep a hashable tuple.
             object.__setattr__(self, "num_workers", (int(n[0]), int(n[1])))
             return
-        _check_int(
+        check_int(
             "ScalingConfig",
             "num_workers",
             n,
@@ -234,41 +186,6 @@ class ScalingConfig:
         n = self.num_workers
         return n[1] if isinstance(n, tuple) else n
 
-    def _check_ray_fields(self) -> None:
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(
-                "ScalingConfig.placement_strategy must be one of "
-                f"{', '.join(map(repr, PLACEMENT_STRATEGIES))}, got {self.placement_strategy!r} "
-                "(PACK fills as few nodes as possible, SPREAD as many)"
-            )
-        if self.ray_address is not None:
-            if not isinstance(self.ray_address, str) or not self.ray_address:
-                raise ValueError(
-                    "ScalingConfig.ray_address must be 'auto', 'HOST:PORT' or None, got "
-                    f"{self.ray_address!r}"
-                )
-            if self.ray_address.startswith("ray://"):
-                raise ValueError(
-                    f"ScalingConfig.ray_address={self.ray_address!r}: Ray Client (ray://) is not "
-                    "supported, because every worker connects back to the driver; run the "
-                    "driver on a node of the cluster with ray_address='auto'"
-                )
-            if self.backend != "ray":
-                raise ValueError(
-                    f"ScalingConfig.ray_address={self.ray_address!r} needs backend='ray', got "
-                    f"backend={self.backend!r}"
-                )
-        t = self.placement_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t:
-            raise ValueError(
-                f"ScalingConfig.placement_timeout_s must be a positive number of seconds, got {t!r}"
-            )
-        if self.backend != "ray" and self.placement_strategy != "PACK":
-            raise ValueError(
-                f"ScalingConfig.placement_strategy={self.placement_strategy!r} needs "
-                f"backend='ray', got backend={self.backend!r}"
-            )
-
     def threads_per_worker(self, cpu_count: int | None = None) -> int:
         """Torch intra-op threads each worker uses (>= 1)."""
         if self.resources_per_worker and "CPU" in self.resources_per_worker:
@@ -280,7 +197,7 @@ class ScalingConfig:
         return dataclasses.asdict(self)
 
 
-@_short_errors
+@short_errors
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Which checkpoints to keep.
@@ -304,7 +221,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None:
-            _check_int(
+            check_int(
                 "CheckpointConfig",
                 "num_to_keep",
                 self.num_to_keep,
@@ -333,7 +250,7 @@ class CheckpointConfig:
         return dataclasses.asdict(self)
 
 
-@_short_errors
+@short_errors
 @dataclass(frozen=True)
 class FailureConfig:
     """What to do when a worker fails.
@@ -358,14 +275,14 @@ class FailureConfig:
     snapshot_interval_steps: int = 1
 
     def __post_init__(self) -> None:
-        _check_int(
+        check_int(
             "FailureConfig",
             "snapshot_interval_steps",
             self.snapshot_interval_steps,
             1,
             "use 1 to snapshot after every TrainState.step increment",
         )
-        _check_int(
+        check_int(
             "FailureConfig",
             "max_failures",
             self.max_failures,
@@ -385,7 +302,7 @@ class FailureConfig:
         return dataclasses.asdict(self)
 
 
-@_short_errors
+@short_errors
 @dataclass(frozen=True)
 class MonitorConfig:
     """What a run measures and where it logs (see docs/monitoring.md).
@@ -443,7 +360,7 @@ class MonitorConfig:
                 "MonitorConfig.comm_timing must be 'auto', 'hook' or 'wait', got "
                 f"{self.comm_timing!r}"
             )
-        _check_int(
+        check_int(
             "MonitorConfig",
             "straggler_patience",
             self.straggler_patience,
@@ -458,7 +375,7 @@ class MonitorConfig:
 DEFAULT_STORAGE_PATH = "./runs"
 
 
-@_short_errors
+@short_errors
 @dataclass(frozen=True)
 class RunConfig:
     """Where a run writes, and how it behaves.

@@ -28,6 +28,7 @@ from ringtrain.chaos import compare, procs
 from ringtrain.chaos.plan import FAULT_KINDS, ChaosConfig, Fault, make_plan, run_seed
 from ringtrain.chaos.report import CampaignReport, RunReport
 from ringtrain.chaos.worker import ChaosTrainFn, read_log
+from ringtrain.launch.backends import backend_for
 
 ORPHAN_GRACE_S = 1.0
 """A process of a run still alive this long after its driver ended is an orphan."""
@@ -89,7 +90,7 @@ def run_campaign(
     scaling = scaling_config if scaling_config is not None else rt.ScalingConfig(num_workers=2)
     if not isinstance(scaling, rt.ScalingConfig):
         raise ValueError(f"scaling_config must be a ringtrain.ScalingConfig, got {scaling!r}")
-    if scaling.backend != "local" or scaling.elastic:
+    if not backend_for(scaling).local_processes or scaling.elastic:  # it kills pids
         raise ValueError(
             "ringtrain chaos runs local, fixed-size runs: use ScalingConfig(backend='local', "
             f"num_workers=W), got backend={scaling.backend!r}, num_workers={scaling.num_workers!r}"

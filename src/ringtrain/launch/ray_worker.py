@@ -170,14 +170,11 @@ class RayWorker:
             proc.wait(timeout=10)
 
 
-_REMOTE_WORKER: list[Any] = []
-
-
 def remote_worker_class(ray: Any) -> Any:
-    """``ray.remote(RayWorker)``, made once per process (Ray exports a class per decoration)."""
-    if not _REMOTE_WORKER:
-        _REMOTE_WORKER.append(ray.remote(RayWorker))
-    return _REMOTE_WORKER[0]
+    """``ray.remote(RayWorker)``, a new actor class per call: Ray exports a class once per
+    decoration, so its caller keeps it (one per :class:`~ringtrain.launch.ray.RayLauncher`,
+    i.e. per run), and no module-level cache holds it."""
+    return ray.remote(RayWorker)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -171,7 +171,7 @@ class TorchConfig:
     def check(self, scaling: ScalingConfig) -> None:
         """Raise ValueError when ``backend`` contradicts ``scaling.use_gpu``."""
         wanted = "nccl" if scaling.use_gpu else "gloo"
-        if self.backend is not None and self.backend != wanted:
+        if self.backend not in (None, wanted):
             raise ValueError(
                 f"TorchConfig(backend={self.backend!r}) with ScalingConfig(use_gpu="
                 f"{scaling.use_gpu}): ringtrain uses {wanted!r} there (leave backend=None)"

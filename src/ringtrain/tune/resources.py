@@ -6,18 +6,17 @@ capacity at once (gang scheduling): starting some of its workers and waiting for
 hold resources while doing nothing, and two half-started trials can wait on each other forever.
 Ray Tune leaves this to the user (``max_concurrent_trials``); here the pool does it:
 
-- the local backend's capacity is this host's CPU cores and CUDA devices (override with
-  ``TuneConfig(resources=...)``);
-- on Ray it is the cluster's resources, and each trial's workers are reserved together by the
-  trial's own placement group (all bundles or none), so the driver's accounting and Ray's
-  reservation agree.
+- the capacity is the backend's (:meth:`ringtrain.launch.backends.Backend.capacity`): the local
+  backend's is this host's CPU cores and CUDA devices (override with
+  ``TuneConfig(resources=...)``); on Ray it is the cluster's resources, and each trial's workers
+  are reserved together by the trial's own placement group (all bundles or none), so the
+  driver's accounting and Ray's reservation agree.
 
 Pure bookkeeping, no processes: unit-tested directly.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,36 +42,6 @@ def trial_demand(scaling: Any) -> dict[str, float]:
     if scaling.use_gpu:
         per_worker.setdefault("GPU", 1.0)
     return {k: v * scaling.max_workers for k, v in per_worker.items() if v > 0}
-
-
-def local_capacity() -> dict[str, float]:
-    """This host's CPU cores (the ones this process may run on) and CUDA devices."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    capacity = {"CPU": float(cpus)}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            capacity["GPU"] = float(torch.cuda.device_count())
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return capacity
-
-
-def ray_capacity() -> dict[str, float]:
-    """The connected Ray cluster's total resources (``ray.cluster_resources()``), without Ray's
-    bookkeeping entries (``node:...``, ``memory``, ``object_store_memory``)."""
-    import ray
-
-    skip = ("node:", "memory", "object_store_memory", "accelerator_type:")
-    return {
-        k: float(v)
-        for k, v in ray.cluster_resources().items()
-        if not any(k == s or k.startswith(s) for s in skip)
-    }
 
 
 def check_fits(demand: Mapping[str, float], capacity: Mapping[str, float], where: str) -> None:

@@ -32,14 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringtrain.config import RunConfig, ScalingConfig
+from ringtrain.launch.backends import backend_for
 from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
 from ringtrain.tune.progress import SweepDisplay, TrialRow
 from ringtrain.tune.resources import (
     ResourcePool,
     check_fits,
-    local_capacity,
-    ray_capacity,
     trial_demand,
 )
 from ringtrain.tune.result import ResultGrid, _finite, _result_from_dir
@@ -374,14 +373,12 @@ class Tuner:
                 "RDB URL)"
             )
         demand = trial_demand(self.scaling_config)
-        started_ray = False
+        backend = backend_for(self.scaling_config)
         if tc.resources is not None:
             capacity, where = dict(tc.resources), "TuneConfig.resources"
-        elif self.scaling_config.backend == "ray":
-            started_ray = _connect_ray(self.scaling_config.ray_address)
-            capacity, where = ray_capacity(), "the Ray cluster"
-        else:
-            capacity, where = local_capacity(), "this machine"
+        else:  # this machine's, or the Ray cluster's (joined, or started, here)
+            found = backend.capacity()
+            capacity, where = found.resources, found.where
         try:
             check_fits(demand, capacity, where)
             pool = ResourcePool(capacity, tc.max_concurrent_trials)
@@ -400,10 +397,7 @@ class Tuner:
             with _sigterm_as_interrupt():
                 return self._run(study, sweep, name, pool, demand, where)
         finally:
-            if started_ray:
-                import ray
-
-                ray.shutdown()
+            backend.close()  # a Ray instance its capacity() started
 
     def _write_sweep_files(
         self, sweep: RunDirectory, name: str, capacity: dict[str, float]
@@ -589,9 +583,7 @@ class Tuner:
             scaling = dataclasses.replace(
                 scaling, resources_per_worker={**(scaling.resources_per_worker or {}), "CPU": 1}
             )
-        extra_env = {}
-        if gpus and scaling.backend == "local":
-            extra_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        extra_env = backend_for(scaling).trial_env(gpus)
         run_config = dataclasses.replace(
             self.run_config,
             name=dir_name,
@@ -790,18 +782,6 @@ class Tuner:
             columns=self.space.param_columns(),
             study=study,
         )
-
-
-def _connect_ray(address: str | None) -> bool:
-    """Connect to (or start) Ray before sizing the sweep; True if this call started it."""
-    from ringtrain.launch.ray import import_ray
-
-    ray = import_ray()
-    if ray.is_initialized():
-        return False
-    ray.init(address=address, log_to_driver=False)
-    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
-    return bool(getattr(node, "head", False))
 
 
 def _dig(config: Mapping[str, Any], flat_key: str) -> Any:
