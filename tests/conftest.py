@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 
+import ringtrain as rt
+import support
 from ringtrain import session as session_mod
 from support import child_pids, wait_until
 
@@ -84,6 +88,22 @@ def _private_signing_key(tmp_path_factory):
     yield
 
 
+@pytest.fixture
+def run_job(tmp_path: Path) -> Callable[..., rt.Result]:
+    """``run_job(train_fn, workers=2, **config) -> Result``: ``train_fn`` on real worker
+    processes, the run in ``tmp_path/runs`` (unless ``storage_path=`` is given); ``config``
+    names fields of ScalingConfig, RunConfig, FailureConfig and CheckpointConfig
+    (``max_failures=1``, ``async_save=False``, ``backend="ray"``), plus ``name``,
+    ``train_loop_config`` and ``restore_from`` (see ``support.run_job``; module-scoped fixtures
+    call that function directly)."""
+
+    def run(train_fn: Callable[..., Any], workers: int | tuple[int, int] = 2, **config: Any):
+        config.setdefault("storage_path", tmp_path / "runs")
+        return support.run_job(train_fn, workers, **config)
+
+    return run
+
+
 def _watched_env() -> dict[str, str]:
     """The environment variables the leak check watches, with their values."""
     return {k: v for k, v in os.environ.items() if k in _DIST_VARS or k.startswith(_ENV_PREFIXES)}
@@ -110,6 +130,10 @@ def _env_leaks(before: dict[str, str]) -> list[str]:
 def _watched_thread(t: threading.Thread) -> bool:
     # Non-daemon threads keep the process alive; ringtrain's own daemon threads (heartbeat,
     # store, checkpoint writer, dashboard, ...) must be stopped by whoever started them.
+    # An event loop's default-executor threads ("asyncio_0", ...) live as long as their loop:
+    # Playwright's loop belongs to the module-scoped browser fixture, not to one test.
+    if t.name.startswith("asyncio_"):
+        return False
     return t.is_alive() and (not t.daemon or t.name.startswith("ringtrain"))
 
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import ringtrain as rt
+from pages import WAIT_MS, Page, needs_browser, screenshot
 from ringtrain.monitor.dashboard import DashboardServer, create_app, is_loopback
 from ringtrain.monitor.dashboard.data import Cursors, EventTail, RunStore
 from support import wait_until
@@ -34,24 +35,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*httpx.*", category=UserWarning)
     from starlette.testclient import TestClient
 
-try:
-    from playwright.sync_api import Page, sync_playwright
-except ImportError:  # pragma: no cover - playwright is in the [test] extra
-    sync_playwright = None  # type: ignore[assignment]
-
-CHROMIUM = "/usr/bin/chromium"
-needs_browser = pytest.mark.skipif(
-    sync_playwright is None or not os.path.exists(CHROMIUM),
-    reason="browser tests need playwright (pip install -e '.[test]') and Debian's Chromium at "
-    f"{CHROMIUM} (apt-get install chromium); found playwright={sync_playwright is not None}, "
-    f"chromium={os.path.exists(CHROMIUM)}",
-)
 RINGTRAIN = shutil.which("ringtrain") or os.path.join(os.path.dirname(sys.executable), "ringtrain")
-ARTIFACTS = Path(
-    os.environ.get("RINGTRAIN_TEST_ARTIFACTS")
-    or Path(__file__).resolve().parents[2] / ".pytest_artifacts"
-)
-WAIT_MS = 30_000  # generous: a loaded 2-core machine must not fail these
 T0 = 1763720000.0
 
 
@@ -660,33 +644,6 @@ def test_run_with_dashboard(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # The page, in a real browser
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if sync_playwright is None or not os.path.exists(CHROMIUM):
-        pytest.skip("needs playwright and /usr/bin/chromium: sudo apt-get install chromium")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"], headless=True)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    pg = context.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda exc: errors.append(str(exc)))
-    pg.set_default_timeout(WAIT_MS)
-    yield pg
-    context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
-
-
-def screenshot(page: Page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"dashboard_{name}.png"), full_page=True)
 
 
 def row_order(page: Page) -> list[str]:

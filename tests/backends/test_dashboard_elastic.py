@@ -18,27 +18,20 @@ from typing import Any
 import pytest
 
 import ringtrain as rt
-import test_dashboard
 import workloads
+from pages import WAIT_MS, Page, needs_browser, screenshot
 from ringtrain.monitor import runs
 from ringtrain.monitor.dashboard.data import Cursors, RunStore
 from ringtrain.monitor.runs import WorldSizeChange
 from test_dashboard import (
     RINGTRAIN,
     T0,
-    WAIT_MS,
-    Page,
     append_events,
-    needs_browser,
     round_events,
-    screenshot,
     serve,
     write_json,
 )
 
-# The browser fixtures of test_dashboard.py (headless Chromium, one context per test).
-browser = test_dashboard.browser
-page = test_dashboard.page
 EN_DASH = "\u2013"  # the page writes ranges as 2\u20133
 
 KILL_1 = {
