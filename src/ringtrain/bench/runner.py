@@ -9,7 +9,6 @@ and :mod:`ringtrain.bench.report` writes ``scaling.json``, ``scaling.html`` and 
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -133,25 +132,19 @@ def load_timing_windows(run_dir: str) -> list[dict[str, Any]]:
     """
     import fsspec
 
+    from ringtrain.rundir.reader import read_events
+    from ringtrain.rundir.schema import EVENTS_FILE, TimingEvent
+
     fs, path = fsspec.core.url_to_fs(run_dir)
-    target = path.rstrip("/") + "/events.jsonl"
-    try:
-        text = fs.cat_file(target).decode()
-    except FileNotFoundError:
-        raise BenchError(f"{run_dir}: no events.jsonl (not a ringtrain run directory?)") from None
-    windows: list[dict[str, Any]] = []
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a truncated last line
-        if not isinstance(event, dict) or event.get("type") != "timing":
-            continue
-        nested = event.get("window")
-        window = dict(nested) if isinstance(nested, dict) else dict(event)
-        window["rank"] = event.get("rank")
-        window["attempt"] = event.get("attempt", 0)
-        windows.append(window)
+    target = path.rstrip("/") + "/" + EVENTS_FILE
+    if not fs.exists(target):
+        raise BenchError(f"{run_dir}: no {EVENTS_FILE} (not a ringtrain run directory?)")
+    events, _ = read_events(fs, target)  # a truncated last line is skipped
+    windows: list[dict[str, Any]] = [
+        {**ev.window, "rank": ev.rank, "attempt": ev.attempt or 0}
+        for ev in events
+        if isinstance(ev, TimingEvent)
+    ]
     if windows:
         last = max(int(w.get("attempt") or 0) for w in windows)
         windows = [w for w in windows if int(w.get("attempt") or 0) == last]

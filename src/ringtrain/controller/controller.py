@@ -61,6 +61,16 @@ from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure, follow_ons
 from ringtrain.rundir import RunDirectory
+from ringtrain.rundir.schema import (
+    CheckpointInvalidEvent,
+    DecisionEvent,
+    ResizeEvent,
+    ResumeEvent,
+    RunEndEvent,
+    RunStartEvent,
+    StopRequestedEvent,
+    TransitionEvent,
+)
 
 __all__ = ["Controller", "RunState", "SpecFactory", "Transition"]
 
@@ -182,8 +192,8 @@ class Controller:
                 self.group.stop(grace_s=self.stop_grace_s)
                 self.group = None
             result = self.result()
-            self.run_dir.event(
-                "run_end", status=self.state.value, duration_s=time.time() - self.start_time
+            self.run_dir.write(
+                RunEndEvent(status=self.state.value, duration_s=time.time() - self.start_time)
             )
             self._write_result()
             self.run_dir.close()
@@ -225,8 +235,11 @@ class Controller:
     def _enter(self, transition: Transition) -> None:
         self.current = transition.target
         logger.info("%s -> %s: %s", transition.from_.value, transition.to.value, transition.reason)
-        fields = {"from": transition.from_.value, "to": transition.to.value}
-        self.run_dir.event("transition", **fields, reason=transition.reason)
+        self.run_dir.write(
+            TransitionEvent(
+                from_=transition.from_.value, to=transition.to.value, reason=transition.reason
+            )
+        )
 
     # ------------------------------------------------------------------ state handlers
     def _step_starting(self, state: Starting) -> Transition:
@@ -319,7 +332,7 @@ class Controller:
         decision = self.failure_policy.decide(failure, len(self.failures))
         logger.warning(decision.reason)
         self.progress.message(decision.reason)
-        self.run_dir.event("decision", decision=decision.decision.value, reason=decision.reason)
+        self.run_dir.write(DecisionEvent(decision=decision.decision.value, reason=decision.reason))
         if decision.decision is Decision.RAISE:
             self.error = TrainingFailedError(self.failures, self.follow_on_failures)
             return Transition(state, Errored(self.error), decision.reason)
@@ -351,7 +364,7 @@ class Controller:
         return Transition(state, Preempted(), "the group was stopped before the deadline")
 
     def _stop(self, state: State) -> Transition:
-        self.run_dir.event("stop_requested", round=self.next_round - 1)
+        self.run_dir.write(StopRequestedEvent(round=self.next_round - 1))
         if self.group is not None:
             self.group.stop(grace_s=self.stop_grace_s)
             self.group = None
@@ -366,7 +379,7 @@ class Controller:
         # to resume from is checked byte by byte (a corrupt one is set aside, the one before used).
         self.checkpoints.remove_staging()
         latest = self.checkpoints.latest_verified()
-        self._notes("checkpoint_invalid")
+        self._notes()
         # Rounds after the checkpoint we resume from are recomputed: their report indices must
         # line up with the restored state, and their metrics replace the lost attempt's.
         self.next_round = latest.round + 1 if latest is not None else 0
@@ -375,13 +388,13 @@ class Controller:
         resume_from = self.checkpoints.worker_uri(latest) if latest is not None else None
         self._resumed, self._resume_uri = latest, resume_from
         if latest is not None:
-            self.run_dir.event("resume", attempt=number, checkpoint=latest.checkpoint.uri)
+            self.run_dir.write(ResumeEvent(attempt=number, checkpoint=latest.checkpoint.uri))
             if number == 0:
                 self.progress.message(f"resuming from {latest.checkpoint.uri}")
         spec = self.make_spec(number, self.next_round, resume_from)
         gen = Generation(number, spec.world_size)
         self.reset_stragglers()
-        self.run_dir.event("run_start", world_size=spec.world_size, attempt=number)
+        self.run_dir.write(RunStartEvent(world_size=spec.world_size, attempt=number))
         for rank in range(spec.world_size):
             self.progress.worker_state(rank, "starting")
         self.group = self.launcher.start(spec)
@@ -428,16 +441,17 @@ class Controller:
         why = found[0].split(": ", 1)[-1]
         if not self.checkpoints.set_aside_unloadable(resumed, f"rank {failure.rank}: {why}"):
             return False
-        self._notes("checkpoint_invalid", rank=failure.rank)
+        self._notes(rank=failure.rank)
         self._resumed = None
         return True
 
-    def _notes(self, kind: str, **fields: Any) -> None:
-        """Log, show and write (as ``kind`` events) the checkpoint manager's notes."""
+    def _notes(self, rank: int | None = None) -> None:
+        """Log, show and write (as ``checkpoint_invalid`` events, naming ``rank`` when a worker
+        refused the checkpoint) the checkpoint manager's notes."""
         for note in self.checkpoints.notes:
             logger.warning(note)
             self.progress.message(note)
-            self.run_dir.event(kind, reason=note, **fields)
+            self.run_dir.write(CheckpointInvalidEvent(reason=note, rank=rank))
         self.checkpoints.notes.clear()
 
     def _stop_requested(self) -> bool:
@@ -454,7 +468,7 @@ class Controller:
     def _end_generation(self, gen: Generation) -> None:
         if gen.resize is not None:  # no step completed after the resize
             info = {k: v for k, v in gen.resize.items() if k != "pause_time"}
-            self.run_dir.event("resize", **info, resume_s=None)
+            self.run_dir.write(ResizeEvent(**info, resume_s=None))
             gen.resize = None
         if gen.failures or not gen.rounds.pending:
             return

@@ -19,6 +19,12 @@ from ringtrain.controller.health import HELLO_TIMEOUT_S
 from ringtrain.controller.policy import Decision
 from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
 from ringtrain.result import WorkerFailure
+from ringtrain.rundir.schema import (
+    GrowFailedEvent,
+    GrowStartEvent,
+    ResizeEvent,
+    ResizeFallbackEvent,
+)
 
 if TYPE_CHECKING:
     from ringtrain.controller.controller import Controller
@@ -91,7 +97,7 @@ class ElasticCoordinator:
             message = f"{decision.reason}; restarting the group from the disk checkpoint"
             logger.warning(message)
             self.ctl.progress.message(message)
-            self.ctl.run_dir.event("resize_fallback", reason=decision.reason)
+            self.ctl.run_dir.write(ResizeFallbackEvent(reason=decision.reason))
         return decision, gen
 
     def _resize(
@@ -183,7 +189,7 @@ class ElasticCoordinator:
         resume_s = max(0.0, event.time - info["failure_time"])
         pause_time = info.pop("pause_time", None)
         extra = {} if pause_time is None else {"paused_s": max(0.0, event.time - pause_time)}
-        self.ctl.run_dir.event("resize", **info, resume_s=resume_s, **extra)
+        self.ctl.run_dir.write(ResizeEvent(**info, resume_s=resume_s, **extra))
         grew = info["new_world_size"] > info["old_world_size"]
         if grew:
             self.grow_failures = 0
@@ -281,8 +287,8 @@ class ElasticCoordinator:
         )
         logger.info(message)
         ctl.progress.message(message)
-        ctl.run_dir.event(
-            "grow_start", old_world_size=gen.world_size, ranks=started, generation=self.generation
+        ctl.run_dir.write(
+            GrowStartEvent(old_world_size=gen.world_size, ranks=started, generation=self.generation)
         )
 
     def on_joiner_event(self, event: Event) -> None:
@@ -324,7 +330,7 @@ class ElasticCoordinator:
         message = f"growing back failed: {reason}; trying again in {delay:g} s"
         logger.warning(message)
         self.ctl.progress.message(message)
-        self.ctl.run_dir.event("grow_failed", reason=reason, ranks=ranks, retry_s=delay)
+        self.ctl.run_dir.write(GrowFailedEvent(reason=reason, ranks=ranks, retry_s=delay))
 
     def _grow_resize(
         self, gen: Generation, joiners: list[int], grow: Grow | None, cause: str
@@ -376,7 +382,7 @@ class ElasticCoordinator:
                     rank=0, kind="exit", message=reason, attempt=gen.number, time=time.time()
                 ),
             )
-            ctl.run_dir.event("resize_fallback", reason=reason)
+            ctl.run_dir.write(ResizeFallbackEvent(reason=reason))
             return new
         message = (
             f"{'growing back' if new_world > old_world else 'resizing'} in place: {old_world} -> "

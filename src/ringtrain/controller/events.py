@@ -27,6 +27,13 @@ from ringtrain.controller.attempt import signal_name
 from ringtrain.controller.generation import Generation
 from ringtrain.controller.rounds import round_metrics
 from ringtrain.result import WorkerFailure, is_follow_on
+from ringtrain.rundir.schema import (
+    FailureEvent,
+    ReportEvent,
+    StragglerClearedEvent,
+    StragglerEvent,
+    TimingEvent,
+)
 
 if TYPE_CHECKING:
     from ringtrain.controller.controller import Controller
@@ -102,13 +109,14 @@ class GroupEvents:
         step = report.metrics.get("step")
         if isinstance(step, int) and not isinstance(step, bool):
             gen.health.last_step[report.rank] = step
-        ctl.run_dir.event(
-            "report",
-            time=report.time,
-            rank=report.rank,
-            round=report.round,
-            metrics=report.metrics,
-            checkpoint=report.checkpoint_files is not None or report.checkpoint_pending,
+        ctl.run_dir.write(
+            ReportEvent(
+                time=report.time,
+                rank=report.rank,
+                round=report.round,
+                metrics=report.metrics,
+                checkpoint=report.checkpoint_files is not None or report.checkpoint_pending,
+            )
         )
         ctl.progress.report(report.rank, report.round, report.metrics)
         ctl.callback("on_report", report.rank, report.round, report.metrics)
@@ -126,8 +134,8 @@ class GroupEvents:
     def on_timing(self, gen: Generation, timing: Timing) -> None:
         ctl = self.ctl
         window = timing.window
-        ctl.run_dir.event(
-            "timing", time=timing.time, rank=timing.rank, attempt=gen.number, **window
+        ctl.run_dir.write(
+            TimingEvent(time=timing.time, rank=timing.rank, attempt=gen.number, window=window)
         )
         ctl.progress.timing(timing.rank, window)
         ctl.callback("on_timing", timing.rank, window)
@@ -138,19 +146,20 @@ class GroupEvents:
             ctl.progress.message(ev.message)
             ctl.progress.straggler(ev.rank, ev.flagged)
             if ev.flagged:
-                ctl.run_dir.event(
-                    "straggler",
-                    rank=ev.rank,
-                    attempt=gen.number,
-                    busy_s=ev.busy_s,
-                    median_s=ev.median_s,
-                    ratio=ev.ratio,
-                    reason=ev.reason,
-                    message=ev.message,
+                ctl.run_dir.write(
+                    StragglerEvent(
+                        rank=ev.rank,
+                        attempt=gen.number,
+                        busy_s=ev.busy_s,
+                        median_s=ev.median_s,
+                        ratio=ev.ratio,
+                        reason=ev.reason,
+                        message=ev.message,
+                    )
                 )
             else:
-                ctl.run_dir.event(
-                    "straggler_cleared", rank=ev.rank, attempt=gen.number, message=ev.message
+                ctl.run_dir.write(
+                    StragglerClearedEvent(rank=ev.rank, attempt=gen.number, message=ev.message)
                 )
             ctl.callback("on_straggler", ev)
 
@@ -163,15 +172,18 @@ class GroupEvents:
         if gen.first_failure_at is None:
             gen.first_failure_at = time.monotonic()
         self.ctl.progress.worker_state(failure.rank, "failed")
-        self.ctl.run_dir.event(
-            "failure",
-            time=failure.time,
-            rank=failure.rank,
-            kind=failure.kind,
-            message=failure.message,
-            traceback=failure.traceback,
-            attempt=gen.number,
-            follow_on=is_follow_on(failure, others),  # counted apart (ringtrain show, dashboard)
+        self.ctl.run_dir.write(
+            FailureEvent(
+                time=failure.time,
+                rank=failure.rank,
+                kind=failure.kind,
+                message=failure.message,
+                traceback=failure.traceback,
+                attempt=gen.number,
+                follow_on=is_follow_on(
+                    failure, others
+                ),  # counted apart (ringtrain show, dashboard)
+            )
         )
 
     def on_exit(self, gen: Generation, event: Exited) -> None:

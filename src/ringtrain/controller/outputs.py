@@ -1,4 +1,5 @@
-"""The controller's outputs: the :class:`~ringtrain.result.Result` and ``result.json``."""
+"""The controller's outputs: the :class:`~ringtrain.result.Result` and ``result.json`` (a
+:class:`~ringtrain.rundir.schema.ResultRecord`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ringtrain.result import Result
+from ringtrain.rundir.schema import ResultRecord
 
 if TYPE_CHECKING:
     from ringtrain.controller.controller import Controller
@@ -34,24 +36,23 @@ def write_result(ctl: Controller) -> None:
     result = build_result(ctl)
     now = time.time()
     finished = ctl.state.terminal
-    ctl.run_dir.write_json(
-        "result.json",
-        {
-            "status": ctl.state.value if finished else "RUNNING",
-            "name": ctl.run_dir.name,
-            "path": ctl.run_dir.uri,
-            "driver_pid": os.getpid(),
-            "start_time": ctl.start_time,
-            "end_time": now if finished else None,
-            "duration_s": now - ctl.start_time,
-            "world_size": ctl.world_size,
-            "rounds": ctl.next_round,
-            "metrics": result.metrics,
-            "metrics_per_rank": {str(r): m for r, m in result.metrics_per_rank.items()},
-            "checkpoint": result.checkpoint.uri if result.checkpoint else None,
-            "best_checkpoints": [{"path": c.uri, "metrics": m} for c, m in result.best_checkpoints],
-            "error": str(ctl.error) if ctl.error else None,
-            "failures": [f.to_dict() for f in ctl.failures],
-            "follow_on_failures": [f.to_dict() for f in ctl.follow_on_failures],
-        },
+    ctl.run_dir.write_result(
+        ResultRecord(
+            status=ctl.state.value if finished else "RUNNING",
+            name=ctl.run_dir.name,
+            path=ctl.run_dir.uri,
+            driver_pid=os.getpid(),
+            start_time=ctl.start_time,
+            end_time=now if finished else None,
+            duration_s=now - ctl.start_time,
+            world_size=ctl.world_size,
+            rounds=ctl.next_round,
+            metrics=result.metrics,
+            metrics_per_rank={str(r): m for r, m in result.metrics_per_rank.items()},
+            checkpoint=result.checkpoint.uri if result.checkpoint else None,
+            best_checkpoints=[{"path": c.uri, "metrics": m} for c, m in result.best_checkpoints],
+            error=str(ctl.error) if ctl.error else None,
+            failures=[f.to_dict() for f in ctl.failures],
+            follow_on_failures=[f.to_dict() for f in ctl.follow_on_failures],
+        )
     )

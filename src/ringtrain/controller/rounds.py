@@ -15,6 +15,7 @@ from ringtrain.channel import Report
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.rundir import RunDirectory
+from ringtrain.rundir.schema import CheckpointDeletedEvent, CheckpointEvent, CheckpointFailedEvent
 
 logger = logging.getLogger("ringtrain")
 
@@ -148,16 +149,16 @@ class Publisher:
             self._not_saved(round_, message, [str(bad)])
             return
         name = tracked.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
-        self.run_dir.event("checkpoint", round=round_, path=name, metrics=metrics)
+        self.run_dir.write(CheckpointEvent(round=round_, path=name, metrics=metrics))
         for path, reason in self.checkpoints.deleted:
-            self.run_dir.event("checkpoint_deleted", path=path, reason=reason)
+            self.run_dir.write(CheckpointDeletedEvent(path=path, reason=reason))
         self.checkpoints.deleted.clear()
         self.callback("on_checkpoint", tracked.checkpoint, metrics)
 
     def _not_saved(self, round_: int, message: str, errors: list[str]) -> None:
         logger.warning(message)
         self.progress.message(message)
-        self.run_dir.event("checkpoint_failed", round=round_, errors=errors)
+        self.run_dir.write(CheckpointFailedEvent(round=round_, errors=errors))
         self.checkpoints.discard_staging(round_)
 
     def _merge_files(

@@ -11,11 +11,8 @@ line in ``events.jsonl``, a ``result.json`` caught half-rewritten, a checkpoint 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
-import re
 import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
 
 # The records this module fills; re-exported: import them from here.
 from ringtrain.monitor.records import (
@@ -35,9 +31,44 @@ from ringtrain.monitor.records import (
     RunSummary,
     WorldSizeChange,
 )
+from ringtrain.monitor.storage import (
+    basename,
+    file_names,
+    invalidate,
+    is_local,
+    join_fs,
+    join_user,
+    list_checkpoints,
+    ls,
+    read_json,
+)
+from ringtrain.rundir.reader import read_events
+from ringtrain.rundir.schema import (
+    CONFIG_FILE,
+    EVENTS_FILE,
+    MANIFEST_FILE,
+    RESULT_FILE,
+    TERMINAL_STATUSES,
+    ConfigRecord,
+    EventRecord,
+    FailureEvent,
+    ReportEvent,
+    ResizeEvent,
+    ResizeFallbackEvent,
+    ResultRecord,
+    RunEndEvent,
+    RunStartEvent,
+    parse_event,
+)
 
 __all__ = [
+    "CONFIG_FILE",
+    "EVENTS_FILE",
+    "MANIFEST_FILE",
+    "RESULT_FILE",
+    "TERMINAL_STATUSES",
     "CheckpointInfo",
+    "EventDigest",
     "FailureInfo",
     "ResizeInfo",
     "RoundMetrics",
@@ -46,8 +77,12 @@ __all__ = [
     "WorldSizeChange",
     "departed_ranks",
     "elastic_history",
+    "failure_info",
     "list_runs",
     "load_run",
+    "pid_alive",
+    "result_failures",
+    "summarize",
     "worker_range",
 ]
 
@@ -79,117 +114,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-CONFIG_FILE = "config.json"
-EVENTS_FILE = "events.jsonl"
-RESULT_FILE = "result.json"
-MANIFEST_FILE = "manifest.json"
-
-#: Statuses a run can end with; ``RUNNING`` and ``UNKNOWN`` are the others.
-TERMINAL_STATUSES = frozenset({"FINISHED", "ERRORED", "ABORTED", "STOPPED"})
-
-_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
-
-# --------------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------------
-
-
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _as_float(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _as_dict(value: Any) -> dict[str, Any]:
-    return dict(value) if isinstance(value, dict) else {}
-
-
-def _join_user(base: str, name: str) -> str:
-    """Joins a name onto a user-facing path or URL."""
-    if "://" in base:
-        return base.rstrip("/") + "/" + name
-    return os.path.join(base, name)
-
-
-def _join_fs(base: str, name: str) -> str:
-    """Joins a name onto a filesystem-internal (protocol-less, '/'-separated) path."""
-    return base.rstrip("/") + "/" + name
-
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def _is_local(fs: Any) -> bool:
-    return isinstance(fs, LocalFileSystem)
-
-
-def _read_bytes(fs: Any, path: str) -> bytes | None:
-    try:
-        with fs.open(path, "rb") as f:
-            data = f.read()
-    except (OSError, ValueError):
-        return None
-    return bytes(data)
-
-
-def _read_json(fs: Any, path: str) -> dict[str, Any] | None:
-    """Reads a JSON object; None if the file is missing, unreadable, invalid or not an object."""
-    data = _read_bytes(fs, path)
-    if data is None:
-        return None
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _read_events(fs: Any, path: str) -> tuple[list[dict[str, Any]], int]:
-    """Reads ``events.jsonl``: the parsed events and the number of lines skipped as unreadable."""
-    data = _read_bytes(fs, path)
-    if data is None:
-        return [], 0
-    events: list[dict[str, Any]] = []
-    skipped = 0
-    # Split on b"\n" only: JSON strings may hold U+2028 and friends, which str.splitlines splits.
-    for raw in data.split(b"\n"):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            skipped += 1
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get("type"), str):
-            events.append(obj)
-        else:
-            skipped += 1
-    return events, skipped
-
-
-def _ls(fs: Any, path: str) -> list[dict[str, Any]]:
-    try:
-        entries = fs.ls(path, detail=True)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return [e for e in entries if isinstance(e, dict) and "name" in e]
-
-
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id exists on this host."""
     if pid <= 0:
@@ -205,17 +129,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _driver_gone(result: Mapping[str, Any]) -> bool:
+def _driver_gone(result: ResultRecord) -> bool:
     """Whether a RUNNING result's driver process is known to be dead (local storage only)."""
-    pid = _as_int(result.get("driver_pid"))
-    if pid is None:
+    if result.driver_pid is None:
         return False
     # The contract does not require a host name; honour one if the driver records it, so that a
     # run on shared storage started on another machine is not declared dead from here.
-    host = result.get("hostname", result.get("host"))
-    if isinstance(host, str) and host and host != socket.gethostname():
+    if result.hostname and result.hostname != socket.gethostname():
         return False
-    return not pid_alive(pid)
+    return not pid_alive(result.driver_pid)
 
 
 def _error_text(error: Any) -> str | None:
@@ -229,9 +151,28 @@ def _error_text(error: Any) -> str | None:
     return str(error)
 
 
+def failure_info(event: FailureEvent) -> FailureInfo:
+    """What ``ringtrain show`` and the dashboard tell about a ``failure`` event (or an item of
+    ``result.json``'s ``failures``, read as one)."""
+    return FailureInfo(
+        rank=event.rank,
+        kind=event.kind or "unknown",
+        message=event.message or "",
+        traceback=event.traceback or None,
+        time=event.time,
+        follow_on=event.follow_on,
+    )
+
+
+def _result_failures(result: ResultRecord) -> list[FailureInfo]:
+    records = (FailureEvent.from_json(f) for f in result.failures if isinstance(f, dict))
+    return [failure_info(r) for r in records if r is not None]
+
+
 @dataclass
-class _EventDigest:
-    """What the summary and details need out of ``events.jsonl``."""
+class EventDigest:
+    """What the summary and details need out of ``events.jsonl``, folded one record at a time
+    (in file order; the dashboard adds them as the file grows)."""
 
     rounds: dict[int, RoundMetrics] = field(default_factory=dict)
     rank_metrics: dict[int, RoundMetrics] = field(default_factory=dict)
@@ -245,88 +186,82 @@ class _EventDigest:
     world_sizes: list[WorldSizeChange] = field(default_factory=list)
     skipped: int = 0
 
-    def add(self, ev: Mapping[str, Any]) -> None:
-        """Folds one event into the digest (events are added in file order; the dashboard adds
-        them as ``events.jsonl`` grows)."""
-        t = _as_float(ev.get("time"))
+    def add(self, ev: EventRecord) -> None:
+        """Folds one event into the digest (other kinds than those below only move the time)."""
+        t = ev.time
         if t is not None:
             if self.first_time is None:
                 self.first_time = t
             self.last_time = t if self.last_time is None else max(self.last_time, t)
-        kind = ev.get("type")
-        if kind == "report":
-            rank = _as_int(ev.get("rank"))
-            rnd = _as_int(ev.get("round"))
-            if rank is None or rnd is None:
-                return
-            entry = RoundMetrics(round=rnd, time=t, metrics=_as_dict(ev.get("metrics")))
-            self.rank_metrics[rank] = entry
-            if rank == 0:
-                self.rounds[rnd] = entry
-        elif kind == "run_start":
-            ws = _as_int(ev.get("world_size"))
-            if ws is not None:
-                self.world_size = ws
-                self.world_sizes.append(WorldSizeChange(t, ws, "run_start"))
-            # A new attempt: an earlier run_end does not describe the run any more.
-            self.end_status = None
-            self.end_duration_s = None
-        elif kind == "failure":
-            self.failures.append(_failure_from(ev, t))
-        elif kind == "resize":
-            info = _resize_from(ev, t)
-            self.resizes.append(info)
-            if info.new_world_size is not None:
-                self.world_size = info.new_world_size
-                since = info.failure_time if info.failure_time is not None else t
-                if self.world_sizes and since is not None:
-                    # A change never draws before the previous one (clocks, unknown times).
-                    last = self.world_sizes[-1].time
-                    since = since if last is None else max(since, last)
-                self.world_sizes.append(WorldSizeChange(since, info.new_world_size, "resize"))
-        elif kind == "resize_fallback":
-            reason = ev.get("reason")
-            self.resizes.append(
-                ResizeInfo(kind="fallback", time=t, cause=reason if isinstance(reason, str) else "")
+        match ev:
+            case ReportEvent():
+                entry = RoundMetrics(round=ev.round, time=t, metrics=dict(ev.metrics))
+                self.rank_metrics[ev.rank] = entry
+                if ev.rank == 0:
+                    self.rounds[ev.round] = entry
+            case RunStartEvent():
+                if ev.world_size is not None:
+                    self.world_size = ev.world_size
+                    self.world_sizes.append(WorldSizeChange(t, ev.world_size, "run_start"))
+                # A new attempt: an earlier run_end does not describe the run any more.
+                self.end_status = None
+                self.end_duration_s = None
+            case FailureEvent():
+                self.failures.append(failure_info(ev))
+            case ResizeEvent():
+                self._resize(ev)
+            case ResizeFallbackEvent():
+                self.resizes.append(ResizeInfo(kind="fallback", time=t, cause=ev.reason or ""))
+            case RunEndEvent():
+                self.end_status = ev.status.upper() if ev.status is not None else None
+                self.end_duration_s = ev.duration_s
+
+    def _resize(self, ev: ResizeEvent) -> None:
+        t = ev.time
+        self.resizes.append(
+            ResizeInfo(
+                kind="resize",
+                time=t,
+                old_world_size=ev.old_world_size,
+                new_world_size=ev.new_world_size,
+                cause=ev.cause or "",
+                generation=ev.generation,
+                snapshot_step=ev.snapshot_step,
+                steps_rolled_back=ev.steps_rolled_back,
+                failure_time=ev.failure_time,
+                resume_s=ev.resume_s,
             )
-        elif kind == "run_end":
-            status = ev.get("status")
-            self.end_status = status.upper() if isinstance(status, str) else None
-            self.end_duration_s = _as_float(ev.get("duration_s"))
-
-
-def _resize_from(ev: Mapping[str, Any], t: float | None) -> ResizeInfo:
-    cause = ev.get("cause")
-    return ResizeInfo(
-        kind="resize",
-        time=t,
-        old_world_size=_as_int(ev.get("old_world_size")),
-        new_world_size=_as_int(ev.get("new_world_size")),
-        cause=cause if isinstance(cause, str) else "",
-        generation=_as_int(ev.get("generation")),
-        snapshot_step=_as_int(ev.get("snapshot_step")),
-        steps_rolled_back=_as_int(ev.get("steps_rolled_back")),
-        failure_time=_as_float(ev.get("failure_time")),
-        resume_s=_as_float(ev.get("resume_s")),
-    )
+        )
+        if ev.new_world_size is None:
+            return
+        self.world_size = ev.new_world_size
+        since = ev.failure_time if ev.failure_time is not None else t
+        if self.world_sizes and since is not None:
+            # A change never draws before the previous one (clocks, unknown times).
+            last = self.world_sizes[-1].time
+            since = since if last is None else max(since, last)
+        self.world_sizes.append(WorldSizeChange(since, ev.new_world_size, "resize"))
 
 
 def elastic_history(
-    events: Iterable[Mapping[str, Any]],
+    events: Iterable[Mapping[str, Any] | EventRecord],
 ) -> tuple[list[ResizeInfo], list[WorldSizeChange]]:
     """An elastic run's resizes and its world size over time, from its events.
 
     Args:
-        events: Parsed ``events.jsonl`` lines, in file order (other types are ignored).
+        events: ``events.jsonl``'s records (or its parsed lines), in file order (other kinds are
+            ignored).
 
     Returns:
         ``(resizes, world_sizes)``: every ``resize`` and ``resize_fallback`` event in file order,
         and one :class:`WorldSizeChange` per ``run_start`` and per ``resize`` (its last entry
         is the current world size). Both are empty for events with neither.
     """
-    digest = _EventDigest()
+    digest = EventDigest()
     for ev in events:
-        digest.add(ev)
+        record = ev if isinstance(ev, EventRecord) else parse_event(ev)
+        if record is not None:
+            digest.add(record)
     return digest.resizes, digest.world_sizes
 
 
@@ -362,139 +297,85 @@ def worker_range(config: Mapping[str, Any] | None) -> tuple[int, int] | None:
         ``scaling_config.num_workers`` when it is a ``[min, max]`` pair of ints; None for a
         fixed world size or when unknown.
     """
-    n = _as_dict((config or {}).get("scaling_config")).get("num_workers")
-    if isinstance(n, (list, tuple)) and len(n) == 2:
-        lo, hi = _as_int(n[0]), _as_int(n[1])
-        if lo is not None and hi is not None:
-            return lo, hi
-    return None
+    record = ConfigRecord.from_json(config or {})
+    return None if record is None else record.worker_range()
 
 
-def _digest_events(events: list[dict[str, Any]], skipped: int) -> _EventDigest:
-    digest = _EventDigest(skipped=skipped)
-    for ev in events:
-        digest.add(ev)
-    return digest
-
-
-def _failure_from(obj: Mapping[str, Any], t: float | None) -> FailureInfo:
-    tb = obj.get("traceback")
-    return FailureInfo(
-        rank=_as_int(obj.get("rank")),
-        kind=str(obj.get("kind") or "unknown"),
-        message=str(obj.get("message") or ""),
-        traceback=tb if isinstance(tb, str) and tb else None,
-        time=t,
-        follow_on=obj.get("follow_on") is True,
-    )
-
-
-def _checkpoint_size(fs: Any, path: str, files: Mapping[str, Any]) -> int:
-    sizes = [_as_int(v.get("size")) if isinstance(v, dict) else None for v in files.values()]
-    if files and all(s is not None for s in sizes):
-        return sum(s for s in sizes if s is not None)
-    try:
-        total = fs.du(path, total=True)
-    except (OSError, ValueError):
-        return 0
-    return int(total) if isinstance(total, (int, float)) else 0
-
-
-def _list_checkpoints(
-    fs: Any, fs_run_dir: str, run_dir: str, entries: list[dict[str, Any]]
-) -> list[CheckpointInfo]:
-    checkpoints: list[CheckpointInfo] = []
-    for entry in entries:
-        if entry.get("type") != "directory":
-            continue
-        name = _basename(str(entry["name"]))
-        match = _CHECKPOINT_RE.match(name)
-        if match is None:
-            continue
-        fs_path = _join_fs(fs_run_dir, name)
-        manifest = _read_json(fs, _join_fs(fs_path, MANIFEST_FILE))
-        if manifest is None:
-            continue  # no valid manifest: the checkpoint does not exist
-        rnd = _as_int(manifest.get("round"))
-        files = _as_dict(manifest.get("files"))
-        checkpoints.append(
-            CheckpointInfo(
-                name=name,
-                path=_join_user(run_dir, name),
-                round=rnd if rnd is not None else int(match.group(1)),
-                metrics=_as_dict(manifest.get("metrics")),
-                size_bytes=_checkpoint_size(fs, fs_path, files),
-                created=_as_float(manifest.get("created")),
-                files=files,
-            )
-        )
-    checkpoints.sort(key=lambda c: (c.round, c.name))
-    return checkpoints
-
-
-def _summarize(
-    name: str,
-    run_dir: str,
-    config: dict[str, Any] | None,
-    result: dict[str, Any] | None,
-    local: bool,
-    num_checkpoints: int,
-    digest: _EventDigest | None,
-    now: float,
-) -> RunSummary:
-    cfg = config or {}
-    res = result or {}
-    file_status = res.get("status")
-    file_status = file_status.upper() if isinstance(file_status, str) and file_status else None
-
+def _status(
+    result: ResultRecord | None, local: bool, digest: EventDigest | None
+) -> tuple[str, str | None]:
+    """The run's status, and the one ``result.json`` says (upper case; None if unknown)."""
+    file_status = result.status.upper() if result is not None and result.status else None
     if result is None or file_status is None:
-        status = "UNKNOWN"
-    elif file_status == "RUNNING" and digest is not None and digest.end_status:
+        return "UNKNOWN", None
+    if file_status == "RUNNING" and digest is not None and digest.end_status:
         # The driver logged the end but died before rewriting result.json.
-        status = digest.end_status
-    elif file_status == "RUNNING" and local and _driver_gone(res):
-        status = "ABORTED"
-    else:
-        status = file_status
+        return digest.end_status, file_status
+    if file_status == "RUNNING" and local and _driver_gone(result):
+        return "ABORTED", file_status
+    return file_status, file_status
 
-    start_time = _as_float(res.get("start_time"))
-    if start_time is None:
-        start_time = _as_float(cfg.get("created"))
-    if start_time is None and digest is not None:
-        start_time = digest.first_time
 
-    duration: float | None = None
+def _duration(
+    status: str,
+    file_status: str | None,
+    start_time: float | None,
+    res: ResultRecord,
+    digest: EventDigest | None,
+    now: float,
+) -> float | None:
     if status == "RUNNING":
-        duration = None if start_time is None else max(0.0, now - start_time)
-    elif file_status != "RUNNING":
-        duration = _as_float(res.get("duration_s"))
-        end_time = _as_float(res.get("end_time"))
-        if duration is None and end_time is not None and start_time is not None:
-            duration = max(0.0, end_time - start_time)
-    if duration is None and status != "RUNNING" and digest is not None:
+        return None if start_time is None else max(0.0, now - start_time)
+    duration: float | None = None
+    if file_status != "RUNNING":
+        duration = res.duration_s
+        if duration is None and res.end_time is not None and start_time is not None:
+            duration = max(0.0, res.end_time - start_time)
+    if duration is None and digest is not None:
         if digest.end_duration_s is not None:
             duration = digest.end_duration_s
         elif digest.last_time is not None and start_time is not None:
             duration = max(0.0, digest.last_time - start_time)
-    if duration is None and status != "RUNNING":
+    if duration is None:
         # A dead run's last result.json: its duration is how long it had run when written.
-        duration = _as_float(res.get("duration_s"))
+        duration = res.duration_s
+    return duration
+
+
+def summarize(
+    name: str,
+    run_dir: str,
+    config: Mapping[str, Any] | None,
+    result: Mapping[str, Any] | None,
+    local: bool,
+    num_checkpoints: int,
+    digest: EventDigest | None,
+    now: float,
+) -> RunSummary:
+    """A run's ``ringtrain ls`` line from its parsed ``config.json`` and ``result.json`` (None
+    when unreadable) and, when they were read, its events' digest."""
+    cfg = ConfigRecord.from_json(config or {}) or ConfigRecord()
+    record = ResultRecord.from_json(result) if result is not None else None
+    res = record or ResultRecord()
+    status, file_status = _status(record, local, digest)
+
+    start_time = res.start_time if res.start_time is not None else cfg.created
+    if start_time is None and digest is not None:
+        start_time = digest.first_time
+    duration = _duration(status, file_status, start_time, res, digest, now)
 
     # The events know the current world size (an elastic run resizes; a running run's
     # result.json is rewritten only now and then); else result.json, else the configuration.
     world_size = digest.world_size if digest is not None else None
     if world_size is None:
-        world_size = _as_int(res.get("world_size"))
-    if world_size is None:
-        world_size = _as_int(_as_dict(cfg.get("scaling_config")).get("num_workers"))
+        world_size = res.world_size if res.world_size is not None else cfg.num_workers()
 
-    metrics = _as_dict(res.get("metrics"))
-    if digest is not None and digest.rounds and (not metrics or file_status == "RUNNING"):
-        metrics = dict(digest.rounds[max(digest.rounds)].metrics)
-
-    rounds = _as_int(res.get("rounds"))
-    if digest is not None and digest.rounds and (rounds is None or file_status == "RUNNING"):
-        rounds = max(digest.rounds) + 1
+    metrics, rounds = dict(res.metrics), res.rounds
+    if digest is not None and digest.rounds:
+        if not metrics or file_status == "RUNNING":
+            metrics = dict(digest.rounds[max(digest.rounds)].metrics)
+        if rounds is None or file_status == "RUNNING":
+            rounds = max(digest.rounds) + 1
 
     return RunSummary(
         name=name,
@@ -506,8 +387,19 @@ def _summarize(
         metrics=metrics,
         num_checkpoints=num_checkpoints,
         rounds=rounds,
-        error=_error_text(res.get("error")),
+        error=_error_text(res.error),
     )
+
+
+@dataclass
+class _Run:
+    """What one read of a run directory found."""
+
+    summary: RunSummary
+    config: dict[str, Any] | None
+    result: dict[str, Any] | None
+    digest: EventDigest | None
+    checkpoints: list[CheckpointInfo]
 
 
 def _read_run(
@@ -518,38 +410,27 @@ def _read_run(
     *,
     need_events: bool,
     now: float,
-) -> tuple[
-    RunSummary,
-    dict[str, Any] | None,
-    dict[str, Any] | None,
-    _EventDigest | None,
-    list[CheckpointInfo],
-]:
-    files = {_basename(str(e["name"])) for e in entries if e.get("type") == "file"}
-    config = _read_json(fs, _join_fs(fs_run_dir, CONFIG_FILE)) if CONFIG_FILE in files else None
-    result = _read_json(fs, _join_fs(fs_run_dir, RESULT_FILE)) if RESULT_FILE in files else None
-    checkpoints = _list_checkpoints(fs, fs_run_dir, run_dir, entries)
+) -> _Run:
+    files = file_names(entries)
+    config = read_json(fs, join_fs(fs_run_dir, CONFIG_FILE)) if CONFIG_FILE in files else None
+    result = read_json(fs, join_fs(fs_run_dir, RESULT_FILE)) if RESULT_FILE in files else None
+    checkpoints = list_checkpoints(fs, fs_run_dir, run_dir, entries)
 
-    status = result.get("status") if result else None
     if not need_events:
         # ``ls`` reads events only for runs that result.json does not describe completely.
-        need_events = status not in TERMINAL_STATUSES or not _as_dict((result or {}).get("metrics"))
-    digest: _EventDigest | None = None
+        record = ResultRecord.from_json(result or {}) or ResultRecord()
+        need_events = record.status not in TERMINAL_STATUSES or not record.metrics
+    digest: EventDigest | None = None
     if need_events and EVENTS_FILE in files:
-        events, skipped = _read_events(fs, _join_fs(fs_run_dir, EVENTS_FILE))
-        digest = _digest_events(events, skipped)
+        events, skipped = read_events(fs, join_fs(fs_run_dir, EVENTS_FILE))
+        digest = EventDigest(skipped=skipped)
+        for ev in events:
+            digest.add(ev)
 
-    summary = _summarize(
-        _basename(fs_run_dir),
-        run_dir,
-        config,
-        result,
-        _is_local(fs),
-        len(checkpoints),
-        digest,
-        now,
+    summary = summarize(
+        basename(fs_run_dir), run_dir, config, result, is_local(fs), len(checkpoints), digest, now
     )
-    return summary, config, result, digest, checkpoints
+    return _Run(summary, config, result, digest, checkpoints)
 
 
 def list_runs(storage_path: str) -> list[RunSummary]:
@@ -570,26 +451,25 @@ def list_runs(storage_path: str) -> list[RunSummary]:
         FileNotFoundError: The storage path does not exist or is not a directory.
     """
     fs, fs_root = url_to_fs(storage_path)
-    _invalidate(fs)
+    invalidate(fs)
     if not fs.exists(fs_root):
         raise FileNotFoundError(f"storage path {storage_path!r} does not exist: no runs there")
     if not fs.isdir(fs_root):
         raise FileNotFoundError(f"storage path {storage_path!r} is a file, not a directory of runs")
     now = time.time()
     runs: list[RunSummary] = []
-    for entry in sorted(_ls(fs, fs_root), key=lambda e: str(e["name"])):
+    for entry in sorted(ls(fs, fs_root), key=lambda e: str(e["name"])):
         if entry.get("type") != "directory":
             continue
-        name = _basename(str(entry["name"]))
-        fs_run_dir = _join_fs(fs_root, name)
-        entries = _ls(fs, fs_run_dir)
-        names = {_basename(str(e["name"])) for e in entries if e.get("type") == "file"}
-        if CONFIG_FILE not in names and RESULT_FILE not in names:
+        name = basename(str(entry["name"]))
+        fs_run_dir = join_fs(fs_root, name)
+        entries = ls(fs, fs_run_dir)
+        if not file_names(entries) & {CONFIG_FILE, RESULT_FILE}:
             continue
-        summary, *_ = _read_run(
-            fs, fs_run_dir, _join_user(storage_path, name), entries, need_events=False, now=now
+        run = _read_run(
+            fs, fs_run_dir, join_user(storage_path, name), entries, need_events=False, now=now
         )
-        runs.append(summary)
+        runs.append(run.summary)
     runs.sort(key=lambda r: (r.start_time is not None, r.start_time or 0.0, r.name))
     return runs
 
@@ -609,34 +489,27 @@ def load_run(run_dir: str) -> RunDetails:
             ``result.json`` or ``events.jsonl``.
     """
     fs, fs_run_dir = url_to_fs(run_dir)
-    _invalidate(fs)
+    invalidate(fs)
     if not fs.isdir(fs_run_dir):
         raise FileNotFoundError(f"run directory {run_dir!r} does not exist")
-    entries = _ls(fs, fs_run_dir)
-    names = {_basename(str(e["name"])) for e in entries if e.get("type") == "file"}
-    if not names & {CONFIG_FILE, RESULT_FILE, EVENTS_FILE}:
+    entries = ls(fs, fs_run_dir)
+    if not file_names(entries) & {CONFIG_FILE, RESULT_FILE, EVENTS_FILE}:
         raise FileNotFoundError(
             f"{run_dir!r} is not a ringtrain run directory "
             f"(no {CONFIG_FILE}, {RESULT_FILE} or {EVENTS_FILE})"
         )
-    summary, config, result, digest, checkpoints = _read_run(
-        fs, fs_run_dir, run_dir, entries, need_events=True, now=time.time()
-    )
-    digest = digest or _EventDigest()
+    run = _read_run(fs, fs_run_dir, run_dir, entries, need_events=True, now=time.time())
+    digest = run.digest or EventDigest()
     failures = list(digest.failures)
-    if not failures and result is not None and isinstance(result.get("failures"), list):
-        failures = [
-            _failure_from(f, _as_float(f.get("time")))
-            for f in result["failures"]
-            if isinstance(f, dict)
-        ]
+    if not failures and run.result is not None:
+        failures = _result_failures(ResultRecord.from_json(run.result) or ResultRecord())
     return RunDetails(
-        summary=summary,
-        config=config,
-        result=result,
+        summary=run.summary,
+        config=run.config,
+        result=run.result,
         rounds=[digest.rounds[r] for r in sorted(digest.rounds)],
         rank_metrics={r: digest.rank_metrics[r] for r in sorted(digest.rank_metrics)},
-        checkpoints=checkpoints,
+        checkpoints=run.checkpoints,
         failures=failures,
         resizes=list(digest.resizes),
         world_sizes=list(digest.world_sizes),
@@ -644,7 +517,7 @@ def load_run(run_dir: str) -> RunDetails:
     )
 
 
-def _invalidate(fs: Any) -> None:
-    """Drops cached listings, so a run that is still being written is read as it is now."""
-    with contextlib.suppress(Exception):  # best effort
-        fs.invalidate_cache()
+def result_failures(result: Mapping[str, Any] | None) -> list[FailureInfo]:
+    """The failures listed in a parsed ``result.json`` (for runs whose events have none)."""
+    record = ResultRecord.from_json(result) if result is not None else None
+    return [] if record is None else _result_failures(record)

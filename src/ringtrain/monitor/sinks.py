@@ -30,6 +30,7 @@ import fsspec
 from ringtrain.checkpoint.storage import is_local_fs, join
 from ringtrain.config import MonitorConfig
 from ringtrain.rundir import RunDirectory
+from ringtrain.rundir.schema import METRICS_CSV_FILE, TENSORBOARD_DIR, TIMING_CSV_FILE
 
 __all__ = ["TIMING_FIELDS", "CSVCallback", "TensorBoardCallback", "default_sinks"]
 
@@ -321,8 +322,8 @@ class CSVCallback:
         ValueError: if ``directory`` is empty.
     """
 
-    METRICS_FILE = "metrics.csv"
-    TIMING_FILE = "timing.csv"
+    METRICS_FILE = METRICS_CSV_FILE
+    TIMING_FILE = TIMING_CSV_FILE
 
     def __init__(self, directory: str) -> None:
         self._staging = _Staging(directory, "csv")
@@ -391,7 +392,7 @@ def default_sinks(run_dir: RunDirectory, config: MonitorConfig) -> list[object]:
     """
     sinks: list[object] = []
     if config.tensorboard:
-        sinks.append(TensorBoardCallback(join(run_dir.fs, run_dir.uri, "tensorboard")))
+        sinks.append(TensorBoardCallback(join(run_dir.fs, run_dir.uri, TENSORBOARD_DIR)))
     if config.csv:
         sinks.append(CSVCallback(run_dir.uri))
     return sinks

@@ -18,18 +18,18 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
-from ringtrain.monitor.runs import (
-    RunSummary,
-    _as_float,
-    _as_int,
-    _basename,
-    _invalidate,
-    _is_local,
-    _join_fs,
-    _join_user,
-    _ls,
-    _read_json,
-    list_runs,
+from ringtrain.monitor.records import RunSummary
+from ringtrain.monitor.runs import list_runs
+from ringtrain.monitor.storage import (
+    as_float,
+    as_int,
+    basename,
+    invalidate,
+    is_local,
+    join_fs,
+    join_user,
+    ls,
+    read_json,
 )
 
 __all__ = ["SweepSummary", "list_sweeps"]
@@ -111,7 +111,7 @@ def _study_counts(path: str) -> tuple[dict[str, int], int | None, dict[int, floa
         ).fetchone()
         if row is not None:
             with contextlib.suppress(ValueError, TypeError):
-                total = _as_int(json.loads(row[0]))
+                total = as_int(json.loads(row[0]))
         values: dict[int, float] = {}
         query = (
             "SELECT t.number, v.value FROM trials t JOIN trial_values v "
@@ -127,6 +127,25 @@ def _study_counts(path: str) -> tuple[dict[str, int], int | None, dict[int, floa
         con.close()
 
 
+def _trial_counts(trials: list[RunSummary], metric: str) -> tuple[dict[str, int], dict[int, float]]:
+    """Trials per outcome (from their ``result.json``) and the final ``metric`` of each
+    completed one, by trial number."""
+    counts = {"completed": 0, "pruned": 0, "failed": 0, "running": 0}
+    values: dict[int, float] = {}
+    for t in trials:
+        if t.status == "RUNNING":
+            counts["running"] += 1
+        elif t.status in ("ABORTED", "UNKNOWN"):
+            counts["failed"] += 1
+        elif t.status in _TRIAL_STATES:
+            counts[_TRIAL_STATES[t.status]] += 1
+        value = as_float(t.metrics.get(metric))
+        number = as_int(t.name.removeprefix("trial_"))
+        if t.status == "FINISHED" and value is not None and number is not None:
+            values[number] = value
+    return counts, values
+
+
 def _read_sweep(fs: Any, fs_dir: str, path: str, tuner: dict[str, Any], now: float) -> SweepSummary:
     metric = str(tuner.get("metric") or "")
     mode = "min" if tuner.get("mode") == "min" else "max"
@@ -138,22 +157,10 @@ def _read_sweep(fs: Any, fs_dir: str, path: str, tuner: dict[str, Any], now: flo
         trials = [r for r in list_runs(path) if r.name.startswith("trial_")]
     except FileNotFoundError:
         trials = []
-    counts = {"completed": 0, "pruned": 0, "failed": 0, "running": 0}
-    values: dict[int, float] = {}
-    for t in trials:
-        if t.status == "RUNNING":
-            counts["running"] += 1
-        elif t.status in ("ABORTED", "UNKNOWN"):
-            counts["failed"] += 1
-        elif t.status in _TRIAL_STATES:
-            counts[_TRIAL_STATES[t.status]] += 1
-        value = _as_float(t.metrics.get(metric))
-        number = _as_int(t.name.removeprefix("trial_"))
-        if t.status == "FINISHED" and value is not None and number is not None:
-            values[number] = value
+    counts, values = _trial_counts(trials, metric)
     total = None
-    study = _join_fs(fs_dir, STUDY_FILE)
-    if _is_local(fs) and fs.exists(study):
+    study = join_fs(fs_dir, STUDY_FILE)
+    if is_local(fs) and fs.exists(study):
         read = _study_counts(study)
         if read is not None:
             states, total, study_values = read
@@ -165,7 +172,7 @@ def _read_sweep(fs: Any, fs_dir: str, path: str, tuner: dict[str, Any], now: flo
     if total is None:
         tune_config = tuner.get("tune_config")
         if isinstance(tune_config, dict):
-            total = _as_int(tune_config.get("num_samples"))
+            total = as_int(tune_config.get("num_samples"))
     done = counts["completed"] + counts["pruned"] + counts["failed"]
     alive = any(t.status == "RUNNING" for t in trials)
     if alive:
@@ -174,7 +181,7 @@ def _read_sweep(fs: Any, fs_dir: str, path: str, tuner: dict[str, Any], now: flo
         status = "FINISHED"
     else:
         status = "ABORTED"
-    start = _as_float(tuner.get("created"))
+    start = as_float(tuner.get("created"))
     ends = [
         t.start_time + t.duration_s
         for t in trials
@@ -189,7 +196,7 @@ def _read_sweep(fs: Any, fs_dir: str, path: str, tuner: dict[str, Any], now: flo
         best_trial = pick(values, key=lambda n: values[n])
         best = values[best_trial]
     return SweepSummary(
-        name=_basename(fs_dir),
+        name=basename(fs_dir),
         path=path,
         status=status,
         start_time=start,
@@ -197,7 +204,7 @@ def _read_sweep(fs: Any, fs_dir: str, path: str, tuner: dict[str, Any], now: flo
         metric=metric,
         mode=mode,
         total=total,
-        world_size=_as_int(workers),
+        world_size=as_int(workers),
         best=best,
         best_trial=best_trial,
         trials=tuple(trials),
@@ -220,16 +227,16 @@ def list_sweeps(storage_path: str, now: float | None = None) -> list[SweepSummar
 
     now = time.time() if now is None else now
     fs, fs_root = url_to_fs(storage_path)
-    _invalidate(fs)
+    invalidate(fs)
     sweeps: list[SweepSummary] = []
-    for entry in sorted(_ls(fs, fs_root), key=lambda e: str(e["name"])):
+    for entry in sorted(ls(fs, fs_root), key=lambda e: str(e["name"])):
         if entry.get("type") != "directory":
             continue
-        name = _basename(str(entry["name"]))
-        fs_dir = _join_fs(fs_root, name)
-        tuner = _read_json(fs, _join_fs(fs_dir, TUNER_FILE))
+        name = basename(str(entry["name"]))
+        fs_dir = join_fs(fs_root, name)
+        tuner = read_json(fs, join_fs(fs_dir, TUNER_FILE))
         if tuner is None or tuner.get("kind", "sweep") != "sweep":
             continue
-        sweeps.append(_read_sweep(fs, fs_dir, _join_user(storage_path, name), tuner, now))
+        sweeps.append(_read_sweep(fs, fs_dir, join_user(storage_path, name), tuner, now))
     sweeps.sort(key=lambda s: (s.start_time is not None, s.start_time or 0.0, s.name))
     return sweeps

@@ -10,6 +10,7 @@ from typing import Any
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
+from ringtrain.rundir.schema import RESULT_FILE, ReportEvent
 from ringtrain.tune.progress import TrialRow
 
 _MODES = ("max", "min")
@@ -147,17 +148,11 @@ def _result_from_dir(sweep: RunDirectory, dir_name: str, config: dict[str, Any])
     from ringtrain.result import TrainingFailedError, WorkerFailure
 
     run = RunDirectory(sweep.uri, dir_name)
-    raw = run.read_bytes("result.json")
+    raw = run.read_bytes(RESULT_FILE)
     info = json.loads(raw) if raw else {}
-    history: dict[int, dict[str, Any]] = {}
-    events = run.read_bytes("events.jsonl") or b""
-    for line in events.splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a killed driver
-        if ev.get("type") == "report" and ev.get("rank") == 0:
-            history[int(ev.get("round", 0))] = ev.get("metrics") or {}
+    history = {
+        ev.round: ev.metrics for ev in run.events() if isinstance(ev, ReportEvent) and ev.rank == 0
+    }
     failures = [WorkerFailure(**f) for f in info.get("failures") or []]
     error = None
     if info.get("status") == "ERRORED" and failures:

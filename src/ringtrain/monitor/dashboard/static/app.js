@@ -655,7 +655,6 @@
       case "resume": return `attempt ${e.attempt ?? "?"} resumes from ${e.checkpoint || "the start"}`;
       case "failure": return `rank ${e.rank ?? "?"} ${e.kind || "failed"}: ${e.message || ""}`;
       case "decision": return `${e.decision || "?"}: ${e.reason || ""}`;
-      case "hang": return e.message || `rank ${e.rank ?? "?"} made no progress`;
       case "checkpoint": return `${e.path || "checkpoint"} (round ${e.round ?? "?"}) ${fmtMetrics(e.metrics, 6)}`;
       case "checkpoint_deleted": return `${e.path || ""} ${e.reason ? "(" + e.reason + ")" : ""}`;
       case "checkpoint_failed": return `round ${e.round ?? "?"}: ${[].concat(e.errors || []).join("; ")}`;

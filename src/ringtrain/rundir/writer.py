@@ -1,15 +1,17 @@
-"""Writing the run directory (layout documented in docs/run-directory.md)."""
+"""The one writer of the run directory (layout and schema: docs/run-directory.md and
+:mod:`ringtrain.rundir.schema`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any
 
 import fsspec
 
 from ringtrain.checkpoint.storage import is_local_fs, join
+from ringtrain.rundir.reader import read_events
+from ringtrain.rundir.schema import EVENTS_FILE, RESULT_FILE, EventRecord, ResultRecord
 
 
 def _json(obj: Any) -> str:
@@ -45,6 +47,10 @@ class RunDirectory:
         """Write ``obj`` to ``filename`` atomically on local disks (temp file + rename)."""
         self.write_bytes(filename, json.dumps(obj, indent=2, default=repr, allow_nan=True).encode())
 
+    def write_result(self, record: ResultRecord) -> None:
+        """Rewrite ``result.json`` atomically on local disks."""
+        self.write_json(RESULT_FILE, record.to_json())
+
     def write_bytes(self, filename: str, data: bytes) -> None:
         """Write ``data`` to ``filename`` atomically on local disks (temp file + rename)."""
         target = join(self.fs, self.path, filename)
@@ -67,12 +73,18 @@ class RunDirectory:
         except FileNotFoundError:
             return None
 
-    def event(self, type_: str, **fields: Any) -> None:
-        """Append one line to ``events.jsonl``."""
-        line = _json({"type": type_, "time": time.time(), **fields}) + "\n"
+    def events(self) -> list[EventRecord]:
+        """The records of ``events.jsonl`` written so far (unreadable lines and kinds this
+        version does not know skipped); empty when there is none."""
+        self.flush()
+        return read_events(self.fs, join(self.fs, self.path, EVENTS_FILE))[0]
+
+    def write(self, record: EventRecord) -> None:
+        """Append ``record`` as one line of ``events.jsonl`` (flushed at once on local disks)."""
+        line = _json(record.to_json()) + "\n"
         if self.is_local:
             if self._events is None:
-                self._events = open(join(self.fs, self.path, "events.jsonl"), "a")  # noqa: SIM115
+                self._events = open(join(self.fs, self.path, EVENTS_FILE), "a")  # noqa: SIM115
             self._events.write(line)
             self._events.flush()
         else:
@@ -85,7 +97,7 @@ class RunDirectory:
                 self._events.flush()
             return
         if self._buffer:
-            target = join(self.fs, self.path, "events.jsonl")
+            target = join(self.fs, self.path, EVENTS_FILE)
             previous = self.fs.cat_file(target).decode() if self.fs.exists(target) else ""
             with self.fs.open(target, "w") as f:
                 f.write(previous + "".join(self._buffer))

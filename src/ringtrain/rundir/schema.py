@@ -1,0 +1,514 @@
+"""The run directory's schema: its file names, one frozen dataclass per ``events.jsonl`` event
+kind, and the ``config.json`` and ``result.json`` records (docs/run-directory.md).
+
+Every record turns into the JSON object written today with :meth:`Record.to_json` (same keys, same
+order) and back with :meth:`Record.from_json`, which is lenient: a field that is missing or of the
+wrong type in an older run's file takes its default (most fields default to None), and only a
+record missing a field it cannot do without (a report's ``rank``, say) is refused (None). Event
+kinds this version does not know are skipped by :func:`parse_event`, so an older ``ringtrain``
+reads a newer run.
+
+No torch here: the driver, ``ringtrain ls``/``show``, the dashboard and sweeps import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from time import time as _now
+from typing import Any, ClassVar, TypeVar, Union
+
+__all__ = [
+    "CONFIG_FILE",
+    "EVENTS_FILE",
+    "EVENT_TYPES",
+    "MANIFEST_FILE",
+    "METRICS_CSV_FILE",
+    "PAYLOAD_FILE",
+    "RESULT_FILE",
+    "RUN_FILES",
+    "TENSORBOARD_DIR",
+    "TERMINAL_STATUSES",
+    "TIMING_CSV_FILE",
+    "CheckpointDeletedEvent",
+    "CheckpointEvent",
+    "CheckpointFailedEvent",
+    "CheckpointInvalidEvent",
+    "ConfigRecord",
+    "DecisionEvent",
+    "EventRecord",
+    "FailureEvent",
+    "GrowFailedEvent",
+    "GrowStartEvent",
+    "Record",
+    "ReportEvent",
+    "ResizeEvent",
+    "ResizeFallbackEvent",
+    "ResultRecord",
+    "ResumeEvent",
+    "RunEndEvent",
+    "RunStartEvent",
+    "StopRequestedEvent",
+    "StragglerClearedEvent",
+    "StragglerEvent",
+    "TimingEvent",
+    "TransitionEvent",
+    "parse_event",
+]
+
+# ------------------------------------------------------------------------------ file names
+CONFIG_FILE = "config.json"
+"""The resolved configuration, written before any worker starts (:class:`ConfigRecord`)."""
+PAYLOAD_FILE = "payload.pkl"
+"""The pickled train function and its config, for ``Trainer.restore``."""
+EVENTS_FILE = "events.jsonl"
+"""One JSON object per line (an :class:`EventRecord`), appended as the run goes."""
+RESULT_FILE = "result.json"
+"""The outcome (:class:`ResultRecord`), rewritten at start (status RUNNING) and at the end."""
+MANIFEST_FILE = "manifest.json"
+"""In each ``checkpoint_NNNNNN/``: the checkpoint's files, sizes and checksums."""
+METRICS_CSV_FILE = "metrics.csv"
+"""One row per completed round, rank 0's metrics (``MonitorConfig.csv``)."""
+TIMING_CSV_FILE = "timing.csv"
+"""One row per timing window of each rank (``MonitorConfig.csv``)."""
+TENSORBOARD_DIR = "tensorboard"
+"""TensorBoard event files (``MonitorConfig.tensorboard``)."""
+RUN_FILES = frozenset({CONFIG_FILE, EVENTS_FILE, RESULT_FILE})
+"""A directory holding any of these is a run directory."""
+TERMINAL_STATUSES = frozenset({"FINISHED", "ERRORED", "ABORTED", "STOPPED", "PREEMPTED"})
+"""Statuses a run can end with; ``RUNNING`` and ``UNKNOWN`` (no readable result) are the others."""
+
+R = TypeVar("R", bound="Record")
+_MISSING = object()
+
+
+def _key(f: dataclasses.Field[Any]) -> str:
+    """A field's JSON key: its name, or ``metadata["key"]`` (``from`` is a Python keyword)."""
+    return str(f.metadata.get("key", f.name))
+
+
+def _coerce(tp: Any, value: Any) -> Any:
+    """``value`` as type ``tp``, or ``_MISSING`` when it is not one (ints where floats are
+    expected are fine; a digit string is an int; ``bool`` is never a number)."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for arg in typing.get_args(tp):
+            if arg is not type(None) and (found := _coerce(arg, value)) is not _MISSING:
+                return found
+        return _MISSING
+    if isinstance(value, bool):
+        return value if tp is bool else _MISSING
+    if tp is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        return _MISSING
+    if tp is float:
+        ok = isinstance(value, int | float) and math.isfinite(value)
+        return float(value) if ok else _MISSING
+    base = origin or tp
+    if base in (dict, list, str):
+        return base(value) if isinstance(value, base) else _MISSING
+    return _MISSING
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """A JSON object of the run directory, typed. Subclasses are frozen dataclasses; a field's
+    ``metadata`` may hold ``key`` (its JSON key when not its name) and ``omit_none`` (left out of
+    the JSON when None: keys that only some writers add)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to the run directory (keys in field order)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.metadata.get("omit_none"):
+                continue
+            out[_key(f)] = value
+        return out
+
+    @classmethod
+    def from_json(cls: type[R], obj: Mapping[str, Any]) -> R | None:
+        """The record in ``obj`` (as parsed from the file), or None when a field without a
+        default is missing or of the wrong type. Unknown keys are ignored."""
+        hints = _hints(cls)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            raw = obj.get(_key(f), _MISSING)
+            value = _MISSING if raw is _MISSING else _coerce(hints[f.name], raw)
+            if value is not _MISSING:
+                values[f.name] = value
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                return None
+            elif f.name == "time":
+                values[f.name] = None  # an event's time is never made up when reading
+        return cls(**values)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    found = _HINTS.get(cls)
+    if found is None:
+        found = _HINTS[cls] = typing.get_type_hints(cls)
+    return found
+
+
+# ------------------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True, kw_only=True)
+class EventRecord(Record):
+    """One line of ``events.jsonl``: ``{"type": KIND, "time": ..., **fields}``.
+
+    Attributes:
+        time: When it happened, Unix time in seconds (now, unless given); None when read from a
+            line without one.
+    """
+
+    KIND: ClassVar[str] = ""
+    time: float | None = field(default_factory=_now)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.KIND, **super().to_json()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStartEvent(EventRecord):
+    """A worker group was started: ``world_size`` workers, restart ``attempt`` (0: the first)."""
+
+    KIND: ClassVar[str] = "run_start"
+    world_size: int | None = None
+    attempt: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportEvent(EventRecord):
+    """One ``report()`` of one rank: ``round`` (0-based index of its report calls), its
+    ``metrics``, and ``checkpoint`` (bool: this rank attached files)."""
+
+    KIND: ClassVar[str] = "report"
+    rank: int
+    round: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+    checkpoint: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingEvent(EventRecord):
+    """A window of step timings of ``rank`` in ``attempt``. The ``window``'s fields (``steps``,
+    ``step``, ``step_s``, ..., docs/monitoring.md) are written at the top level of the line;
+    a reader also accepts them nested under ``"window"``."""
+
+    KIND: ClassVar[str] = "timing"
+    rank: int
+    attempt: int | None = None
+    window: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        head = {"type": self.KIND, "time": self.time, "rank": self.rank, "attempt": self.attempt}
+        return head | {k: v for k, v in self.window.items() if k not in _TIMING_KEYS}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> TimingEvent | None:
+        base = super().from_json(obj)
+        if base is None:
+            return None
+        nested = obj.get("window")
+        source = nested if isinstance(nested, dict) else obj
+        window = {k: v for k, v in source.items() if k not in _TIMING_KEYS}
+        return dataclasses.replace(base, window=window)
+
+
+_TIMING_KEYS = frozenset({"type", "time", "rank", "attempt", "window"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerEvent(EventRecord):
+    """``rank`` was flagged as a straggler: ``busy_s`` against the other ranks' ``median_s``
+    (seconds per step), ``ratio``, ``reason`` (``data`` / ``compute`` / ``optimizer`` /
+    ``other``), ``message``."""
+
+    KIND: ClassVar[str] = "straggler"
+    rank: int
+    attempt: int | None = None
+    busy_s: float | None = None
+    median_s: float | None = None
+    ratio: float | None = None
+    reason: str | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerClearedEvent(EventRecord):
+    """``rank`` is no longer a straggler."""
+
+    KIND: ClassVar[str] = "straggler_cleared"
+    rank: int
+    attempt: int | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureEvent(EventRecord):
+    """A worker failed: ``kind`` (``exception`` / ``signal`` / ``exit`` / ``hang``), ``message``,
+    ``traceback`` (or None), ``attempt``, ``follow_on`` (a peer's error caused by another
+    rank's failure, counted apart)."""
+
+    KIND: ClassVar[str] = "failure"
+    rank: int | None = None
+    kind: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    attempt: int | None = None
+    follow_on: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecisionEvent(EventRecord):
+    """The FailurePolicy's ``decision`` (``restart`` / ``raise``) and its ``reason``."""
+
+    KIND: ClassVar[str] = "decision"
+    decision: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransitionEvent(EventRecord):
+    """The controller's state machine went ``from_`` (JSON key ``from``) ``to`` another state
+    (``STARTING``, ``RUNNING``, ``GROWING``, ``RESIZING``, ``RESTARTING``, ``PREEMPTING``,
+    ``FINISHED``, ``ERRORED``, ``ABORTED``, ``STOPPED``, ``PREEMPTED``), for ``reason``."""
+
+    KIND: ClassVar[str] = "transition"
+    from_: str | None = field(default=None, metadata={"key": "from"})
+    to: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopRequestedEvent(EventRecord):
+    """The run was asked to stop early after ``round`` (the last round every rank reported)."""
+
+    KIND: ClassVar[str] = "stop_requested"
+    round: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeEvent(EventRecord):
+    """Restart ``attempt``'s workers restore ``checkpoint`` (its URI)."""
+
+    KIND: ClassVar[str] = "resume"
+    attempt: int | None = None
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunEndEvent(EventRecord):
+    """The driver ended the run with ``status`` after ``duration_s`` seconds."""
+
+    KIND: ClassVar[str] = "run_end"
+    status: str | None = None
+    duration_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointEvent(EventRecord):
+    """The checkpoint of ``round`` was published as ``path`` (directory name, e.g.
+    ``checkpoint_000002``), with rank 0's ``metrics`` of that round."""
+
+    KIND: ClassVar[str] = "checkpoint"
+    round: int | None = None
+    path: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointDeletedEvent(EventRecord):
+    """Retention deleted checkpoint ``path``, for ``reason``."""
+
+    KIND: ClassVar[str] = "checkpoint_deleted"
+    path: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointFailedEvent(EventRecord):
+    """The checkpoint of ``round`` was not saved: ``errors``, one line per rank that failed."""
+
+    KIND: ClassVar[str] = "checkpoint_failed"
+    round: int | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInvalidEvent(EventRecord):
+    """A checkpoint failed verification (or could not be loaded on ``rank``): ``reason`` says
+    which, what failed, and where the run resumes. ``rank`` only when a worker refused it."""
+
+    KIND: ClassVar[str] = "checkpoint_invalid"
+    reason: str | None = None
+    rank: int | None = field(default=None, metadata={"omit_none": True})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResizeEvent(EventRecord):
+    """Elastic runs: the group shrank or grew in place (docs/elastic.md): ``old_world_size`` ->
+    ``new_world_size`` because of ``cause``; ``generation``, ``snapshot_step`` resumed from,
+    ``steps_rolled_back``, ``failure_time`` (Unix time of the death, or when the grow's
+    workers were started), ``resume_s`` (to the first completed step; None if none), and for a
+    grow ``paused_s`` (seconds the members were out of the train function)."""
+
+    KIND: ClassVar[str] = "resize"
+    old_world_size: int | None = None
+    new_world_size: int | None = None
+    cause: str | None = None
+    generation: int | None = None
+    snapshot_step: int | None = None
+    steps_rolled_back: int | None = None
+    failure_time: float | None = None
+    resume_s: float | None = None
+    paused_s: float | None = field(default=None, metadata={"omit_none": True})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResizeFallbackEvent(EventRecord):
+    """Elastic runs: the group was restarted from the disk checkpoint instead, for ``reason``."""
+
+    KIND: ClassVar[str] = "resize_fallback"
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GrowStartEvent(EventRecord):
+    """Elastic runs: ``ranks`` were started to grow the group of ``old_world_size`` back."""
+
+    KIND: ClassVar[str] = "grow_start"
+    old_world_size: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    generation: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GrowFailedEvent(EventRecord):
+    """Elastic runs: a grow was given up for ``reason``; ``ranks`` stopped; next try in
+    ``retry_s`` seconds."""
+
+    KIND: ClassVar[str] = "grow_failed"
+    reason: str | None = None
+    ranks: list[int] = field(default_factory=list)
+    retry_s: float | None = None
+
+
+EVENT_TYPES: dict[str, type[EventRecord]] = {
+    cls.KIND: cls
+    for cls in (
+        RunStartEvent,
+        ReportEvent,
+        CheckpointEvent,
+        CheckpointDeletedEvent,
+        CheckpointFailedEvent,
+        CheckpointInvalidEvent,
+        ResumeEvent,
+        FailureEvent,
+        DecisionEvent,
+        TimingEvent,
+        StragglerEvent,
+        StragglerClearedEvent,
+        ResizeEvent,
+        GrowStartEvent,
+        GrowFailedEvent,
+        ResizeFallbackEvent,
+        TransitionEvent,
+        StopRequestedEvent,
+        RunEndEvent,
+    )
+}
+"""Every event kind the driver writes, by its ``type``, in the order docs/run-directory.md
+lists them."""
+
+
+def parse_event(obj: Mapping[str, Any]) -> EventRecord | None:
+    """The typed record of one parsed ``events.jsonl`` line; None for a kind this version does
+    not know (a newer ringtrain's) or a line missing a field its kind cannot do without."""
+    cls = EVENT_TYPES.get(obj.get("type"))  # type: ignore[arg-type]
+    return None if cls is None else cls.from_json(obj)
+
+
+# ------------------------------------------------------------------------------ config, result
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigRecord(Record):
+    """``config.json``: the resolved configuration (``ScalingConfig.to_dict()``,
+    ``RunConfig.to_dict()``, the train loop config as given; values that are not JSON are
+    written as their ``repr``)."""
+
+    name: str | None = None
+    storage_path: str | None = None
+    entrypoint: str | None = None
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
+    ringtrain_version: str | None = None
+    created: float | None = None
+    scaling_config: dict[str, Any] = field(default_factory=dict)
+    run_config: dict[str, Any] = field(default_factory=dict)
+    train_loop_config: Any = None
+
+    def worker_range(self) -> tuple[int, int] | None:
+        """An elastic run's ``(min, max)`` workers (``scaling_config.num_workers`` as a pair);
+        None for a fixed world size or when unknown."""
+        n = self.scaling_config.get("num_workers")
+        if isinstance(n, list | tuple) and len(n) == 2:
+            lo, hi = _coerce(int, n[0]), _coerce(int, n[1])
+            if lo is not _MISSING and hi is not _MISSING:
+                return lo, hi
+        return None
+
+    def num_workers(self) -> int | None:
+        """``scaling_config.num_workers`` when it is one int."""
+        n = _coerce(int, self.scaling_config.get("num_workers"))
+        return None if n is _MISSING else n
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResultRecord(Record):
+    """``result.json``: the run's outcome so far (``status`` ``RUNNING`` until it ends).
+
+    ``metrics_per_rank`` is keyed by the rank as a string; checkpoints are URIs;
+    ``best_checkpoints`` items are ``{"path", "metrics"}``; ``failures`` items are
+    ``WorkerFailure.to_dict()``. ``hostname`` is read when present (a driver on another host is
+    not declared dead from here) and not written today.
+    """
+
+    status: str | None = None
+    name: str | None = None
+    path: str | None = None
+    driver_pid: int | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    duration_s: float | None = None
+    world_size: int | None = None
+    rounds: int | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics_per_rank: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None
+    best_checkpoints: list[Any] = field(default_factory=list)
+    error: Any = None
+    failures: list[Any] = field(default_factory=list)
+    follow_on_failures: list[Any] = field(default_factory=list)
+    hostname: str | None = field(default=None, metadata={"omit_none": True})
