@@ -17,9 +17,9 @@ import json
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from ringtrain.rundir.schema import EventRecord, parse_event
+from ringtrain.rundir.schema import EVENTS_FILE, EventRecord, parse_event
 
-__all__ = ["EventReader", "EventTail", "ReadableFS", "read_events", "read_json"]
+__all__ = ["EventReader", "EventTail", "ReadableFS", "read_events", "read_json", "run_events"]
 
 _CHUNK_BYTES = 8 << 20
 
@@ -160,6 +160,15 @@ def read_events(fs: ReadableFS, path: str) -> tuple[list[EventRecord], int]:
     skipped as unreadable (a torn last line included). A missing file has none."""
     reader = EventReader(fs, path)
     return reader.read_new(final=True), reader.skipped
+
+
+def run_events(run_dir: str) -> list[EventRecord]:
+    """The records of the ``events.jsonl`` of ``run_dir`` (a local path or fsspec URL), read
+    once; empty when there is none."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(run_dir)
+    return read_events(fs, path.rstrip("/") + "/" + EVENTS_FILE)[0]
 
 
 def read_json(fs: ReadableFS, path: str) -> dict[str, Any] | None:
