@@ -8,6 +8,7 @@ The public API; nothing outside this list is public::
     prepare_model, prepare_data_loader, get_device, TrainState
     prepare_optimizer, backward, accumulate          (mixed precision, gradient accumulation)
     FSDPConfig, export_model                         (sharded data parallelism, export)
+    DDPStrategy, FSDPStrategy                        (prepare_model(strategy=...))
     TensorBoardCallback, CSVCallback, MLflowCallback, WandbCallback   (logging callbacks)
 """
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from ringtrain.fsdp import FSDPConfig
     from ringtrain.monitor.integrations import MLflowCallback, WandbCallback
     from ringtrain.monitor.sinks import CSVCallback, TensorBoardCallback
+    from ringtrain.parallel import DDPStrategy, FSDPStrategy
     from ringtrain.prepare import get_device, prepare_data_loader, prepare_model
     from ringtrain.state import TrainState
     from ringtrain.trainer import Trainer
@@ -49,6 +51,8 @@ _LAZY = {
     "get_device": "ringtrain.prepare",
     "TrainState": "ringtrain.state",
     "FSDPConfig": "ringtrain.fsdp",
+    "DDPStrategy": "ringtrain.parallel",
+    "FSDPStrategy": "ringtrain.parallel",
     "export_model": "ringtrain.export",
     "accumulate": "ringtrain.accumulate",
     "backward": "ringtrain.amp",
@@ -63,8 +67,10 @@ __all__ = [
     "CSVCallback",
     "Checkpoint",
     "CheckpointConfig",
+    "DDPStrategy",
     "DistributedContext",
     "FSDPConfig",
+    "FSDPStrategy",
     "FailureConfig",
     "MLflowCallback",
     "MonitorConfig",

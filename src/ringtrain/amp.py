@@ -30,33 +30,17 @@ prepared optimizer is a pass-through, so the same loop serves every precision.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ringtrain.hooks import ModelSetup
+
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 """The values of ``prepare_model(precision=...)``."""
 
 _ALIASES = {"32-true": "32", "32": "32", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
-
-# Per worker session (keyed by the session object, so a test that resets the session starts
-# clean): the precision prepare_model set, and the prepared optimizer that owns the GradScaler.
-_per_session: dict[int, tuple[weakref.ref[Any], dict[str, Any]]] = {}
-
-
-def _session_slot() -> dict[str, Any]:
-    from ringtrain.session import current_session
-
-    session = current_session()
-    entry = _per_session.get(id(session))
-    if entry is None or entry[0]() is not session:
-        for key in [k for k, (ref, _) in _per_session.items() if ref() is None]:
-            del _per_session[key]
-        entry = (weakref.ref(session), {})
-        _per_session[id(session)] = entry
-    return entry[1]
 
 
 def normalize_precision(precision: Any) -> str:
@@ -143,15 +127,48 @@ class AutocastHooks:
 
 
 def apply_precision(module: torch.nn.Module, precision: str, device: torch.device) -> None:
-    """Make ``module``'s forward run in ``precision`` on ``device`` (no-op for ``"32"``) and
-    record the precision for :func:`prepare_optimizer`."""
-    _session_slot()["precision"] = precision
+    """Make ``module``'s forward run in ``precision`` on ``device`` (no-op for ``"32"``)."""
     if precision == "32":
         return
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
     hooks = AutocastHooks(device.type, dtype)
     module.register_forward_pre_hook(hooks.pre, prepend=True)
     module.register_forward_hook(hooks.post, always_call=True)
+
+
+class PrecisionPlugin:
+    """Precision as a worker plug-in (:mod:`ringtrain.hooks`, the ``before_wrap`` hook): one per
+    worker session, found or registered by :func:`precision_plugin`, so that what it holds goes
+    with the session (no module-level state).
+
+    ``prepare_model`` sets :attr:`precision` to the precision it was given, then runs the
+    ``before_wrap`` hooks: this one puts the autocast hooks on the placed, unwrapped module.
+    :func:`prepare_optimizer` reads :attr:`precision` as its default and records the optimizer
+    that :func:`backward` scales the loss for.
+
+    Attributes:
+        precision: the precision of the last ``prepare_model`` of this worker (``"32"`` before).
+        optimizer: the most recent :class:`PreparedOptimizer`, or ``None``.
+    """
+
+    def __init__(self) -> None:
+        self.precision = "32"
+        self.optimizer: PreparedOptimizer | None = None
+
+    def before_wrap(self, setup: ModelSetup) -> None:
+        apply_precision(setup.module, self.precision, setup.device)
+
+
+def precision_plugin() -> PrecisionPlugin:
+    """This worker session's :class:`PrecisionPlugin` (registered on first use)."""
+    from ringtrain.session import current_hooks
+
+    hooks = current_hooks()
+    plugin = hooks.find(PrecisionPlugin)
+    if plugin is None:
+        plugin = PrecisionPlugin()
+        hooks.register(plugin)
+    return plugin
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -296,10 +313,8 @@ def prepare_optimizer(
         )
     if isinstance(optimizer, PreparedOptimizer):
         return optimizer
-    slot = _session_slot()
-    resolved = normalize_precision(
-        precision if precision is not None else slot.get("precision", "32")
-    )
+    plugin = precision_plugin()
+    resolved = normalize_precision(precision if precision is not None else plugin.precision)
     if grad_scaler is not None and resolved != "16-mixed":
         raise ValueError(
             f"prepare_optimizer(grad_scaler=...) only applies to precision='16-mixed', got "
@@ -309,7 +324,7 @@ def prepare_optimizer(
     if resolved == "16-mixed":
         scaler = grad_scaler or torch.amp.GradScaler(get_context().device.type)
     prepared = PreparedOptimizer(optimizer, scaler)
-    slot["optimizer"] = prepared  # rt.backward scales for the latest prepared optimizer
+    plugin.optimizer = prepared  # rt.backward scales for the latest prepared optimizer
     return prepared
 
 
@@ -320,7 +335,7 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         loss: a scalar tensor (shape ``()``).
         **kwargs: passed to ``Tensor.backward`` (``retain_graph``...).
     """
-    prepared = _session_slot().get("optimizer")
+    prepared = precision_plugin().optimizer
     if prepared is None or prepared.grad_scaler is None:
         loss.backward(**kwargs)
         return

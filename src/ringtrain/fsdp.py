@@ -1,6 +1,7 @@
 """Sharded data parallelism (ZeRO stage 3) with torch's FSDP2 ``fully_shard``.
 
-``prepare_model(model, parallel_strategy="fsdp", fsdp_config=FSDPConfig(...))`` lands here. Every
+``prepare_model(model, parallel_strategy="fsdp", fsdp_config=FSDPConfig(...))`` (that is,
+:class:`ringtrain.FSDPStrategy`) lands here. Every
 rank keeps only its 1/W slice (dim 0) of each parameter, of its gradient and, because the optimizer
 is built over the sharded parameters, of the optimizer state: the ZeRO-3 partitioning of
 Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
@@ -471,49 +472,4 @@ def wrap_fsdp(model: nn.Module, ctx: DistributedContext, config: FSDPConfig | No
         ", activation checkpointing" if config.activation_checkpointing else "",
         ", CPU offload" if config.cpu_offload else "",
     )
-    return model
-
-
-def prepare_fsdp(
-    model: nn.Module,
-    parallel_strategy: str | None,
-    config: FSDPConfig | None,
-    precision: str,
-    ddp_only: dict[str, Any],
-) -> nn.Module:
-    """``prepare_model(..., parallel_strategy="fsdp")``: reject DDP-only options, shard the model
-    (:func:`wrap_fsdp`), and hook it for step timing.
-
-    Raises:
-        ValueError: ``fsdp_config`` without ``parallel_strategy="fsdp"``; a DDP option
-            (``comm_hook``, ``bucket_cap_mb``, ``ddp_kwargs``...) or ``precision`` other than
-            ``"32"`` with FSDP (use ``FSDPConfig.mixed_precision``).
-    """
-    from ringtrain.monitor.timing import instrument_model
-    from ringtrain.session import current_timer, get_context
-
-    if parallel_strategy != "fsdp":
-        raise ValueError(
-            f"prepare_model(fsdp_config=...) needs parallel_strategy='fsdp', got "
-            f"parallel_strategy={parallel_strategy!r}"
-        )
-    given = [name for name, value in ddp_only.items() if value is not None]
-    if given:
-        raise ValueError(
-            f"prepare_model(parallel_strategy='fsdp'): {', '.join(given)} only apply to DDP; "
-            "FSDP's options are in fsdp_config=ringtrain.FSDPConfig(...)"
-        )
-    if str(precision) not in ("32", "32-true", "fp32"):
-        raise ValueError(
-            f"prepare_model(parallel_strategy='fsdp', precision={precision!r}): with FSDP use "
-            "fsdp_config=FSDPConfig(mixed_precision='bf16') instead (parameters are cast when "
-            "all-gathered; gradients are reduced in float32)"
-        )
-    model = wrap_fsdp(model, get_context(), config)
-    timer = current_timer()
-    if timer is not None:
-        # Gradients of sharded parameters are assigned by FSDP's reduce-scatter, not accumulated
-        # by autograd, so the per-parameter "last gradient" hook does not fire: backward and
-        # its communication count as "other" in the step split (docs/fsdp.md).
-        instrument_model(timer, model, model)
     return model

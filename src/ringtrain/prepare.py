@@ -11,18 +11,18 @@ device, advances the shuffle each epoch and keeps its position
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from ringtrain.amp import check_precision, precision_plugin
 from ringtrain.data import ResumableDistributedSampler, SampleSeeded
-from ringtrain.distributed import init_process_group
-from ringtrain.monitor.timing import batch_size_of, instrument_model
-from ringtrain.session import current_timer, get_context
-
-if TYPE_CHECKING:
-    from ringtrain.fsdp import FSDPConfig
+from ringtrain.fsdp import FSDPConfig
+from ringtrain.hooks import LoaderSetup, ModelSetup
+from ringtrain.parallel.strategy import ModelStrategy, WrapContext, strategy_from_kwargs
+from ringtrain.session import current_hooks, current_timer, get_context, mark_progress
 
 
 def get_device() -> torch.device:
@@ -33,7 +33,9 @@ def get_device() -> torch.device:
 def prepare_model(
     model: torch.nn.Module,
     *,
+    strategy: ModelStrategy | None = None,
     move_to_device: bool = True,
+    precision: str = "32",
     parallel_strategy: str | None = "ddp",
     ddp_kwargs: Mapping[str, Any] | None = None,
     comm_hook: str | None = None,
@@ -41,16 +43,30 @@ def prepare_model(
     bucket_cap_mb: float | None = None,
     static_graph: bool | None = None,
     find_unused_parameters: bool | None = None,
-    precision: str = "32",
     fsdp_config: FSDPConfig | None = None,
     bucket_order: str = "fixed",
 ) -> torch.nn.Module:
     """Place ``model`` on this worker's device and wrap it for data parallelism.
 
+    The wrapping is one strategy object (:mod:`ringtrain.parallel`): pass it as ``strategy=``
+    (``rt.DDPStrategy(comm_hook="bf16")``, ``rt.FSDPStrategy(rt.FSDPConfig(...))``), or describe
+    it with the keywords below (``parallel_strategy=``, ``comm_hook=``, ``fsdp_config=``...),
+    which are mapped onto the same objects; not both. The steps, in order: validation (before any
+    process group), device placement, precision (autocast hooks, :mod:`ringtrain.amp`), the
+    ``before_wrap`` hooks, the wrapping (DDP with its communication hook, FSDP2, or none), the
+    ``after_wrap`` hooks (:mod:`ringtrain.hooks`).
+
     Args:
         model: the module; its parameters must be identical on every rank (seed the same way
             before building it; DDP also broadcasts rank 0's parameters and buffers on wrap).
+        strategy: a :class:`ringtrain.DDPStrategy`, :class:`ringtrain.FSDPStrategy`,
+            :class:`ringtrain.parallel.LocalStrategy` or any
+            :class:`ringtrain.parallel.ModelStrategy`; default: the one the keywords describe.
         move_to_device: move parameters and buffers to ``get_device()``.
+        precision: ``"32"`` (default), ``"bf16-mixed"`` or ``"16-mixed"``: the forward runs under
+            ``torch.autocast`` in that dtype and its outputs are cast back to float32; with
+            ``"16-mixed"`` use :func:`ringtrain.prepare_optimizer` and :func:`ringtrain.backward`
+            for loss scaling (:mod:`ringtrain.amp`).
         parallel_strategy: ``"ddp"`` wraps in ``DistributedDataParallel`` when the world size is
             above 1; ``"fsdp"`` shards parameters, gradients and optimizer state over the ranks
             with FSDP2 ``fully_shard`` (also at world size 1; build the optimizer after this
@@ -67,10 +83,6 @@ def prepare_model(
             steps (enables its static-graph optimisations).
         find_unused_parameters: let DDP find parameters that get no gradient in a step (costs a
             graph traversal per step).
-        precision: ``"32"`` (default), ``"bf16-mixed"`` or ``"16-mixed"``: the forward runs under
-            ``torch.autocast`` in that dtype and its outputs are cast back to float32; with
-            ``"16-mixed"`` use :func:`ringtrain.prepare_optimizer` and :func:`ringtrain.backward`
-            for loss scaling (:mod:`ringtrain.amp`).
         fsdp_config: a :class:`ringtrain.FSDPConfig` for ``parallel_strategy="fsdp"`` (units,
             mixed precision, CPU offload, activation checkpointing); default ``FSDPConfig()``.
         bucket_order: ``"fixed"`` (default): DDP's gradient buckets are laid out once, at
@@ -86,66 +98,77 @@ def prepare_model(
 
     Raises:
         ValueError: for an unknown ``parallel_strategy``, ``comm_hook`` or ``precision``, a
-            precision the device cannot run, a bad DDP option, or an option given both directly
-            and in ``ddp_kwargs``; raised before any process group is created.
+            precision the device cannot run, a bad DDP option, an option given both directly
+            and in ``ddp_kwargs``, or ``strategy=`` together with a strategy keyword; raised
+            before any process group is created.
+        TypeError: ``strategy`` is not a strategy object.
     """
-    if parallel_strategy not in ("ddp", "fsdp", None):
-        raise ValueError(
-            f"prepare_model(parallel_strategy={parallel_strategy!r}) is not supported "
-            "(use 'ddp', 'fsdp', or None to leave the model unwrapped)"
-        )
-    if parallel_strategy == "fsdp" or fsdp_config is not None:
-        from ringtrain.fsdp import prepare_fsdp
-
-        ddp_only = dict(
+    if strategy is None:
+        strategy = strategy_from_kwargs(
+            parallel_strategy,
+            fsdp_config,
             ddp_kwargs=ddp_kwargs,
-            bucket_order=None if bucket_order == "fixed" else bucket_order,
+            bucket_order=bucket_order,
             comm_hook=comm_hook,
             comm_hook_options=comm_hook_options,
             bucket_cap_mb=bucket_cap_mb,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
         )
-        return prepare_fsdp(model, parallel_strategy, fsdp_config, precision, ddp_only)
-    from ringtrain.amp import apply_precision, check_precision, normalize_precision
-    from ringtrain.comm.ddp import check_bucket_order, validate_comm_options, wrap_ddp
-
-    ctx = get_context()
-    from ringtrain.elastic.batch import ensure_lr_scaling
-
-    ensure_lr_scaling(ctx)  # elastic_batch_policy="scale_lr": scale the LR of optimizer steps
-    precision = normalize_precision(precision)
-    check_precision(precision, ctx.device)
-    check_bucket_order(bucket_order)
-    ddp_options = dict(
-        bucket_cap_mb=bucket_cap_mb,
-        static_graph=static_graph,
-        find_unused_parameters=find_unused_parameters,
-    )
-    merged_ddp_kwargs = validate_comm_options(comm_hook, comm_hook_options, ddp_options, ddp_kwargs)
-    timer = current_timer()
-    if move_to_device:
-        model = model.to(ctx.device)
-    module = model
-    apply_precision(module, precision, ctx.device)
-    if parallel_strategy == "ddp" and ctx.world_size > 1:
-        from ringtrain.elastic.worker import deferred_sync_generation
-
-        init_process_group(ctx)
-        model = wrap_ddp(
-            model,
-            ctx,
-            timer,
-            ddp_kwargs=merged_ddp_kwargs,
-            comm_hook=comm_hook,
-            comm_hook_options=comm_hook_options,
-            loss_scaling=precision == "16-mixed",
-            defer_sync_generation=deferred_sync_generation(),
-            bucket_order=bucket_order,
+    else:
+        keywords = dict(
+            parallel_strategy=(parallel_strategy, "ddp"),
+            ddp_kwargs=(ddp_kwargs, None),
+            comm_hook=(comm_hook, None),
+            comm_hook_options=(comm_hook_options, None),
+            bucket_cap_mb=(bucket_cap_mb, None),
+            static_graph=(static_graph, None),
+            find_unused_parameters=(find_unused_parameters, None),
+            fsdp_config=(fsdp_config, None),
+            bucket_order=(bucket_order, "fixed"),
         )
-    if timer is not None:
-        instrument_model(timer, model, module)
-    return model
+        check_strategy(
+            strategy, [k for k, (value, default) in keywords.items() if value != default]
+        )
+    ctx = get_context()
+    precision = strategy.check(precision)
+    check_precision(precision, ctx.device)
+    target = WrapContext(ctx, move_to_device, precision, current_timer())
+    return _wrap(model, strategy, target)
+
+
+def check_strategy(strategy: object, keywords: list[str]) -> None:
+    """Raise unless ``strategy`` is a strategy object given without strategy keywords.
+
+    Raises:
+        TypeError: ``strategy`` lacks :class:`~ringtrain.parallel.ModelStrategy`'s methods.
+        ValueError: ``keywords`` (the strategy keywords also given) is not empty.
+    """
+    if not isinstance(strategy, ModelStrategy):
+        raise TypeError(
+            f"prepare_model(strategy={strategy!r}) must be a strategy object such as "
+            "rt.DDPStrategy(...) or rt.FSDPStrategy(...) (for a name, use parallel_strategy=)"
+        )
+    if keywords:
+        raise ValueError(
+            f"prepare_model(strategy=...) takes its options from the strategy object; drop "
+            f"{', '.join(keywords)} (e.g. rt.DDPStrategy(comm_hook='bf16'), "
+            "rt.FSDPStrategy(rt.FSDPConfig(...)))"
+        )
+
+
+def _wrap(model: torch.nn.Module, strategy: ModelStrategy, target: WrapContext) -> torch.nn.Module:
+    """Place, apply precision and the ``before_wrap`` hooks, wrap, run the ``after_wrap`` hooks."""
+    hooks = current_hooks()
+    precision_plugin().precision = target.precision  # its before_wrap applies it
+    module = strategy.place(model, target)
+    setup = ModelSetup(
+        module=module, model=module, device=target.device, world_size=target.world_size
+    )
+    hooks.before_wrap(setup)
+    setup.model = strategy.wrap(setup.module, replace(target, sync_token=setup.sync_token))
+    hooks.after_wrap(setup)  # step timing instruments the model here (monitor/timing.py)
+    return setup.model
 
 
 def prepare_data_loader(
@@ -193,14 +216,11 @@ def prepare_data_loader(
             ``add_dist_sampler`` is True (shard those yourself and pass ``add_dist_sampler=False``).
     """
     ctx = get_context()
-    plan = None
+    setup = LoaderSetup(data_loader, world_size=ctx.world_size, world_rank=ctx.world_rank)
     if add_dist_sampler:
-        from ringtrain.elastic.batch import plan_for_loader
-        from ringtrain.elastic.worker import constant_global_batch
-
         # Elastic runs: the per-worker batch follows the world size by the elastic_batch_policy.
-        plan = plan_for_loader(data_loader, ctx)
-        data_loader = constant_global_batch(data_loader, ctx, plan)
+        current_hooks().on_prepare_loader(setup)
+        data_loader = setup.data_loader
     loader = data_loader
     if add_dist_sampler:
         if isinstance(data_loader.dataset, IterableDataset):
@@ -234,8 +254,7 @@ def prepare_data_loader(
     device = ctx.device if move_to_device else None
     prepared = PreparedDataLoader(loader, device, seed=seed, world_size=ctx.world_size)
     prepared.reseed = add_dist_sampler and loader_rng == "private"
-    if plan is not None and plan.policy == "accumulate":
-        prepared.micro_batch_size = plan.batch_size
+    prepared.micro_batch_size = setup.micro_batch_size
     return prepared
 
 
@@ -325,7 +344,9 @@ class PreparedDataLoader:
         Raises:
             ValueError: ``max_size`` is not an integer >= 1.
         """
-        from ringtrain.elastic.batch import micro_batches
+        # Imported here: importing the module ringtrain.accumulate first would shadow the
+        # function rt.accumulate with the module of the same name (the package's lazy names).
+        from ringtrain.accumulate import micro_batches
 
         size = max_size if max_size is not None else self.micro_batch_size
         return micro_batches(batch, model, size)
@@ -415,10 +436,7 @@ class PreparedDataLoader:
         return -(-sampler.num_samples // bs)
 
     def __iter__(self) -> Iterator[Any]:
-        from ringtrain.elastic.worker import at_batch_boundary
-        from ringtrain.session import mark_progress
-
-        timer = current_timer()
+        hooks = current_hooks()
         start = self._resume_batch or 0
         self._resume_batch = None
         epoch = self.epoch
@@ -438,9 +456,10 @@ class PreparedDataLoader:
         batches = iter(self.loader)
         try:
             while True:
-                at_batch_boundary()  # elastic runs: where the group pauses to grow
-                if timer is not None and not skip:
-                    timer.loader_fetch_start()  # ends the previous step, starts this one
+                if not skip:
+                    # Step timing: the previous step ends, this one starts; elastic runs: where
+                    # the group pauses to grow.
+                    hooks.on_batch_start()
                 try:
                     batch = next(batches)
                 except StopIteration:
@@ -452,12 +471,10 @@ class PreparedDataLoader:
                 mark_progress()
                 if self.device is not None:
                     batch = _to_device(batch, self.device, non_blocking)
-                if timer is not None:
-                    timer.loader_fetch_end(batch_size_of(batch))
+                hooks.on_batch(batch)
                 yield batch
         finally:
-            if timer is not None:
-                timer.loader_exhausted()  # end of epoch, or the loop broke out early
+            hooks.on_batches_end()  # end of epoch, or the loop broke out early
         self.set_epoch(epoch + 1)
 
 

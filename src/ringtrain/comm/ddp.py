@@ -5,11 +5,8 @@
 
 - ``"bf16"`` / ``"fp16"``: ``bf16_compress_hook`` / ``fp16_compress_hook`` cast each bucket to
   16 bits, allreduce it (half the bytes on the wire), divide by the world size and cast back.
-- ``"powersgd"``: ``powerSGD_hook`` (Vogels et al., "PowerSGD: Practical Low-Rank Gradient
-  Compression for Distributed Optimization", NeurIPS 2019): after ``start_powerSGD_iter`` plain
-  allreduce steps, each gradient matrix (n x m) is replaced by two rank-r factors P (n x r) and
-  Q (m x r) that are allreduced instead, with error feedback (the compression residual is added
-  to the next step's gradient) and warm start (Q is reused across steps).
+- ``"powersgd"``: ``powerSGD_hook``, low-rank compression with error feedback
+  (:mod:`ringtrain.comm.powersgd`: its options, its resumable state, its bytes on the wire).
 
 Bucket order (``prepare_model(bucket_order=...)``, docs/comm.md "Bit-exact resume at any world
 size"): by default the model is wrapped in :class:`FixedOrderDDP`, whose gradient buckets are laid
@@ -19,11 +16,6 @@ buckets in the first backward's gradient-ready order; an element's position in i
 the summation order of gloo's ring allreduce at 3 or more ranks, so a DDP built by a restarted
 worker would reduce its first step in another order than the long-lived one did (ULP-level
 differences that then grow). ``bucket_order="rebuild"`` keeps torch's behaviour.
-
-PowerSGD keeps state between steps (the per-rank error-feedback residuals, the P and Q memories,
-the iteration count and the seed stream for Q): :class:`PowerSGDStateDict` exposes it as a
-Stateful object, attached to the prepared model, which :class:`ringtrain.TrainState` saves in
-each rank's file, so that an exact resume continues PowerSGD where it was.
 """
 
 from __future__ import annotations
@@ -31,30 +23,31 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ringtrain.comm.powersgd import (
+    POWERSGD_DEFAULTS,
+    PowerSGDStateDict,
+    as_comm_hook,
+    check_powersgd,
+    hook_wire_bytes,
+    make_hook,
+    overflow_guarded,
+    single_bucket_mb,
+    wire_bytes,
+)
 from ringtrain.env import DistributedContext
+from ringtrain.hooks import SYNC_TOKEN_ATTR
 from ringtrain.monitor.timing import StepTimer, timed_allreduce_hook
 
 logger = logging.getLogger("ringtrain")
 
 COMM_HOOKS = ("bf16", "fp16", "powersgd")
 """The values of ``prepare_model(comm_hook=...)`` besides ``None`` (DDP's own allreduce)."""
-
-POWERSGD_DEFAULTS: dict[str, Any] = {
-    "matrix_approximation_rank": 1,
-    "start_powerSGD_iter": 1000,
-    "min_compression_rate": 2.0,
-    "use_error_feedback": True,
-    "warm_start": True,
-    "orthogonalization_epsilon": 0.0,
-    "random_seed": 0,
-}
-"""``comm_hook_options`` accepted with ``comm_hook="powersgd"`` and their defaults (torch's
-``PowerSGDState`` defaults)."""
 
 _DDP_OPTIONS = ("bucket_cap_mb", "static_graph", "find_unused_parameters")
 
@@ -71,6 +64,7 @@ def validate_comm_options(
     comm_hook_options: Mapping[str, Any] | None,
     ddp_options: Mapping[str, Any],
     ddp_kwargs: Mapping[str, Any] | None,
+    where: str = "prepare_model",
 ) -> dict[str, Any]:
     """Check ``prepare_model``'s communication arguments and merge them into DDP's kwargs.
 
@@ -81,6 +75,7 @@ def validate_comm_options(
         ddp_options: ``bucket_cap_mb`` (MB, > 0), ``static_graph``, ``find_unused_parameters``
             (bools); ``None`` values are left to DDP's defaults.
         ddp_kwargs: the caller's extra ``DistributedDataParallel`` arguments.
+        where: how errors name the caller (``"prepare_model"``, ``"DDPStrategy"``).
 
     Returns:
         The keyword arguments for ``DistributedDataParallel``.
@@ -91,22 +86,22 @@ def validate_comm_options(
     """
     if comm_hook is not None and comm_hook not in COMM_HOOKS:
         raise ValueError(
-            f"prepare_model(comm_hook={comm_hook!r}) is not supported (use None for DDP's "
+            f"{where}(comm_hook={comm_hook!r}) is not supported (use None for DDP's "
             f"allreduce, or one of {', '.join(repr(h) for h in COMM_HOOKS)})"
         )
     if comm_hook_options:
         if comm_hook != "powersgd":
             raise ValueError(
-                f"prepare_model(comm_hook_options=...) only applies to comm_hook='powersgd', "
+                f"{where}(comm_hook_options=...) only applies to comm_hook='powersgd', "
                 f"got comm_hook={comm_hook!r} (drop comm_hook_options)"
             )
         unknown = sorted(set(comm_hook_options) - set(POWERSGD_DEFAULTS))
         if unknown:
             raise ValueError(
-                f"prepare_model(comm_hook_options=...): unknown PowerSGD option(s) {unknown} "
+                f"{where}(comm_hook_options=...): unknown PowerSGD option(s) {unknown} "
                 f"(accepted: {', '.join(POWERSGD_DEFAULTS)})"
             )
-        _check_powersgd({**POWERSGD_DEFAULTS, **comm_hook_options})
+        check_powersgd({**POWERSGD_DEFAULTS, **comm_hook_options})
     merged = dict(ddp_kwargs or {})
     for name in _DDP_OPTIONS:
         value = ddp_options.get(name)
@@ -115,139 +110,39 @@ def validate_comm_options(
         if name == "bucket_cap_mb":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(
-                    f"prepare_model(bucket_cap_mb={value!r}) must be a number of megabytes > 0 "
+                    f"{where}(bucket_cap_mb={value!r}) must be a number of megabytes > 0 "
                     "(DDP's default is 25)"
                 )
         elif not isinstance(value, bool):
-            raise ValueError(f"prepare_model({name}={value!r}) must be True or False")
+            raise ValueError(f"{where}({name}={value!r}) must be True or False")
         if name in merged and merged[name] != value:
             raise ValueError(
-                f"prepare_model({name}={value!r}) contradicts ddp_kwargs[{name!r}]="
+                f"{where}({name}={value!r}) contradicts ddp_kwargs[{name!r}]="
                 f"{merged[name]!r} (give it once)"
             )
         merged[name] = value
     if "bucket_order" in merged:
         raise ValueError(
-            "prepare_model(ddp_kwargs={'bucket_order': ...}): bucket_order is ringtrain's, not a "
-            "DistributedDataParallel argument; pass prepare_model(bucket_order=...)"
+            f"{where}(ddp_kwargs={{'bucket_order': ...}}): bucket_order is ringtrain's, not a "
+            f"DistributedDataParallel argument; pass {where}(bucket_order=...)"
         )
     if "device_ids" in merged:
         raise ValueError(
-            "prepare_model(ddp_kwargs={'device_ids': ...}): ringtrain sets device_ids from the "
+            f"{where}(ddp_kwargs={{'device_ids': ...}}): ringtrain sets device_ids from the "
             "worker's local rank; drop it"
         )
     return merged
 
 
-def check_bucket_order(bucket_order: str) -> None:
-    """Raise ``ValueError`` unless ``bucket_order`` is one of :data:`BUCKET_ORDERS`."""
+def check_bucket_order(bucket_order: str, where: str = "prepare_model") -> None:
+    """Raise ``ValueError`` unless ``bucket_order`` is one of :data:`BUCKET_ORDERS` (the error
+    names ``where``)."""
     if bucket_order not in BUCKET_ORDERS:
         raise ValueError(
-            f"prepare_model(bucket_order={bucket_order!r}) is not supported (use 'fixed', the "
+            f"{where}(bucket_order={bucket_order!r}) is not supported (use 'fixed', the "
             "default, for bit-exact resume at any world size, or 'rebuild' for torch's "
             "gradient-ready-order rebuild after the first step)"
         )
-
-
-def _check_powersgd(options: Mapping[str, Any]) -> None:
-    rank = options["matrix_approximation_rank"]
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(
-            f"PowerSGD matrix_approximation_rank must be an integer >= 1, got {rank!r} "
-            "(1 to 4 is usual)"
-        )
-    start = options["start_powerSGD_iter"]
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"PowerSGD start_powerSGD_iter must be an integer >= 0, got {start!r}")
-    if (options["use_error_feedback"] or options["warm_start"]) and start <= 1:
-        raise ValueError(
-            f"PowerSGD start_powerSGD_iter={start} must be >= 2 with use_error_feedback or "
-            "warm_start (DDP rebuilds its buckets after the first step)"
-        )
-
-
-def make_hook(
-    comm_hook: str, options: Mapping[str, Any] | None
-) -> tuple[Callable[[Any, Any], Any], Any]:
-    """The torch hook and its state for ``comm_hook`` (default process group)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    if comm_hook == "bf16":
-        return default_hooks.bf16_compress_hook, None
-    if comm_hook == "fp16":
-        return default_hooks.fp16_compress_hook, None
-    opts = {**POWERSGD_DEFAULTS, **(options or {})}
-    state = powerSGD_hook.PowerSGDState(process_group=None, **opts)
-    return powerSGD_hook.powerSGD_hook, state
-
-
-# ---------------------------------------------------------------------------------- wire bytes
-
-
-def _powersgd_elements(shapes: Iterable[torch.Size], rank: int, min_rate: float) -> int:
-    """Elements allreduced per step by ``powerSGD_hook`` for gradients of these shapes: the
-    tensors not worth compressing whole, plus P (n x r) and Q (m x r) for the others (torch's
-    ``_should_compress`` rule)."""
-    total = 0
-    for shape in shapes:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        if len(shape) == 0:
-            total += 1
-            continue
-        n = int(shape[0])
-        m = numel // n if n else 0
-        r = min(n, m, rank)
-        if (n + m) * r * min_rate < n * m:
-            total += (n + m) * r
-        else:
-            total += numel
-    return total
-
-
-def wire_bytes(
-    comm_hook: str | None,
-    shapes: Iterable[torch.Size],
-    dtype: torch.dtype = torch.float32,
-    *,
-    powersgd_rank: int = 1,
-    min_compression_rate: float = 2.0,
-    warm_up: bool = False,
-) -> int:
-    """Bytes one rank contributes to allreduce per step for gradients of ``shapes``.
-
-    ``None``: the gradients in ``dtype``; ``"bf16"``/``"fp16"``: 2 bytes per element;
-    ``"powersgd"``: with ``warm_up`` (the first ``start_powerSGD_iter`` steps) the full
-    gradients, after it the rank-``powersgd_rank`` P and Q factors plus the tensors not worth
-    compressing (torch's ``min_compression_rate`` rule). A ring allreduce moves about
-    ``2 (W-1)/W`` times this per rank.
-    """
-    shapes = list(shapes)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = sum(int(torch.Size(s).numel()) for s in shapes)
-    if comm_hook is None:
-        return numel * itemsize
-    if comm_hook in ("bf16", "fp16"):
-        return numel * 2
-    if warm_up:
-        return numel * itemsize
-    return _powersgd_elements(shapes, powersgd_rank, min_compression_rate) * itemsize
-
-
-def _hook_wire_bytes(
-    comm_hook: str, shapes: Iterable[torch.Size], dtype: torch.dtype, state: Any
-) -> int:
-    if comm_hook != "powersgd" or state is None:
-        return wire_bytes(comm_hook, shapes, dtype)
-    return wire_bytes(
-        comm_hook,
-        shapes,
-        dtype,
-        powersgd_rank=state.matrix_approximation_rank,
-        min_compression_rate=state.min_compression_rate,
-        warm_up=state.iter < state.start_powerSGD_iter,
-    )
 
 
 def _timed_hook(
@@ -257,103 +152,20 @@ def _timed_hook(
     :func:`ringtrain.monitor.timing.timed_comm_hook`, but reporting the bytes the hook puts on
     the wire (compressed), not the bucket's fp32 size."""
 
-    # No annotations: DDP checks them against dist.GradBucket and Future.
-    def timed(state, bucket):
+    @as_comm_hook
+    def timed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         shapes = [g.shape for g in bucket.gradients()]
-        nbytes = _hook_wire_bytes(comm_hook, shapes, bucket.buffer().dtype, state)
+        nbytes = hook_wire_bytes(comm_hook, shapes, bucket.buffer().dtype, state)
         started = time.perf_counter()
         fut = hook(state, bucket)
 
-        def done(f):
+        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
             timer.comm_done(started, nbytes)
             return f.value()
 
         return fut.then(done)
 
     return timed
-
-
-# ---------------------------------------------------------------------------------- PowerSGD state
-
-
-def overflow_guarded(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """``powerSGD_hook`` for fp16 loss scaling: when a bucket's gradients overflowed (the
-    GradScaler will skip this step), forget the bucket's error-feedback residual and its P/Q
-    memories, which would otherwise hold inf/NaN and poison every later step. The bucket's next
-    compression starts afresh (zero residual, new random Q), as on its first step. Costs one
-    ``isfinite`` pass and one device-to-host sync per bucket per step."""
-
-    def guarded(state, bucket):
-        index = bucket.index()
-
-        def check(f):
-            result = f.value()
-            tensor = result[0] if isinstance(result, list) else result
-            if not bool(torch.isfinite(tensor).all()):
-                for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
-                    memory.pop(index, None)
-            return tensor
-
-        return hook(state, bucket).then(check)
-
-    return guarded
-
-
-class PowerSGDStateDict:
-    """The resumable part of a ``PowerSGDState`` as a Stateful object (this rank's).
-
-    ``state_dict()`` holds ``iter`` (steps seen), the seed stream (NumPy ``RandomState``, as
-    tensors), and the per-bucket ``error`` residuals and ``p``/``q`` memories. The residuals
-    differ across ranks, so TrainState saves it in each rank's file. After a restore, PowerSGD
-    continues where it stopped (no second warm-up), bit-exactly with :class:`FixedOrderDDP`
-    (the default), whose buckets are the same from the first step on; with
-    ``bucket_order="rebuild"`` only when torch's initial layout equals its rebuilt one.
-    """
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        s = self.state
-        name, key, pos, has_gauss, gauss = s.rng.get_state()
-        return {
-            "iter": int(s.iter),
-            "rng": {
-                "name": str(name),
-                "key": torch.from_numpy(key.astype("int64")),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "gauss": float(gauss),
-            },
-            "error": {int(k): v for k, v in s.error_dict.items()},
-            "p": {int(k): v for k, v in s.p_memory_dict.items()},
-            "q": {int(k): v for k, v in s.q_memory_dict.items()},
-            "numel_before": int(s.total_numel_before_compression),
-            "numel_after": int(s.total_numel_after_compression),
-            "next_stats_report": int(s.next_stats_report),
-        }
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        import numpy as np
-
-        s = self.state
-        s.iter = int(sd["iter"])
-        rng = sd["rng"]
-        s.rng.set_state(
-            (
-                rng["name"],
-                rng["key"].numpy().astype(np.uint32),
-                int(rng["pos"]),
-                int(rng["has_gauss"]),
-                float(rng["gauss"]),
-            )
-        )
-        for attr, key in (("error_dict", "error"), ("p_memory_dict", "p"), ("q_memory_dict", "q")):
-            getattr(s, attr).clear()
-            getattr(s, attr).update({int(k): v.clone() for k, v in sd[key].items()})
-        s.total_numel_before_compression = int(sd["numel_before"])
-        s.total_numel_after_compression = int(sd["numel_after"])
-        s.next_stats_report = int(sd["next_stats_report"])
 
 
 # ---------------------------------------------------------------------------------- wrapping
@@ -411,43 +223,17 @@ class FixedOrderDDP(torch.nn.parallel.DistributedDataParallel):
         self._fix_bucket_layout()
 
 
-def _single_bucket_mb(model: torch.nn.Module, requested: float | None) -> float:
-    """``bucket_cap_mb`` that puts every gradient of ``model`` in one DDP bucket (an explicit cap
-    also caps DDP's first bucket, so there is one bucket from the first step on).
-
-    Why, for PowerSGD on gloo: ``powerSGD_hook`` issues a bucket's second allreduce (of Q) from
-    the completion callback of its first (of P), on gloo's thread, while the autograd thread
-    issues the next bucket's allreduce. With two or more buckets the two ranks can issue these
-    collectives in different orders, and gloo aborts ("Received data size doesn't match expected
-    size") or hangs: measured with torch 2.13 on a 10M-parameter MLP at W=2 (two 25 MB buckets),
-    in plain torch as well. One bucket leaves a single collective chain per step.
-    """
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    needed = grad_bytes / 2**20 + 1.0
-    if requested is not None and requested < needed:
-        logger.warning(
-            "prepare_model(comm_hook='powersgd'): bucket_cap_mb=%s raised to %.0f so that all "
-            "gradients form one DDP bucket (torch's PowerSGD hook can issue collectives in a "
-            "different order on each rank with several buckets on gloo)",
-            requested,
-            needed,
-        )
-    return max(needed, requested or 0.0)
-
-
 def sync_unless_restored(ddp: torch.nn.Module, generation: int) -> None:
     """Stand in for the initial broadcast of a DDP built with ``init_sync=False`` on re-entering
-    the train function after an elastic resize (:func:`ringtrain.elastic.worker.
-    deferred_sync_generation`). At the first forward, the ranks agree (one allreduce MIN of a
-    flag) on whether every one of them loaded generation ``generation``'s snapshot into the
-    module (``TrainState.restore()``): then the parameters already agree and only the buffers
-    are broadcast from rank 0 (they may differ per rank under ``broadcast_buffers=False``, as
-    after a restart from disk they would not); otherwise every parameter and buffer is, as DDP's
-    constructor would have done.
+    the train function after an elastic resize (a ``before_wrap`` hook set
+    :attr:`ringtrain.hooks.ModelSetup.sync_token` to ``generation``). At the first forward, the
+    ranks agree (one allreduce MIN of a flag) on whether every one of them loaded that state into
+    the module (its :data:`ringtrain.hooks.SYNC_TOKEN_ATTR` equals ``generation``): then the
+    parameters already agree and only the buffers are broadcast from rank 0 (they may differ per
+    rank under ``broadcast_buffers=False``, as after a restart from disk they would not);
+    otherwise every parameter and buffer is, as DDP's constructor would have done.
     """
     import torch.distributed as dist
-
-    from ringtrain.elastic.worker import RESTORED_ATTR
 
     module: Any = ddp.module
     device = next(iter(module.parameters()), torch.empty(0)).device
@@ -455,7 +241,7 @@ def sync_unless_restored(ddp: torch.nn.Module, generation: int) -> None:
 
     def first_forward(_ddp: Any, _args: Any) -> None:
         handle.remove()
-        restored = module.__dict__.get(RESTORED_ATTR) == generation
+        restored = module.__dict__.get(SYNC_TOKEN_ATTR) == generation
         flag = torch.tensor([int(restored)], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         tensors = list(module.buffers())
@@ -496,10 +282,10 @@ def wrap_ddp(
         comm_hook_options: PowerSGD options (see :data:`POWERSGD_DEFAULTS`).
         loss_scaling: the loop uses fp16 loss scaling (``precision="16-mixed"``): PowerSGD is
             then :func:`overflow_guarded`.
-        defer_sync_generation: re-entering after an elastic resize with this generation's
-            snapshot: skip DDP's initial broadcast and check at the first forward instead
-            (:func:`sync_unless_restored`). Ignored when ``ddp_kwargs`` sets ``init_sync`` or
-            this torch's DDP has no ``init_sync``.
+        defer_sync_generation: the ``sync_token`` of a ``before_wrap`` hook (re-entering after
+            an elastic resize with this generation's snapshot): skip DDP's initial broadcast and
+            check at the first forward instead (:func:`sync_unless_restored`). Ignored when
+            ``ddp_kwargs`` sets ``init_sync`` or this torch's DDP has no ``init_sync``.
         bucket_order: ``"fixed"`` (:class:`FixedOrderDDP`) or ``"rebuild"`` (torch's DDP); see
             :data:`BUCKET_ORDERS`.
 
@@ -517,7 +303,7 @@ def wrap_ddp(
     module = model
     kwargs = dict(ddp_kwargs or {})
     if comm_hook == "powersgd" and device.type != "cuda":
-        kwargs["bucket_cap_mb"] = _single_bucket_mb(model, kwargs.get("bucket_cap_mb"))
+        kwargs["bucket_cap_mb"] = single_bucket_mb(model, kwargs.get("bucket_cap_mb"))
     defer = (
         defer_sync_generation is not None
         and "init_sync" not in kwargs
