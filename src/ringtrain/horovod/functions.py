@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtrain.horovod.ops import _view
+from ringtrain.horovod.handles import _view
 from ringtrain.horovod.process_sets import global_process_set
 from ringtrain.horovod.runtime import negotiate, runtime
 

@@ -12,7 +12,6 @@ NCCL with one GPU per rank): there is no MPI and no Horovod background thread.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.comm.fusion import BufferPool
 from ringtrain.env import DistributedContext
+from ringtrain.horovod.metadata import DUP, hash63, metadata_row, mismatches
 
 __all__ = [
     "HorovodInternalError",
@@ -82,6 +83,9 @@ class Runtime:
     """Exchange each operation's descriptor before its data (``False`` only for benchmarks:
     a mismatch then hangs or corrupts instead of raising on every rank)."""
     duplicate_pending: bool = False
+    pool: BufferPool = field(default_factory=BufferPool)
+    """The fusion buffers of this runtime's fused allreduces (kept between calls, as Horovod
+    keeps its fusion buffer; :func:`shutdown` drops them)."""
 
     @property
     def size(self) -> int:
@@ -155,7 +159,7 @@ class Runtime:
         ranks = tuple(ps.ranks or ())
         n = self.ctx.world_size
         bad = [r for r in ranks if not 0 <= r < n]
-        negotiate("add_process_set", None, [], extra=_hash63(repr(ranks)))
+        negotiate("add_process_set", None, [], extra=hash63(repr(ranks)))
         if not ranks or bad:
             raise ValueError(
                 f"add_process_set: ranks {list(ranks)} must be a non-empty list of ranks in "
@@ -198,6 +202,9 @@ class Runtime:
         return pending
 
 
+#: The one Runtime of this process. Horovod's API is module-level by contract (``hvd.init()``,
+#: ``hvd.rank()`` take no context), so its state lives in this slot: set by init(), cleared by
+#: shutdown(), guarded by _slot_lock.
 _runtime: Runtime | None = None
 _slot_lock = threading.Lock()
 
@@ -284,9 +291,7 @@ def shutdown() -> None:
             pending.finish()
         except Exception:
             pass
-    from ringtrain.comm.fusion import POOL
-
-    POOL.clear()
+    rt.pool.clear()
 
 
 def _destroy_owned_group() -> None:
@@ -410,40 +415,6 @@ def ccl_built() -> bool:
     return False
 
 
-# ------------------------------------------------------------------ cross-rank metadata check
-
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
-_HEADER = 10
-_KIND, _NAME, _DTYPE, _NDIM, _SHAPE, _DIM0, _EXTRA, _COUNT, _DUP, _PAYLOAD = range(_HEADER)
-
-
-def _hash63(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else 100 + _hash63(str(dtype)) % 1000
-
-
-def _describe(row: list[int]) -> str:
-    code = row[_DTYPE]
-    dtype = str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else f"#{code}"
-    return f"dtype {dtype}, {row[_NDIM]} dims, first dim {row[_DIM0]}"
-
-
 def negotiate(
     kind: str,
     name: str | None,
@@ -490,30 +461,7 @@ def negotiate(
         view = rt.set_view(None)
     n = view.size
     duplicate, rt.duplicate_pending = rt.duplicate_pending, False
-    t0 = tensors[0] if tensors else torch.empty(0)
-    if len(tensors) == 1:
-        rest = tuple(t0.shape[1:]) if vary_first_dim else tuple(t0.shape)
-        shape_hash = _hash63(repr(rest))
-    else:
-        shape_hash = _hash63(
-            repr(
-                [(str(t.dtype), tuple(t.shape[1:] if vary_first_dim else t.shape)) for t in tensors]
-            )
-        )
-    if signature is not None:
-        shape_hash = _hash63(f"{shape_hash}|{signature}")
-    row = [
-        _hash63(kind),
-        _hash63(name) if name else 0,
-        _dtype_code(t0.dtype),
-        t0.dim(),
-        shape_hash,
-        int(t0.shape[0]) if t0.dim() > 0 else 1,
-        int(extra),
-        len(tensors),
-        int(duplicate),
-        int(payload),
-    ]
+    row = metadata_row(kind, name, tensors, vary_first_dim, extra, duplicate, payload, signature)
     row += list(splits) if splits is not None else [0] * n
     rows = [row]
     if n > 1 and rt.check:
@@ -525,7 +473,7 @@ def negotiate(
             raise HorovodInternalError(f"{kind}: the metadata exchange failed: {exc}") from exc
         rows = [g.tolist() for g in gathered]
     label = f"{kind}" + (f" {name!r}" if name else "")
-    dups = [view.ranks[i] for i, other in enumerate(rows) if other[_DUP]]
+    dups = [view.ranks[i] for i, other in enumerate(rows) if other[DUP]]
     if len(rows) == 1 and duplicate:
         dups = [rt.rank]
     if dups:
@@ -534,27 +482,7 @@ def negotiate(
             "synchronize() its handle before reusing the name, or give this one another name "
             "(raised on every rank of the operation)"
         )
-    first = rows[0]
-    problems = []
-    for i, other in enumerate(rows[1:], start=1):
-        r, r0 = view.ranks[i], view.ranks[0]
-        if other[_KIND] != first[_KIND]:
-            problems.append(f"rank {r} called another operation than rank {r0}")
-        elif other[_NAME] != first[_NAME]:
-            problems.append(f"rank {r} used another name than rank {r0}")
-        elif other[_EXTRA] != first[_EXTRA]:
-            problems.append(f"rank {r} passed another op/root rank/process set than rank {r0}")
-        elif other[_COUNT] != first[_COUNT]:
-            problems.append(
-                f"rank {r} passed {other[_COUNT]} tensors, rank {r0} passed {first[_COUNT]}"
-            )
-        elif other[_DTYPE : _SHAPE + 1] != first[_DTYPE : _SHAPE + 1] or (
-            not vary_first_dim and other[_DIM0] != first[_DIM0]
-        ):
-            problems.append(
-                f"rank {r} has {_describe(other)}; rank {r0} has {_describe(first)}"
-                + (" (or other tensor names/shapes)" if signature is not None else "")
-            )
+    problems = mismatches(rows, view.ranks, vary_first_dim, signature)
     if problems:
         raise RuntimeError(
             f"{label}: mismatched calls across ranks ({'; '.join(problems)}); every rank must "
