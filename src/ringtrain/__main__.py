@@ -2,6 +2,6 @@
 
 import sys
 
-from ringtrain.cli import main
+from ringtrain.cli.main import main
 
 sys.exit(main())

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from ringtrain.chaos.plan import FAULT_KINDS
+from ringtrain.cli.common import positive_int
 
 CHAOS_HELP = """\
 Verify that a training resumes exactly: run it once without faults, then
@@ -42,8 +43,6 @@ Examples:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The ``chaos`` subcommand's parser."""
-    from ringtrain.cli import _positive_int
-
     p: argparse.ArgumentParser = sub.add_parser(
         "chaos",
         help="verify exact resume under random faults (kills, hangs, driver kills)",
@@ -58,11 +57,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "scaling_config, else 2)",
     )
     p.add_argument(
-        "--runs", type=_positive_int, default=3, help="faulty runs per world size (default: 3)"
+        "--runs", type=positive_int, default=3, help="faulty runs per world size (default: 3)"
     )
     p.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         help="stop every run after this many TrainState steps (default: the training's length)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the fault schedules (default 0)")
@@ -72,7 +71,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help=f"fault kinds to draw from (default: {','.join(FAULT_KINDS)})",
     )
     p.add_argument(
-        "--faults-per-run", type=_positive_int, default=2, metavar="F", help="(default: 2)"
+        "--faults-per-run", type=positive_int, default=2, metavar="F", help="(default: 2)"
     )
     p.add_argument(
         "--hang-timeout",

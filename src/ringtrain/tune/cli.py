@@ -12,6 +12,9 @@ import dataclasses
 import os
 import runpy
 import sys
+from typing import Any
+
+from ringtrain.cli.common import positive_int, refuse
 
 REQUIRED = ("train_fn", "param_space", "tune_config")
 
@@ -51,6 +54,49 @@ def _undefined(script: str) -> list[str]:
     return [name for name in REQUIRED if name not in bound]
 
 
+TUNE_HELP = """\
+Run the hyperparameter sweep that SCRIPT defines: a Python file with
+  train_fn      the training function (as for ringtrain.Trainer)
+  param_space   the search space: tune.uniform / loguniform / randint / choice /
+                grid_search, constants and nested dicts
+  tune_config   tune.TuneConfig(metric=..., mode=..., num_samples=..., ...)
+and optionally scaling_config (each trial's workers) and run_config (name,
+storage path). Every trial is an N-worker ringtrain run in RUN/trial_NNNN/;
+the Optuna study is RUN/study.db. Running the same sweep again (same name),
+or `ringtrain tune --resume RUN`, continues it: finished trials are kept and
+interrupted ones resume from their checkpoints.
+
+Examples:
+  ringtrain tune examples/tune_mnist.py
+  ringtrain tune examples/tune_mnist.py --num-samples 32 -n 2 --name wide
+  ringtrain tune --resume runs/tune_mnist
+  optuna-dashboard sqlite:///runs/tune_mnist/study.db
+"""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The ``tune`` subcommand's parser, added to ``sub`` (an ``add_subparsers()`` result)."""
+    p = sub.add_parser(
+        "tune",
+        help="run a hyperparameter sweep whose trials are distributed runs",
+        description=TUNE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("script", nargs="?", help="the sweep script (see above)")
+    p.add_argument("--resume", metavar="RUN", help="continue the sweep in directory RUN")
+    p.add_argument("--name", help="the sweep's name (default: the script's run_config)")
+    p.add_argument("--storage-path", help="where the sweep directory goes (default ./runs)")
+    p.add_argument("--num-samples", type=positive_int, help="trials (x grid size)")
+    p.add_argument(
+        "-n", "--num-workers", type=positive_int, dest="num_workers", help="workers per trial"
+    )
+    p.add_argument("--max-concurrent-trials", type=positive_int)
+    p.add_argument(
+        "--progress", choices=("auto", "rich", "plain", "off"), help="the sweep's display"
+    )
+    return p
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Returns 0 when at least one trial completed, 1 otherwise (2 for usage errors)."""
     import ringtrain as rt
@@ -70,8 +116,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"no such sweep script: {args.script}")
         missing = _undefined(args.script)
         if missing:  # refused before its top-level code runs in this (driver) process
-            from ringtrain.cli import refuse
-
             refuse(
                 "tune",
                 f"{args.script} is not a sweep script: it defines no {', '.join(missing)} at "
