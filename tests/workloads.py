@@ -458,9 +458,9 @@ def _elastic_grow_hooks(config, step: int) -> None:
     if config.get("slow_world") == world:
         time.sleep(config.get("slow_s", 0.2))
         if step == config.get("hold_step"):
-            from ringtrain import session
+            from ringtrain.elastic.worker import current_runtime
 
-            elastic = session._session.elastic if session._session is not None else None
+            elastic = current_runtime()
             deadline = time.monotonic() + 300
             while elastic is not None and not elastic.grow_requested:
                 if time.monotonic() > deadline:

@@ -16,6 +16,10 @@ nothing goes on the wire; the last micro-step of the group allreduces the accumu
 The count of micro-steps since the last allreduce is kept on the model, and TrainState saves it
 in each rank's file together with the partial (not yet allreduced, so per-rank) gradients when a
 checkpoint falls inside a group: a resume mid-accumulation continues the group bit-exactly.
+
+:func:`split_batch` and :func:`micro_batches` cut one step's batch into weighted micro-batches
+run under :func:`accumulate` (``PreparedDataLoader.micro_batches``; an elastic run's
+``elastic_batch_policy="accumulate"``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.state import RANK_STATE_ATTR, _unwrap, attach_rank_state
+from ringtrain.state_files import RANK_STATE_ATTR, attach_rank_state, unwrap
 
 _NAME = "accumulation"
 
@@ -73,10 +77,10 @@ class AccumulationState:
 
 
 def _state_of(model: torch.nn.Module) -> AccumulationState:
-    registry = getattr(_unwrap(model), RANK_STATE_ATTR, None) or {}
+    registry = getattr(unwrap(model), RANK_STATE_ATTR, None) or {}
     found = registry.get(_NAME)
     if found is None:
-        found = AccumulationState(_unwrap(model))
+        found = AccumulationState(unwrap(model))
         attach_rank_state(model, _NAME, found)
     return found
 
@@ -110,3 +114,82 @@ def accumulate(model: torch.nn.Module, steps: int) -> Iterator[bool]:
         with model.no_sync():
             yield sync
     state.micro_step = 0 if sync else state.micro_step + 1
+
+
+def batch_length(batch: Any) -> int | None:
+    """Samples in ``batch``: dim 0 of its first tensor (nested in tuples, lists, dicts)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if isinstance(batch, Mapping):
+        items: Any = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        found = batch_length(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _slice(value: Any, start: int, stop: int, n: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[start:stop] if value.dim() and value.shape[0] == n else value
+    if isinstance(value, Mapping):
+        return type(value)({k: _slice(v, start, stop, n) for k, v in value.items()})  # type: ignore[call-arg]
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_slice(v, start, stop, n) for v in value))
+    if isinstance(value, (list, tuple)):
+        nested = any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in value)
+        if len(value) == n and not nested:
+            return type(value)(value[start:stop])  # a collated list of strings, ids...
+        return type(value)(_slice(v, start, stop, n) for v in value)
+    return value
+
+
+def split_batch(batch: Any, max_size: int) -> list[tuple[Any, float]]:
+    """``batch`` cut along dim 0 into ``ceil(n / max_size)`` nearly equal micro-batches (sizes
+    differ by at most one, larger first), each with its weight ``len(micro) / n`` (pure).
+
+    Tensors whose dim 0 is the batch length are sliced, as are collated lists of that length
+    (of strings, numbers); everything else (scalars, other tensors) is repeated in each part.
+
+    Args:
+        batch: a tensor, or tuples, lists and dicts of them.
+        max_size: the largest micro-batch (samples, >= 1).
+
+    Returns:
+        ``[(micro_batch, weight), ...]``; ``[(batch, 1.0)]`` when ``n <= max_size`` or ``batch``
+        has no tensor with a batch dimension.
+
+    Raises:
+        ValueError: ``max_size`` < 1.
+    """
+    if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+        raise ValueError(f"micro_batches: max_size must be an integer >= 1, got {max_size!r}")
+    n = batch_length(batch)
+    if n is None or n <= max_size:
+        return [(batch, 1.0)]
+    parts = -(-n // max_size)
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append((_slice(batch, start, start + size, n), size / n))
+        start += size
+    return out
+
+
+def micro_batches(batch: Any, model: Any, max_size: int | None) -> Iterator[tuple[Any, float]]:
+    """Yield ``(micro_batch, weight)`` for each part of :func:`split_batch`; the caller runs the
+    forward and ``(loss * weight).backward()`` of each before taking the next. With a DDP
+    ``model``, all but the last run under ``no_sync()`` (through :func:`ringtrain.accumulate`),
+    so the gradients are allreduced once per step. ``max_size=None``: ``batch`` whole."""
+    parts = [(batch, 1.0)] if max_size is None else split_batch(batch, max_size)
+    if model is None:
+        yield from parts
+        return
+    for part in parts:
+        with accumulate(model, len(parts)):
+            yield part

@@ -127,36 +127,47 @@ class WorkerPlugin(Protocol):
 
     def on_worker_start(self, session: Any) -> None:
         """The session (:class:`ringtrain.session.Session`) is installed; no train function ran."""
+        return None
 
     def on_worker_stop(self, error: BaseException | None) -> None:
         """The train function returned (``error`` is None) or raised ``error``."""
+        return None
 
     def on_step(self, state: StepState) -> None:
         """``state.step`` was just set (a ``TrainState``); may raise to leave the train function."""
+        return None
 
     def on_batch_start(self) -> None:
         """A prepared loader is about to fetch a batch; may raise to leave the train function."""
+        return None
 
     def on_batch(self, batch: object) -> None:
         """A prepared loader hands ``batch`` out (already on the device)."""
+        return None
 
     def on_batches_end(self) -> None:
         """A prepared loader's iteration ended (epoch end, or the loop broke out of it)."""
+        return None
 
     def on_prepare_loader(self, setup: LoaderSetup) -> None:
         """``prepare_data_loader`` starts; ``setup`` may be changed in place."""
+        return None
 
     def before_wrap(self, setup: ModelSetup) -> None:
         """``prepare_model`` placed the module; wrapping comes next. ``setup`` may be changed."""
+        return None
 
     def after_wrap(self, setup: ModelSetup) -> None:
         """``prepare_model`` wrapped the module into ``setup.model``; ``setup`` may be changed."""
+        return None
 
     def on_restore(self, state: object, checkpoint: object) -> None:
         """``TrainState.restore()`` loaded ``checkpoint`` into ``state``."""
+        return None
 
     def on_report(self, metrics: Mapping[str, object], round_: int) -> None:
         """``report()`` is about to send round ``round_``'s (clean) ``metrics``."""
+        return None
 
 
 def _defined(plugin: object, name: str) -> Callable[..., Any] | None:

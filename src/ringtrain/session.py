@@ -68,9 +68,6 @@ class Session:
     progress_hint: dict[str, Any] = field(default_factory=dict)
     _hint_sent: dict[str, Any] | None = None
     hooks: HookRegistry = field(default_factory=HookRegistry)
-    elastic: Any = None  # the ElasticRuntime of an elastic run (ringtrain.elastic.worker)
-    # Called with every new TrainState.step, on the training thread (ringtrain.chaos's faults).
-    step_listeners: list[Any] = field(default_factory=list)
     _writer: Any = None
     _run_fs: Any = None
     _run_path: str | None = None
@@ -151,10 +148,15 @@ _session: Session | None = None
 _session_lock = threading.Lock()
 
 
-def _install_session(session: Session) -> None:
+def install_session(session: Session) -> None:
+    """Make ``session`` this process's session (the worker bootstrap does, before the train
+    function runs; an integration that builds its own context may too)."""
     global _session
     with _session_lock:
         _session = session
+
+
+_install_session = install_session  # the name tests used
 
 
 def _reset_session() -> None:
@@ -246,8 +248,6 @@ def mark_progress(step: int | None = None) -> None:
         session.progress_count += 1
         if step is not None:
             session.last_step = step
-            for listener in session.step_listeners:
-                listener(step)
 
 
 def current_timer() -> Any:
@@ -323,7 +323,7 @@ def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
     if checkpoint is not None:
         if isinstance(checkpoint, Checkpoint):
             files, error = _write_checkpoint(session, round_, directory=checkpoint)
-        elif hasattr(checkpoint, "_checkpoint_writers"):
+        elif hasattr(checkpoint, "checkpoint_writers"):
             files, error, pending = _save_state(session, round_, checkpoint)
         else:
             raise TypeError(
@@ -407,7 +407,7 @@ def _save_state(session: Session, round_: int, state: Any) -> tuple[Any, str | N
             )
         return {}, None, False
     if not session.async_checkpoint or session.channel is None:
-        files, error = _write_checkpoint(session, round_, writers=state._checkpoint_writers(False))
+        files, error = _write_checkpoint(session, round_, writers=state.checkpoint_writers(False))
         return files, error, False
     from ringtrain.checkpoint.writer import AsyncCheckpointWriter
 
@@ -415,7 +415,7 @@ def _save_state(session: Session, round_: int, state: Any) -> tuple[Any, str | N
         session._writer = AsyncCheckpointWriter()
     writer = session._writer
     writer.wait()  # at most one staged copy in memory
-    writers = state._checkpoint_writers(True)
+    writers = state.checkpoint_writers(True)
     channel = session.channel
     rank = session.context.world_rank
 

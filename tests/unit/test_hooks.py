@@ -4,11 +4,16 @@ and restore, a prepared loader, prepare_model, report), and one way to call a tr
 
 from __future__ import annotations
 
+import ast
+import importlib
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import ringtrain as rt
 from ringtrain import hooks as hooks_mod
 from ringtrain import session as session_mod
 from ringtrain.hooks import HOOKS, HookRegistry, LoaderSetup, ModelSetup, WorkerPlugin
@@ -150,6 +155,104 @@ def _one_call_of_each(registry: HookRegistry) -> dict[str, tuple[Any, ...]]:
         "on_restore": (object(), "ckpt"),
         "on_report": ({"loss": 1.0}, 0),
     }
+
+
+def test_the_core_calls_each_hook(tmp_path):
+    """A plug-in in a plain process's session gets the hooks of the real call sites."""
+    log: list[tuple[Any, ...]] = []
+    hooks = session_mod.current_hooks()
+    assert session_mod.installed_session() is not None
+    hooks.register(Recorder(log))
+    model = rt.prepare_model(torch.nn.Linear(2, 1))
+    dataset = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(4, 2))
+    loader = rt.prepare_data_loader(torch.utils.data.DataLoader(dataset, batch_size=2))
+    state = rt.TrainState(model=model, data_loader=loader)
+    for _ in loader:
+        state.step += 1
+    rt.report({"loss": torch.tensor(0.5)})
+    names = [entry[0] for entry in log]
+    assert names == [
+        "before_wrap",
+        "after_wrap",
+        "on_prepare_loader",
+        "on_batch_start",
+        "on_batch",
+        "on_step",
+        "on_batch_start",
+        "on_batch",
+        "on_step",
+        "on_batch_start",
+        "on_batches_end",
+        "on_report",
+    ], names
+    assert log[0][2] is True and log[1][2] is model  # before: unwrapped; after: the result
+    assert [e[2] for e in log if e[0] == "on_step"] == [1, 2]
+    assert log[-1][2:] == ({"loss": 0.5}, 0)
+
+    ckpt = _InMemory(state.to_payload())
+    log.clear()
+    assert state.restore(ckpt)  # type: ignore[arg-type]
+    assert [entry[0] for entry in log] == ["on_restore"] and log[0][2] is ckpt
+
+
+class _InMemory:
+    """A checkpoint held in memory as a TrainState payload (as an elastic snapshot is)."""
+
+    uri = "memory-payload"
+
+    def __init__(self, files: dict[str, Any]) -> None:
+        self.in_memory_files = files
+
+
+CORE = (
+    "ringtrain.session",
+    "ringtrain.state",
+    "ringtrain.state_files",
+    "ringtrain.accumulate",
+    "ringtrain.prepare",
+    "ringtrain.data",
+    "ringtrain.hooks",
+)
+"""The worker's core: plug-ins (elastic, timing, precision) hook into it; it imports none."""
+PLUGIN_USERS = ("elastic", "launch", "controller", "trainer.py")
+"""Where ``ringtrain.elastic`` may be imported (src/ringtrain/...): elastic itself, the
+bootstrap that starts the elastic runner, the driver's policy, and the trainer's validation."""
+
+
+def test_the_core_imports_no_plugin():
+    """Importing each core module afresh loads no ``ringtrain.elastic`` module (nor, but for
+    prepare's DDP communication hook, the step timer), and no module outside
+    :data:`PLUGIN_USERS` imports ``ringtrain.elastic`` (at module or function level: the AST is
+    read, so an import inside a function counts)."""
+    saved = {k: m for k, m in sys.modules.items() if k == "ringtrain" or k.startswith("ringtrain.")}
+    try:
+        for name in CORE:
+            for key in [k for k in sys.modules if k == "ringtrain" or k.startswith("ringtrain.")]:
+                del sys.modules[key]
+            importlib.import_module(name)
+            loaded = sorted(k for k in sys.modules if k.startswith("ringtrain.elastic"))
+            assert not loaded, f"importing {name} imported {loaded}"
+            if name != "ringtrain.prepare":  # comm/ddp.py times DDP's allreduce hook itself
+                assert "ringtrain.monitor.timing" not in sys.modules, name
+    finally:
+        for key in [k for k in sys.modules if k == "ringtrain" or k.startswith("ringtrain.")]:
+            del sys.modules[key]
+        sys.modules.update(saved)
+    root = Path(hooks_mod.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.split("/")[0] in PLUGIN_USERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n == "ringtrain.elastic" or n.startswith("ringtrain.elastic.") for n in names):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, f"ringtrain.elastic imported outside {PLUGIN_USERS}: {offenders}"
 
 
 def test_call_train_fn_passes_the_config_only_to_a_function_that_takes_one():

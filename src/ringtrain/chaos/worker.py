@@ -1,12 +1,12 @@
 """The worker side of a campaign: the user's train function, wrapped to inject its faults.
 
 :class:`ChaosTrainFn` is what a campaign's runs ship to their workers instead of the bare train
-function. In each worker it listens to ``TrainState.step`` (``Session.step_listeners``): it stops
-the run cleanly after ``steps`` steps, fires this rank's faults when their step comes, and writes
-one JSON line per fired fault and per worker start (its first step) to ``log_dir/faults.jsonl``,
-which the campaign reads for the recovery times. A fault fires once per run: the first process to
-reach it creates ``log_dir/fired/N`` (exclusively) before acting, so a restarted attempt (or a
-resumed driver) that passes the same step again goes on.
+function. In each worker it listens to ``TrainState.step`` (a step hook, :mod:`ringtrain.hooks`):
+it stops the run cleanly after ``steps`` steps, fires this rank's faults when their step comes,
+and writes one JSON line per fired fault and per worker start (its first step) to
+``log_dir/faults.jsonl``, which the campaign reads for the recovery times. A fault fires once per
+run: the first process to reach it creates ``log_dir/fired/N`` (exclusively) before acting, so a
+restarted attempt (or a resumed driver) that passes the same step again goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringtrain.chaos.plan import Fault
+from ringtrain.hooks import StepState
 
 LOG_FILE = "faults.jsonl"
 FIRED_DIR = "fired"
@@ -78,18 +79,14 @@ class ChaosTrainFn:
 
     def __call__(self, config: dict[str, Any]) -> None:
         from ringtrain import session as session_mod
-        from ringtrain.launch.worker import _takes_config
 
         sess = session_mod.current_session()
         injector = _Injector(self, sess.context.world_rank, sess.context.attempt)
-        sess.step_listeners.append(injector.on_step)
+        sess.hooks.register(injector)
         try:
-            if _takes_config(self.train_fn):
-                self.train_fn(config)
-            else:
-                self.train_fn()
+            session_mod.call_train_fn(self.train_fn, config)
         finally:
-            sess.step_listeners.remove(injector.on_step)
+            sess.hooks.unregister(injector)
 
 
 class _Injector:
@@ -107,7 +104,9 @@ class _Injector:
         if any(f.kind == "write" for _, f in self.pending):
             _install_write_hook()
 
-    def on_step(self, step: int) -> None:
+    def on_step(self, state: StepState) -> None:
+        """The worker's step hook (:mod:`ringtrain.hooks`): ``state.step`` was just set."""
+        step = state.step
         now = time.time()
         if self.last_t is not None:
             self.step_s = now - self.last_t

@@ -18,6 +18,7 @@ from ringtrain.controller.generation import Generation, Grow
 from ringtrain.controller.health import HELLO_TIMEOUT_S
 from ringtrain.controller.policy import Decision
 from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
+from ringtrain.launch.base import GrowableGroup
 from ringtrain.result import WorkerFailure
 from ringtrain.rundir.schema import (
     GrowFailedEvent,
@@ -61,6 +62,12 @@ class ElasticCoordinator:
         self.grow, self.grow_idle_since = None, None
         self.grow_failures = 0
 
+    def _growable(self) -> GrowableGroup | None:
+        """The worker group, when its launcher can resize and grow it in place (it implements
+        :class:`~ringtrain.launch.base.GrowableGroup`); None otherwise."""
+        group = self.ctl.group
+        return group if isinstance(group, GrowableGroup) else None
+
     # ------------------------------------------------------------------ resizing
     def after_failure(self, gen: Generation) -> tuple[ElasticDecision, Generation]:
         """After a failure: wait for the survivors (WAIT), resize in place (RESIZE: the new
@@ -80,7 +87,7 @@ class ElasticCoordinator:
             verdict = self.ctl.failure_policy.decide(failure, len(self.ctl.failures) + 1)
             if verdict.decision is Decision.RAISE:
                 decision = ElasticDecision(ElasticAction.FALLBACK, verdict.reason)
-            elif not callable(getattr(self.ctl.group, "resize", None)):
+            elif self._growable() is None:
                 decision = ElasticDecision(
                     ElasticAction.FALLBACK,
                     "not resizing in place: this launcher cannot resize a worker group",
@@ -106,7 +113,8 @@ class ElasticCoordinator:
         """Turn the survivors into the next generation of the group, ranks renumbered in order,
         without restarting a process."""
         ctl = self.ctl
-        assert ctl.group is not None and decision.snapshot_step is not None
+        group = self._growable()
+        assert group is not None and decision.snapshot_step is not None
         ctl.failures.append(failure)
         ctl.callback("on_failure", failure)
         self.generation += 1
@@ -134,7 +142,7 @@ class ElasticCoordinator:
         new = self.next_generation(gen, new_world, info)
         if self.grow is not None:  # workers waiting to join a group that just lost one
             self._grow_failed(self.grow, f"a member was lost ({failure.message})", backoff=False)
-        ctl.group.resize(assignment, orders)  # type: ignore[attr-defined]
+        group.resize(assignment, orders)
         message = (
             f"{decision.reason}: {failure.message}; rolling back to the snapshot of step "
             f"{decision.snapshot_step} ({rolled_back} steps); failure {len(ctl.failures)}"
@@ -244,9 +252,11 @@ class ElasticCoordinator:
     def _request_pause(self, gen: Generation, grow: Grow) -> None:
         if set(grow.ranks) <= grow.ready:
             grow.requested = True
+            group = self._growable()
+            assert group is not None  # a grow started, so the group can grow
             for rank in range(gen.world_size):
                 try:
-                    self.ctl.group.send(rank, GrowRequest(self.generation))  # type: ignore[union-attr]
+                    group.send(rank, GrowRequest(self.generation))
                 except OSError:
                     pass  # that member is gone: its failure follows and cancels the grow
         elif time.monotonic() - grow.started_at > max(
@@ -257,13 +267,14 @@ class ElasticCoordinator:
 
     def _grow_start(self, gen: Generation) -> None:
         ctl = self.ctl
+        group = self._growable()
         assert self.policy is not None and ctl.group is not None
         if (
             self.grow_idle_since is None
             or gen.resize is not None  # the last resize has not resumed yet
             or gen.done
             or gen.exited
-            or not callable(getattr(ctl.group, "grow", None))
+            or group is None
         ):
             return
         ranks = self.policy.grow_ranks(
@@ -272,7 +283,7 @@ class ElasticCoordinator:
         if not ranks:
             return
         try:
-            started = list(ctl.group.grow(ranks))  # type: ignore[attr-defined]
+            started = list(group.grow(ranks))
         except (OSError, RuntimeError, ValueError) as exc:
             self._grow_failed(Grow(ranks), f"could not start workers: {exc}", discard=[])
             return
@@ -319,8 +330,9 @@ class ElasticCoordinator:
         ``backoff``)."""
         assert self.policy is not None
         ranks = grow.ranks if discard is None else discard
-        if ranks and callable(getattr(self.ctl.group, "discard", None)):
-            self.ctl.group.discard(ranks)  # type: ignore[union-attr]
+        group = self._growable()
+        if ranks and group is not None:
+            group.discard(ranks)
         if discard is None:
             self.grow = None
         if backoff:
@@ -339,7 +351,8 @@ class ElasticCoordinator:
         generation: each member is sent a Resize, the joiners get the newest snapshot by
         broadcast from a member."""
         ctl = self.ctl
-        assert ctl.group is not None
+        group = self._growable()
+        assert group is not None
         old_world = gen.world_size
         members = list(range(old_world))
         steps = {r: gen.interrupted[r].snapshot_step for r in members}
@@ -372,7 +385,7 @@ class ElasticCoordinator:
         new = self.next_generation(gen, new_world, info)
         self.grow = None
         try:
-            ctl.group.resize(assignment, orders)  # type: ignore[attr-defined]
+            group.resize(assignment, orders)
         except OSError as exc:  # a connection went away just now: restart from disk
             reason = f"growing back failed while re-forming the group ({exc})"
             new.elastic_fallback = True

@@ -35,12 +35,34 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+# Splitting a step's batch is not elastic's own: it lives with gradient accumulation (the names
+# are re-exported here, where they were).
+from ringtrain.accumulate import batch_length, micro_batches, split_batch
 from ringtrain.config import ELASTIC_BATCH_POLICIES
 from ringtrain.env import DistributedContext
+from ringtrain.session import installed_session
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+__all__ = [
+    "BatchPlan",
+    "batch_length",
+    "compatible_batch_sizes",
+    "constant_global_batch",
+    "current_lr_scale",
+    "install_lr_scaling",
+    "lr_scale_of",
+    "micro_batches",
+    "plan_batch",
+    "plan_for_loader",
+    "policy_of",
+    "split_batch",
+]
 
 logger = logging.getLogger("ringtrain")
 
@@ -169,9 +191,7 @@ def plan_for_loader(data_loader: Any, ctx: DistributedContext) -> BatchPlan | No
     Raises:
         ValueError: see :func:`plan_batch`.
     """
-    from ringtrain.elastic.worker import settings_of
-
-    settings = settings_of(ctx)
+    settings = ctx.config.elastic
     batch_size = getattr(data_loader, "batch_size", None)
     if settings is None or not batch_size:
         return None
@@ -203,57 +223,79 @@ def plan_for_loader(data_loader: Any, ctx: DistributedContext) -> BatchPlan | No
             plan.global_batch,
             plan.lr_scale,
         )
-    ensure_lr_scaling(ctx)
     return plan
 
 
-# ---------------------------------------------------------------------- micro-batches
-# Splitting a step's batch is not elastic's own: it lives with gradient accumulation.
-from ringtrain.accumulate import batch_length, micro_batches, split_batch  # noqa: E402
+def constant_global_batch(
+    data_loader: DataLoader[Any], ctx: DistributedContext, plan: BatchPlan | None = None
+) -> DataLoader[Any]:
+    """The loader to shard at world size ``ctx.world_size``: its ``batch_size`` (the per-worker
+    batch at ``max`` workers) becomes ``plan.per_worker_batch``, the samples per worker and
+    step that the run's ``elastic_batch_policy`` gives (``batch_size * max / world_size`` when
+    the global batch is kept; below). Outside an elastic run, or when
+    the per-worker batch does not change, ``data_loader`` itself.
 
-__all__ = ["batch_length", "micro_batches", "split_batch"]
+    Args:
+        data_loader: the user's ``DataLoader``.
+        ctx: this worker's context.
+        plan: the :class:`BatchPlan` (default: computed here).
+
+    Raises:
+        ValueError: if the policy keeps the global batch and it does not divide by the world
+            size (the message names the batch sizes that work, and ``"scale_lr"``).
+    """
+    if plan is None:
+        plan = plan_for_loader(data_loader, ctx)
+    if plan is None or plan.per_worker_batch == data_loader.batch_size:
+        return data_loader
+    from torch.utils.data import DataLoader
+
+    kwargs: dict[str, Any] = dict(
+        batch_size=plan.per_worker_batch,
+        sampler=data_loader.sampler,
+        num_workers=data_loader.num_workers,
+        collate_fn=data_loader.collate_fn,
+        pin_memory=data_loader.pin_memory,
+        drop_last=data_loader.drop_last,
+        timeout=data_loader.timeout,
+        worker_init_fn=data_loader.worker_init_fn,
+        multiprocessing_context=data_loader.multiprocessing_context,
+        generator=data_loader.generator,
+        persistent_workers=data_loader.persistent_workers,
+    )
+    if data_loader.num_workers > 0:
+        kwargs["prefetch_factor"] = data_loader.prefetch_factor
+    return DataLoader(data_loader.dataset, **kwargs)
 
 
 # ---------------------------------------------------------------------- learning rate
 
 
-_LR_HOOKS: list[Any] = []  # the handles of this worker process's global step hooks (once)
-
-
-def current_lr_scale() -> float:
-    """The factor this worker's optimizer steps apply to the learning rate now: ``W / max``
-    under ``elastic_batch_policy="scale_lr"``, else 1.0."""
-    from ringtrain import session
-
-    current = session._session
-    if current is None:
-        return 1.0
-    from ringtrain.elastic.worker import settings_of
-
-    ctx = current.context
-    settings = settings_of(ctx)
+def lr_scale_of(ctx: DistributedContext) -> float:
+    """The factor the optimizer steps of a worker in ``ctx`` apply to the learning rate: ``W /
+    max`` in an elastic run under ``elastic_batch_policy="scale_lr"``, else 1.0 (pure)."""
+    settings = ctx.config.elastic
     if settings is None or policy_of(ctx) != "scale_lr":
         return 1.0
     return ctx.world_size / settings.max_workers
 
 
-def ensure_lr_scaling(ctx: DistributedContext) -> None:
-    """:func:`install_lr_scaling` when this is an elastic run with
-    ``elastic_batch_policy="scale_lr"`` (called by ``prepare_model`` and
-    ``prepare_data_loader``); nothing otherwise."""
-    from ringtrain.elastic.worker import settings_of
-
-    if settings_of(ctx) is not None and policy_of(ctx) == "scale_lr":
-        install_lr_scaling()
+def current_lr_scale() -> float:
+    """:func:`lr_scale_of` this worker's context now (1.0 outside a worker's session)."""
+    session = installed_session()
+    return 1.0 if session is None else lr_scale_of(session.context)
 
 
-def install_lr_scaling() -> None:
-    """Register (once per worker process) global ``torch.optim`` step hooks that run every
-    optimizer step with each param group's ``lr`` multiplied by :func:`current_lr_scale` and
-    then put back the exact values it had (nothing but the update itself sees the scaled value:
-    no compounding across resizes, nothing scaled in a snapshot or checkpoint)."""
-    if _LR_HOOKS:
-        return
+def install_lr_scaling(scale: Callable[[], float]) -> list[Any]:
+    """Register global ``torch.optim`` step hooks that run every optimizer step with each param
+    group's ``lr`` multiplied by ``scale()`` and then put back the exact values it had (nothing
+    but the update itself sees the scaled value: no compounding across resizes, nothing scaled
+    in a snapshot or checkpoint).
+
+    Returns:
+        The hooks' two handles (torch's ``RemovableHandle``): the caller owns them (the elastic
+        plug-in installs them once per worker process and removes them when the worker stops).
+    """
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
@@ -262,12 +304,12 @@ def install_lr_scaling() -> None:
     saved: dict[int, list[Any]] = {}
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        scale = current_lr_scale()
-        if scale == 1.0:
+        factor = scale()
+        if factor == 1.0:
             return
         saved[id(optimizer)] = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * scale
+            group["lr"] = group["lr"] * factor
 
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
         original = saved.pop(id(optimizer), None)
@@ -275,5 +317,4 @@ def install_lr_scaling() -> None:
             for group, lr in zip(optimizer.param_groups, original, strict=True):
                 group["lr"] = lr
 
-    _LR_HOOKS.append(register_optimizer_step_pre_hook(pre))
-    _LR_HOOKS.append(register_optimizer_step_post_hook(post))
+    return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]

@@ -4,8 +4,9 @@ A snapshot is what a disk checkpoint of a :class:`~ringtrain.TrainState` holds, 
 memory instead of written: the shared payload (model, optimizer, LR scheduler, ... , step, epoch,
 extras; identical on every DDP rank, so any survivor's copy will do) and this rank's payload (its
 RNG states, data position and per-rank model state). Tensors are copied into buffers the snapshot
-owns and reuses from one snapshot to the next (``ringtrain.state._stage``), so a snapshot costs
-one host-memory copy of the state, no serialisation and no storage I/O.
+owns and reuses from one snapshot to the next (``TrainState.to_payload(staged=True)``, the payload
+a disk checkpoint writes), so a snapshot costs one host-memory copy of the state, no serialisation
+and no storage I/O.
 
 The per-rank payload is also sent to the next rank of the ring (rank ``r`` keeps the payload of
 rank ``r - 1 mod W``), so the RNG streams and data position of a rank that dies are still held by
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 
 from ringtrain.checkpoint.checkpoint import Checkpoint
-from ringtrain.state import STATE_FILE, _stage, rank_file
+from ringtrain.session import get_context
+from ringtrain.state import TrainState
+from ringtrain.state_files import STATE_FILE, capture_rng, rank_file, restore_rng
 
 logger = logging.getLogger("ringtrain")
 
@@ -34,8 +37,9 @@ class Snapshot:
 
     Attributes:
         step: the ``TrainState.step`` it was taken at (steps).
-        shared: the shared payload (``TrainState._shared_payload()``, host-memory tensors).
-        rank: this rank's payload (``TrainState._rank_payload()``).
+        shared: the shared part of ``TrainState.to_payload()`` (``train_state.pt``'s content,
+            host-memory tensors).
+        rank: this rank's part (``rank_NNNNN.pt``'s content).
         neighbour_rank: the rank whose per-rank payload ``neighbour`` is (``None``: none yet).
         neighbour: that rank's per-rank payload, serialised with ``torch.save`` (bytes).
     """
@@ -51,12 +55,18 @@ class Snapshot:
         """Host memory the snapshot's tensors occupy (bytes)."""
         return _tensor_bytes(self.shared) + _tensor_bytes(self.rank) + len(self.neighbour or b"")
 
+    def files(self, rank: int) -> dict[str, Any]:
+        """The snapshot as the TrainState payload of ``rank`` (``{file name: content}``)."""
+        return {STATE_FILE: self.shared, rank_file(rank): self.rank}
 
-def take(state: Any, previous: Snapshot | None) -> Snapshot:
-    """Snapshot ``state`` (a TrainState), copying into ``previous``'s buffers when shapes match."""
-    shared = _stage(state._shared_payload(), previous.shared if previous else None)
-    rank = _stage(state._rank_payload(), previous.rank if previous else None)
-    return Snapshot(step=int(state.step), shared=shared, rank=rank)
+
+def take(state: TrainState, previous: Snapshot | None) -> Snapshot:
+    """Snapshot ``state`` (its payload with the shared part, on every rank), copying into
+    ``previous``'s buffers when shapes match."""
+    rank = get_context().world_rank
+    reuse = previous.files(rank) if previous is not None else None
+    payload = state.to_payload(shared=True, staged=True, reuse=reuse)
+    return Snapshot(step=int(state.step), shared=payload[STATE_FILE], rank=payload[rank_file(rank)])
 
 
 def replicate_to_neighbour(snapshot: Snapshot, rank: int, world_size: int) -> None:
@@ -146,8 +156,6 @@ def joiner_rng(source_rng: Any, rank: int, generation: int) -> dict[str, Any]:
 
     import numpy as np
 
-    from ringtrain.state import capture_rng, restore_rng
-
     digest = hashlib.sha256(f"ringtrain-join/{rank}/{generation}/".encode())
     state = source_rng.get("torch") if isinstance(source_rng, dict) else None
     if isinstance(state, torch.Tensor):
@@ -179,8 +187,8 @@ class SnapshotCheckpoint(Checkpoint):
         self.snapshot = snapshot
         # "elastic": a resize keeps the math (constant global batch); no bit-exactness warning.
         self.in_memory_files: dict[str, Any] = {
+            **snapshot.files(rank),
             STATE_FILE: {**snapshot.shared, "elastic": True},
-            rank_file(rank): snapshot.rank,
         }
 
     @property

@@ -23,11 +23,33 @@ the collective timeout as before.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+# Errors of a collective whose peer process went away (the same families the controller treats as
+# secondary failures).
+PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
+    r"failed to recv|remote process exited|DistNetworkError|DistBackendError",
+    re.IGNORECASE,
+)
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says a collective's peer is gone."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if PEER_LOST.search(f"{type(current).__name__} {current}"):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
 
 _PROC_FD = "/proc/self/fd"
 _PROC_TCP = ("/proc/self/net/tcp", "/proc/self/net/tcp6")

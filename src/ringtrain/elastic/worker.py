@@ -27,37 +27,49 @@ Resize, receives the snapshot by broadcast, and enters the train function with
 
 Any other exception (a bug in the train function, a hang, a timeout) is not handled here: it
 ends the worker as in a non-elastic run and the driver restarts the group from disk.
+
+The core (session, TrainState, prepare) does not know about any of this: :class:`ElasticRuntime`
+is a worker plug-in (:mod:`ringtrain.hooks`) that ``run_elastic`` registers in the session. Its
+hooks snapshot at step boundaries (``on_step``), pause for a grow before a batch
+(``on_batch_start``), size the loader's batch by the ``elastic_batch_policy``
+(``on_prepare_loader``), scale the learning rate and let DDP skip its initial broadcast
+(``before_wrap``), and note a snapshot loaded into the model (``on_restore``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import logging
-import os
-import re
 import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from ringtrain.channel import GrowRequest, Interrupted, JoinReady, Resize, Resumed
 from ringtrain.distributed import collective_timeout_s, destroy_process_group, init_process_group
 from ringtrain.elastic import snapshot as snapshots
-from ringtrain.elastic.sockets import GroupSockets
+from ringtrain.elastic.batch import (
+    constant_global_batch,
+    current_lr_scale,
+    install_lr_scaling,
+    plan_for_loader,
+)
+from ringtrain.elastic.sockets import GroupSockets, is_peer_lost
 from ringtrain.env import DistributedContext
+from ringtrain.hooks import SYNC_TOKEN_ATTR, LoaderSetup, ModelSetup, StepState, WorkerPlugin
+from ringtrain.session import Session, call_train_fn, installed_session
+from ringtrain.state import TrainState
+from ringtrain.state_files import unwrap
 from ringtrain.worker_config import ElasticSettings
 
 logger = logging.getLogger("ringtrain")
 
 FINISH_WRITE_TIMEOUT_S = 120.0
-
-# Errors of a collective whose peer process went away (the same families the controller treats as
-# secondary failures).
-PEER_LOST = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
-    r"failed to recv|remote process exited|DistNetworkError|DistBackendError",
-    re.IGNORECASE,
-)
 
 
 class GrowPause(BaseException):
@@ -65,16 +77,11 @@ class GrowPause(BaseException):
     (internal; a BaseException so that a train function's ``except Exception`` lets it pass)."""
 
 
-def at_batch_boundary() -> None:
-    """Called by a prepared data loader before it fetches each batch: leaves the train function
-    with :class:`GrowPause` once the members agreed to pause for a grow (the step they agreed on
-    is complete and snapshotted; the user code after it has run)."""
-    from ringtrain import session
-
-    current = session._session
-    runtime = current.elastic if current is not None else None
-    if runtime is not None and runtime.pause_at is not None:
-        raise GrowPause(f"pausing after step {runtime.pause_at} to grow the group")
+def current_runtime() -> ElasticRuntime | None:
+    """This worker's elastic plug-in (registered in its session by :func:`run_elastic`), or None
+    outside an elastic run."""
+    session = installed_session()
+    return session.hooks.find(ElasticRuntime) if session is not None else None
 
 
 def settings_of(ctx: DistributedContext) -> ElasticSettings | None:
@@ -82,71 +89,19 @@ def settings_of(ctx: DistributedContext) -> ElasticSettings | None:
     return ctx.config.elastic
 
 
-def constant_global_batch(data_loader: Any, ctx: DistributedContext, plan: Any = None) -> Any:
-    """The loader to shard at world size ``ctx.world_size``: its ``batch_size`` (the per-worker
-    batch at ``max`` workers) becomes ``plan.per_worker_batch``, the samples per worker and
-    step that the run's ``elastic_batch_policy`` gives (``batch_size * max / world_size`` when
-    the global batch is kept; :mod:`ringtrain.elastic.batch`). Outside an elastic run, or when
-    the per-worker batch does not change, ``data_loader`` itself.
-
-    Args:
-        data_loader: the user's ``DataLoader``.
-        ctx: this worker's context.
-        plan: the :class:`~ringtrain.elastic.batch.BatchPlan` (default: computed here).
-
-    Raises:
-        ValueError: if the policy keeps the global batch and it does not divide by the world
-            size (the message names the batch sizes that work, and ``"scale_lr"``).
-    """
-    if plan is None:
-        from ringtrain.elastic.batch import plan_for_loader
-
-        plan = plan_for_loader(data_loader, ctx)
-    if plan is None or plan.per_worker_batch == data_loader.batch_size:
-        return data_loader
-    from torch.utils.data import DataLoader
-
-    kwargs: dict[str, Any] = dict(
-        batch_size=plan.per_worker_batch,
-        sampler=data_loader.sampler,
-        num_workers=data_loader.num_workers,
-        collate_fn=data_loader.collate_fn,
-        pin_memory=data_loader.pin_memory,
-        drop_last=data_loader.drop_last,
-        timeout=data_loader.timeout,
-        worker_init_fn=data_loader.worker_init_fn,
-        multiprocessing_context=data_loader.multiprocessing_context,
-        generator=data_loader.generator,
-        persistent_workers=data_loader.persistent_workers,
-    )
-    if data_loader.num_workers > 0:
-        kwargs["prefetch_factor"] = data_loader.prefetch_factor
-    return DataLoader(data_loader.dataset, **kwargs)
-
-
-def is_peer_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) says a collective's peer is gone."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if PEER_LOST.search(f"{type(current).__name__} {current}"):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
-class ElasticRuntime:
-    """One worker's elastic state: its newest snapshot and its group generation.
+class ElasticRuntime(WorkerPlugin):
+    """One worker's elastic state (its newest snapshot and its group generation) and the worker
+    plug-in that keeps it (:mod:`ringtrain.hooks`).
 
     Args:
         session: the worker's :class:`~ringtrain.session.Session`.
         settings: the run's elastic settings.
     """
 
-    def __init__(self, session: Any, settings: ElasticSettings) -> None:
+    def __init__(self, session: Session, settings: ElasticSettings) -> None:
         self.session = session
         self.settings = settings
+        self.lr_hooks: list[Any] = []  # torch's global optimizer step hooks (scale_lr), once
         self.snapshot: snapshots.Snapshot | None = None
         self.generation = 0
         self.resume_pending = False
@@ -178,7 +133,7 @@ class ElasticRuntime:
         destroy_process_group()
 
     # ------------------------------------------------------------------ step boundaries
-    def on_step(self, state: Any) -> None:
+    def on_step(self, state: StepState) -> None:
         """Called by ``TrainState.step``'s setter: report the first step after a resize,
         snapshot every ``snapshot_interval_steps`` steps, and agree on pausing for a grow.
 
@@ -197,14 +152,17 @@ class ElasticRuntime:
                     step=int(state.step),
                 )
             )
-        if self.pause_at is not None:  # a loop without a prepared loader: pause here
+        if self.pause_at is not None and isinstance(state, TrainState):
+            # A loop without a prepared loader: pause here.
             self.snapshot = snapshots.take(state, self.snapshot)
             snapshots.replicate_to_neighbour(self.snapshot, ctx.world_rank, ctx.world_size)
             self.pause_at = self.snapshot.step
             raise GrowPause(f"pausing after step {self.pause_at} to grow the group")
         if state.step % self.settings.snapshot_interval_steps:
             return
-        if state._sharded:
+        if not isinstance(state, TrainState):
+            return
+        if state.sharded:
             if not self._warned_sharded:
                 self._warned_sharded = True
                 logger.warning(
@@ -218,6 +176,70 @@ class ElasticRuntime:
         if self._grow_agreed(ctx):
             self.pause_at = snap.step
 
+    def on_batch_start(self) -> None:
+        """Before a prepared loader fetches a batch: leave the train function with
+        :class:`GrowPause` once the members agreed to pause for a grow (the step they agreed on
+        is complete and snapshotted; the user code after it has run)."""
+        if self.pause_at is not None:
+            raise GrowPause(f"pausing after step {self.pause_at} to grow the group")
+
+    def on_prepare_loader(self, setup: LoaderSetup) -> None:
+        """Give the loader the per-worker batch of this world size (``elastic_batch_policy``),
+        and under ``"accumulate"`` the micro-batch size (the loader's own batch size)."""
+        self.ensure_lr_scaling()
+        ctx = self.session.context
+        plan = plan_for_loader(setup.data_loader, ctx)
+        if plan is None:
+            return
+        batch_size = plan.batch_size
+        setup.data_loader = constant_global_batch(setup.data_loader, ctx, plan)
+        if plan.policy == "accumulate":
+            setup.micro_batch_size = batch_size
+
+    def before_wrap(self, setup: ModelSetup) -> None:
+        """Scale the learning rate of optimizer steps (``"scale_lr"``), and let DDP skip its
+        initial broadcast when the train function was re-entered with a snapshot."""
+        self.ensure_lr_scaling()
+        setup.sync_token = self.sync_token()
+
+    def on_restore(self, state: object, checkpoint: object) -> None:
+        """Note on the model that this generation's snapshot was loaded into it."""
+        if isinstance(state, TrainState) and "model" in state and "model" not in state.sharded:
+            self.mark_restored(unwrap(state["model"]), checkpoint)
+
+    def on_worker_stop(self, error: BaseException | None) -> None:
+        """Remove the learning-rate hooks (torch's are process-wide)."""
+        for handle in self.lr_hooks:
+            handle.remove()
+        self.lr_hooks = []
+
+    def ensure_lr_scaling(self) -> None:
+        """Install (once) the optimizer step hooks of ``elastic_batch_policy="scale_lr"``."""
+        if not self.lr_hooks and self.session.context.config.elastic_batch_policy == "scale_lr":
+            self.lr_hooks = install_lr_scaling(current_lr_scale)
+
+    def sync_token(self) -> int | None:
+        """The group generation whose snapshot the train function was re-entered with, or None.
+
+        When it is not None, ``prepare_model`` builds DDP without its initial broadcast of rank
+        0's parameters (``init_sync=False``): ``TrainState.restore()`` is about to overwrite them
+        with the snapshot, which every rank of the new group holds identically, so the broadcast
+        (400 MB for a 100 M-parameter model) would be wasted.
+        :func:`ringtrain.comm.ddp.sync_unless_restored` checks, at the first forward, that every
+        rank did restore it, and broadcasts otherwise.
+        """
+        if not isinstance(self.session.latest_checkpoint, snapshots.SnapshotCheckpoint):
+            return None
+        return int(self.generation)
+
+    def mark_restored(self, module: Any, checkpoint: object) -> None:
+        """Note on ``module`` (unwrapped) that ``checkpoint``, when it is this generation's
+        snapshot (what ``get_checkpoint()`` returns now), was just loaded into it (read by
+        ``sync_unless_restored``)."""
+        token = self.sync_token()
+        if token is not None and checkpoint is self.session.latest_checkpoint:
+            module.__dict__[RESTORED_ATTR] = token
+
     def _grow_agreed(self, ctx: DistributedContext) -> bool:
         """Whether any member has a GrowRequest (an allreduce MAX of the flag, so that every
         member pauses after the same step). Only while the group is below ``max``."""
@@ -226,9 +248,6 @@ class ElasticRuntime:
         self._poll_driver()
         flag = self.grow_requested
         if ctx.world_size > 1:
-            import torch
-            import torch.distributed as dist
-
             device = ctx.device if ctx.use_gpu else torch.device("cpu")
             box = torch.tensor([int(flag)], dtype=torch.int32, device=device)
             dist.all_reduce(box, op=dist.ReduceOp.MAX)
@@ -336,14 +355,9 @@ class ElasticRuntime:
             local_rank=ctx.local_rank if ctx.use_gpu else order.rank,
             local_world_size=order.world_size,
         )
+        # The context carries the new rank (get_context()); the process environment keeps the
+        # variables this process was started with.
         session.context = new_ctx
-        for name, value in (
-            ("RANK", order.rank),
-            ("WORLD_SIZE", order.world_size),
-            ("LOCAL_RANK", new_ctx.local_rank),
-            ("LOCAL_WORLD_SIZE", order.world_size),
-        ):
-            os.environ[name] = str(value)
         session.next_round = order.start_round
         self.generation = order.generation
         self._init_group(new_ctx, order.store_prefix)
@@ -357,9 +371,6 @@ class ElasticRuntime:
         self.resume_pending = True
 
     def _init_group(self, ctx: DistributedContext, prefix: str) -> None:
-        import torch
-        import torch.distributed as dist
-
         if ctx.world_size == 1:
             return
         timeout = timedelta(seconds=collective_timeout_s(ctx.worker_timeout_s))
@@ -387,41 +398,23 @@ class ElasticRuntime:
             _, self.group_sockets = GroupSockets.opened_by(create, store_port=ctx.master_port)
 
 
-# Set by TrainState.restore() on the module whose parameters it loaded from an elastic snapshot:
-# the group generation of that snapshot (see deferred_sync_generation).
-RESTORED_ATTR = "_ringtrain_snapshot_generation"
+RESTORED_ATTR = SYNC_TOKEN_ATTR
+"""Set on the module whose parameters a restore loaded from an elastic snapshot: the group
+generation of that snapshot (:meth:`ElasticRuntime.mark_restored`)."""
 
 
 def deferred_sync_generation() -> int | None:
-    """The group generation whose snapshot the train function was re-entered with, or None.
-
-    When it is not None, ``prepare_model`` builds DDP without its initial broadcast of rank 0's
-    parameters (``init_sync=False``): ``TrainState.restore()`` is about to overwrite them with
-    the snapshot, which every rank of the new group holds identically, so the broadcast (400 MB
-    for a 100 M-parameter model) would be wasted. :func:`ringtrain.comm.ddp.sync_unless_restored`
-    checks, at the first forward, that every rank did restore it, and broadcasts otherwise.
-    """
-    from ringtrain import session
-
-    current = session._session
-    if current is None or current.elastic is None:
-        return None
-    if not isinstance(current.latest_checkpoint, snapshots.SnapshotCheckpoint):
-        return None
-    runtime = current.elastic
-    return int(runtime.generation)
+    """:meth:`ElasticRuntime.sync_token` of this worker's elastic plug-in (None outside one)."""
+    runtime = current_runtime()
+    return runtime.sync_token() if runtime is not None else None
 
 
-def mark_restored(module: Any, checkpoint: Any) -> None:
-    """Note on ``module`` (unwrapped) that ``checkpoint``, when it is this generation's elastic
-    snapshot (what ``get_checkpoint()`` returns now), was just loaded into it (read by
-    ``sync_unless_restored``)."""
-    from ringtrain import session
-
-    generation = deferred_sync_generation()
-    current = session._session
-    if generation is not None and current is not None and checkpoint is current.latest_checkpoint:
-        module.__dict__[RESTORED_ATTR] = generation
+def mark_restored(module: Any, checkpoint: object) -> None:
+    """:meth:`ElasticRuntime.mark_restored` of this worker's elastic plug-in (nothing outside
+    one)."""
+    runtime = current_runtime()
+    if runtime is not None:
+        runtime.mark_restored(module, checkpoint)
 
 
 def warm_up(ctx: DistributedContext) -> None:
@@ -429,10 +422,6 @@ def warm_up(ctx: DistributedContext) -> None:
     process has at its first training step (the CUDA context, lazy imports of DDP and of the
     optimizers' step machinery: about 1 s on CPU), which would otherwise stall the whole group.
     Draws from the torch RNG, which the snapshot's RNG state replaces on restore."""
-    import importlib
-
-    import torch
-
     for module in ("torch.distributed", "torch.nn.parallel", "ringtrain.prepare"):
         importlib.import_module(module)
     device = ctx.device
@@ -451,8 +440,12 @@ def warm_up(ctx: DistributedContext) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_elastic(train_fn: Any, config: Any, takes_config: bool, session: Any) -> None:
-    """Call ``train_fn`` until it returns, re-entering it in place after each resize.
+def run_elastic(
+    train_fn: Callable[..., object], config: Mapping[str, Any] | None, session: Session
+) -> None:
+    """Register the elastic plug-in in ``session`` and call ``train_fn`` (as
+    :func:`ringtrain.session.call_train_fn` does) until it returns, re-entering it in place after
+    each resize.
 
     Raises:
         Whatever ``train_fn`` raises that is not the loss of a peer, and errors of re-forming
@@ -461,7 +454,7 @@ def run_elastic(train_fn: Any, config: Any, takes_config: bool, session: Any) ->
     settings = settings_of(session.context)
     assert settings is not None
     runtime = ElasticRuntime(session, settings)
-    session.elastic = runtime
+    session.hooks.register(runtime)  # its on_worker_stop runs when the bootstrap's does
     # What is alive now (torch's and the train function's modules, classes, functions: some
     # 170,000 objects) lives as long as the process: freeze it out of the collector, so that the
     # gc.collect() after each resize scans only the train function's own objects (0.07 s less
@@ -474,10 +467,7 @@ def run_elastic(train_fn: Any, config: Any, takes_config: bool, session: Any) ->
     while True:
         grow, left_at = False, None
         try:
-            if takes_config:
-                train_fn(config if config is not None else {})
-            else:
-                train_fn()
+            call_train_fn(train_fn, config)
             return
         except GrowPause as pause:
             exc_type, message, grow = "GrowPause", str(pause), True

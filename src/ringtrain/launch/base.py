@@ -13,7 +13,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ringtrain.channel import Event, Hello, Start
 from ringtrain.handshake import listen_backlog, listen_socket
@@ -120,10 +120,11 @@ class WorkerGroup(Protocol):
         ...
 
 
+@runtime_checkable
 class GrowableGroup(WorkerGroup, Protocol):
     """A worker group an elastic run can resize in place and grow back (the controller checks
-    ``callable(getattr(group, "grow", None))``; docs/elastic.md). ``send`` comes with
-    :class:`ChannelGroup`."""
+    ``isinstance(group, GrowableGroup)``: every method below; docs/elastic.md). ``send`` comes
+    with :class:`ChannelGroup`."""
 
     def resize(self, assignment: dict[int, int], orders: dict[int, Any]) -> None:
         """Worker ``old`` becomes rank ``assignment[old]`` and is sent ``orders[old]`` (a

@@ -23,7 +23,6 @@ Started by a launcher with the variables of :func:`ringtrain.env.worker_environm
 from __future__ import annotations
 
 import ctypes
-import inspect
 import linecache
 import os
 import runpy
@@ -38,7 +37,7 @@ from typing import Any
 from ringtrain.channel import Done, Hello, Start, WorkerChannel, WorkerError
 from ringtrain.distributed import destroy_process_group, init_process_group
 from ringtrain.env import RingtrainEnvironment
-from ringtrain.monitor.timing import StepLimitReached, StepTimer
+from ringtrain.monitor.timing import StepLimitReached, install_timer
 from ringtrain.worker_config import WorkerConfig
 
 PR_SET_PDEATHSIG = 1
@@ -85,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         async_checkpoint=config.async_checkpoint,
     )
     _setup_timing(sess, config)
-    session_mod._install_session(sess)
+    session_mod.install_session(sess)
     sess.start_heartbeat(heartbeat_interval(config.worker_timeout_s))
+    sess.hooks.on_worker_start(sess)
 
     code = 0
     try:
@@ -97,16 +97,26 @@ def main(argv: list[str] | None = None) -> int:
             _run_script(argv[1], argv[2:], start, sess)
         else:
             _run_function(start, sess)
+        sess.hooks.on_worker_stop(None)
         sess.wait_for_checkpoint()  # the last checkpoint must be on storage before Done
         _send_last_timing(sess)
         channel.send(Done(rank=sess.context.world_rank, time=time.time(), rounds=sess.next_round))
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+        _stop_hooks(sess, exc)
         _report_error(sess, channel, exc)
     finally:
         destroy_process_group()
         channel.close()
     return code
+
+
+def _stop_hooks(sess: Any, exc: BaseException) -> None:
+    """The plug-ins' ``on_worker_stop(exc)``; one that fails is logged, never masks ``exc``."""
+    try:
+        sess.hooks.on_worker_stop(exc)
+    except Exception:
+        traceback.print_exc()
 
 
 def num_threads() -> int:
@@ -138,6 +148,8 @@ def _run_function(start: Start, sess: Any) -> None:
     through :func:`ringtrain.elastic.worker.run_elastic`)."""
     import cloudpickle
 
+    from ringtrain.session import call_train_fn
+
     assert start.payload is not None, "function mode needs a payload"
     train_fn, config, *extra = cloudpickle.loads(start.payload)
     install_sources(extra[0] if extra else {})
@@ -152,11 +164,9 @@ def _run_function(start: Start, sess: Any) -> None:
         if elastic:  # ScalingConfig(num_workers=(min, max)): resizes in place
             from ringtrain.elastic.worker import run_elastic
 
-            run_elastic(train_fn, config, _takes_config(train_fn), sess)
-        elif _takes_config(train_fn):
-            train_fn(config if config is not None else {})
+            run_elastic(train_fn, config, sess)
         else:
-            train_fn()
+            call_train_fn(train_fn, config)
     except StepLimitReached:
         pass
 
@@ -185,6 +195,8 @@ def _report_error(sess: Any, channel: WorkerChannel, exc: BaseException) -> None
 _INTERNAL = (
     os.path.dirname(os.path.abspath(__file__)),  # ringtrain/launch: this bootstrap
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elastic"),
+    # session.call_train_fn, the one caller of the train function:
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "session.py"),
     os.path.dirname(os.path.abspath(runpy.__file__ or "")) + os.sep + "runpy.py",
     "<frozen runpy>",
 )
@@ -192,9 +204,9 @@ _INTERNAL = (
 
 def user_traceback(exc: BaseException) -> str:
     """``exc`` formatted as Python would, from the first frame outside the bootstrap (this
-    module, ``runpy``, the elastic runner) on: what the user's own code did. A ``SyntaxError``
-    of the script keeps no frame at all (its file and line say everything); an exception raised
-    inside the bootstrap itself keeps every frame."""
+    module, ``runpy``, the elastic runner, ``session.call_train_fn``) on: what the user's own
+    code did. A ``SyntaxError`` of the script keeps no frame at all (its file and line say
+    everything); an exception raised inside the bootstrap itself keeps every frame."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_INTERNAL):
         tb = tb.tb_next
@@ -231,12 +243,8 @@ def _setup_timing(sess: Any, config: WorkerConfig) -> None:
     step limit (``ringtrain bench``)."""
     if config.timing_interval_s is None and config.max_steps is None:
         return
-    sess.timer = StepTimer(max_steps=config.max_steps)
-    sess.timer.comm_timing = config.comm_timing
-    if config.timing_interval_s is not None:
-        sess.timing_interval_s = config.timing_interval_s
-    else:  # a step limit without timing windows: count steps, send nothing
-        sess.timing_interval_s = float("inf")
+    # Without timing windows (a step limit only) it counts steps and sends nothing.
+    install_timer(sess, config.max_steps, config.comm_timing, config.timing_interval_s)
 
 
 def _send_last_timing(sess: Any) -> None:
@@ -254,19 +262,6 @@ def heartbeat_interval(worker_timeout_s: float | None) -> float:
     if worker_timeout_s is None:
         return 2.0
     return max(0.05, min(2.0, worker_timeout_s / 5))
-
-
-def _takes_config(fn: Any) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    positional = [
-        p
-        for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-    ]
-    return bool(positional)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Per-step timing inside a worker: where each training step's time goes.
 
-A :class:`StepTimer` lives in each worker's session when ``MonitorConfig.timing`` is on. It is fed
-by hooks that ringtrain installs on the objects it already prepares, so the user's loop does not
-change:
+A :class:`StepTimer` lives in each worker's session when ``MonitorConfig.timing`` is on, fed by a
+worker plug-in (:class:`TimingPlugin`, :mod:`ringtrain.hooks`; :func:`install_timer` sets both up)
+and by hooks on the objects ringtrain already prepares, so the user's loop does not change:
 
-- the prepared data loader marks the step boundary and the data wait (``loader_fetch_start`` /
-  ``loader_fetch_end``): a step runs from one ``next(loader)`` call to the next;
+- the prepared data loader's batch hooks mark the step boundary and the data wait
+  (``loader_fetch_start`` / ``loader_fetch_end``): a step runs from one ``next(loader)`` call to
+  the next;
 - forward pre/post hooks on the prepared model and a post-accumulate-grad hook on each parameter
   bound the compute (forward + backward: from the first forward of the step to the last gradient
   accumulated);
@@ -45,7 +46,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ringtrain.hooks import ModelSetup, WorkerPlugin
+
+if TYPE_CHECKING:
+    from ringtrain.session import Session
 
 _now = time.perf_counter
 
@@ -331,6 +337,54 @@ def memory_stats() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- hooks
 
 
+class TimingPlugin(WorkerPlugin):
+    """The worker plug-in that feeds ``timer`` (:mod:`ringtrain.hooks`): a prepared loader's
+    batches bound the steps and the data wait; the prepared model gets forward, gradient and
+    optimizer-step hooks (:func:`instrument_model`).
+
+    Raises (from ``on_batch_start``):
+        StepLimitReached: when the timer's ``max_steps`` are done.
+    """
+
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
+
+    def on_batch_start(self) -> None:
+        self.timer.loader_fetch_start()  # ends the previous step, starts this one
+
+    def on_batch(self, batch: object) -> None:
+        self.timer.loader_fetch_end(batch_size_of(batch))
+
+    def on_batches_end(self) -> None:
+        self.timer.loader_exhausted()  # end of epoch, or the loop broke out early
+
+    def after_wrap(self, setup: ModelSetup) -> None:
+        instrument_model(self.timer, setup.model, setup.module)
+
+
+def install_timer(
+    session: Session, max_steps: int | None, comm_timing: str, interval_s: float | None
+) -> StepTimer:
+    """Give ``session`` a :class:`StepTimer` and register its :class:`TimingPlugin`.
+
+    Args:
+        session: the worker's session.
+        max_steps: end the run cleanly after this many steps (``ringtrain bench``); None: no limit.
+        comm_timing: ``MonitorConfig.comm_timing``.
+        interval_s: seconds between the timing windows the heartbeat sends; None: send none
+            (a step limit without timing).
+
+    Returns:
+        The timer (also ``session.timer``).
+    """
+    timer = StepTimer(max_steps=max_steps)
+    timer.comm_timing = comm_timing
+    session.timer = timer
+    session.timing_interval_s = interval_s if interval_s is not None else float("inf")
+    session.hooks.register(TimingPlugin(timer))
+    return timer
+
+
 def batch_size_of(batch: Any) -> int:
     """Samples in ``batch``: the first dimension of its first tensor (nested in tuples, lists,
     dicts), 0 when it has none."""
@@ -377,9 +431,9 @@ def timed_comm_hook(timer: StepTimer, hook: Callable[[Any, Any], Any]) -> Callab
     """Wrap a DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` so that each
     bucket's communication, from launch to completion, and its size in bytes reach ``timer``."""
 
-    # No annotations: DDP checks them against dist.GradBucket and Future, and with
-    # ``from __future__ import annotations`` they would be strings.
-    def timed(state, bucket):
+    # No annotations (hence the type: ignores): DDP checks them against dist.GradBucket and
+    # Future, and with ``from __future__ import annotations`` they would be strings.
+    def timed(state, bucket):  # type: ignore[no-untyped-def]
         buf = bucket.buffer()
         nbytes = buf.numel() * buf.element_size()
         started = _now()
@@ -401,7 +455,7 @@ def timed_allreduce_hook(timer: StepTimer) -> Callable[[Any, Any], Any]:
     two)."""
     import torch.distributed as dist
 
-    def timed(process_group, bucket):
+    def timed(process_group, bucket):  # type: ignore[no-untyped-def]
         group = process_group if process_group is not None else dist.group.WORLD
         buf = bucket.buffer()
         nbytes = buf.numel() * buf.element_size()
@@ -409,7 +463,7 @@ def timed_allreduce_hook(timer: StepTimer) -> Callable[[Any, Any], Any]:
         buf.div_(dist.get_world_size(group))
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 
-        def done(f):
+        def done(f):  # type: ignore[no-untyped-def]
             timer.comm_done(started, nbytes)
             return f.value()[0]
 
