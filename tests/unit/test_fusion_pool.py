@@ -26,9 +26,11 @@ def test_pool_reuses_a_returned_buffer_and_never_hands_one_out_twice():
 def test_fused_results_stay_correct_when_buffers_are_reused():
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(5, 3, generator=g), torch.randn(56, generator=g), torch.arange(12)]
+    pool = BufferPool()  # the caller's (ringtrain.horovod's runtime keeps one per hvd.init())
     for threshold in (64, 1 << 20, 64):
         outs = [torch.empty_like(t) for t in tensors]
         launch_fused_allreduce(
-            tensors, outs, op=ReduceOp.Sum, world_size=1, threshold_bytes=threshold
+            tensors, outs, op=ReduceOp.Sum, world_size=1, threshold_bytes=threshold, pool=pool
         ).wait()
         assert all(torch.equal(t, o) for t, o in zip(tensors, outs, strict=True))
+        assert pool._free  # the buffers went back to the pool, for the next call

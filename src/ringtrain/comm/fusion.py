@@ -23,9 +23,6 @@ every rank instead of hanging.
 
 from __future__ import annotations
 
-import enum
-import hashlib
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,132 +31,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.comm.buckets import (
+    DEFAULT_FIRST_BUCKET_BYTES,
+    DEFAULT_FUSION_THRESHOLD,
+    DIST_OPS,
+    ENV_FUSION_THRESHOLD,
+    NO_INT16,
+    ReduceOp,
+    check_op,
+    check_same_layout,
+    fusion_threshold_from_env,
+    layout_digest,
+    plan_buckets,
+)
 from ringtrain.comm.compression import Compressor, NoneCompressor
 
-__all__ = [
+__all__ = [  # the planning names live in ringtrain.comm.buckets; importable from here too
     "DEFAULT_FIRST_BUCKET_BYTES",
     "DEFAULT_FUSION_THRESHOLD",
+    "ENV_FUSION_THRESHOLD",
+    "BufferPool",
     "FusedWork",
     "GradientAllreducer",
     "ReduceOp",
+    "check_op",
+    "check_same_layout",
     "fusion_threshold_from_env",
     "launch_fused_allreduce",
+    "layout_digest",
     "plan_buckets",
 ]
-
-#: Horovod's default fusion threshold (bytes) since 0.21.
-DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
-#: DDP's first-bucket cap (bytes): the gradients ready first go out early.
-DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
-ENV_FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
-
-
-class ReduceOp(enum.IntEnum):
-    """Reduction operations, with Horovod's numbering (``hvd.Average == 0`` ...)."""
-
-    Average = 0
-    Sum = 1
-    Adasum = 2
-    Min = 3
-    Max = 4
-    Product = 5
-
-
-_DIST_OPS = {
-    ReduceOp.Average: dist.ReduceOp.SUM,  # divided by the world size afterwards
-    ReduceOp.Sum: dist.ReduceOp.SUM,
-    ReduceOp.Min: dist.ReduceOp.MIN,
-    ReduceOp.Max: dist.ReduceOp.MAX,
-    ReduceOp.Product: dist.ReduceOp.PRODUCT,
-}
-
-
-_NO_INT16 = {torch.int16: torch.int32}
-
-
-def check_op(op: Any) -> ReduceOp:
-    """Validate a reduction op (an int or :class:`ReduceOp`).
-
-    Raises:
-        NotImplementedError: for Adasum (not implemented; the alternative is named).
-        ValueError: for an unknown op.
-    """
-    try:
-        op = ReduceOp(int(op))
-    except (ValueError, TypeError) as exc:
-        raise ValueError(
-            f"op={op!r} is not a reduction op (use Average, Sum, Min, Max or Product)"
-        ) from exc
-    if op == ReduceOp.Adasum:
-        raise NotImplementedError(
-            "op=Adasum is not implemented by ringtrain.horovod; use op=Average (the default) and, "
-            "for large effective batches, a scaled learning rate with warm-up or an optimizer "
-            "such as LAMB"
-        )
-    return op
-
-
-def fusion_threshold_from_env(environ: Any = None) -> int:
-    """``HOROVOD_FUSION_THRESHOLD`` in bytes (0 disables fusion), else 128 MiB.
-
-    Raises:
-        ValueError: if the variable is not a non-negative integer.
-    """
-    env = os.environ if environ is None else environ
-    text = env.get(ENV_FUSION_THRESHOLD, "")
-    if text == "":
-        return DEFAULT_FUSION_THRESHOLD
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"{ENV_FUSION_THRESHOLD}={text!r} must be a non-negative integer number of bytes "
-            "(0 disables tensor fusion)"
-        )
-    return value
-
-
-def plan_buckets(
-    nbytes: Sequence[int],
-    keys: Sequence[Any],
-    threshold_bytes: int,
-    first_bucket_bytes: int | None = None,
-) -> list[list[int]]:
-    """Split tensors, in the given order, into consecutive buckets.
-
-    A bucket holds tensors of one ``key`` (dtype and device) and at most ``threshold_bytes``
-    (the first bucket at most ``first_bucket_bytes`` when given); a tensor larger than the cap
-    gets a bucket of its own; ``threshold_bytes == 0`` puts every tensor alone (no fusion).
-
-    Args:
-        nbytes: size of each tensor, bytes.
-        keys: each tensor's fusion key; tensors of different keys never share a bucket.
-        threshold_bytes: the bucket cap, bytes (>= 0).
-        first_bucket_bytes: the first bucket's cap, bytes, or ``None`` for ``threshold_bytes``.
-
-    Returns:
-        Lists of indices into ``nbytes``, covering every index once, in order.
-    """
-    if threshold_bytes < 0:
-        raise ValueError(f"threshold_bytes must be >= 0, got {threshold_bytes}")
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i, (n, key) in enumerate(zip(nbytes, keys, strict=True)):
-        cap = threshold_bytes
-        if not buckets and first_bucket_bytes is not None:
-            cap = min(cap, first_bucket_bytes)
-        if current and (keys[current[0]] != key or size + n > cap):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        buckets.append(current)
-    return buckets
-
 
 # ------------------------------------------------------------------ packing and launching
 
@@ -199,12 +100,9 @@ class BufferPool:
             del free[self.per_key :]
 
     def clear(self) -> None:
+        """Drop every kept buffer."""
         with self._lock:
             self._free.clear()
-
-
-POOL = BufferPool()
-"""The fusion buffers of :func:`launch_fused_allreduce` (``hvd.shutdown()`` clears it)."""
 
 
 def _apply_scale(buf: torch.Tensor, factor: float) -> None:
@@ -222,6 +120,7 @@ class FusedWork:
 
     Attributes:
         bytes_on_wire: bytes of the buffers reduced (in the wire dtype), per rank.
+        pool: where the fusion buffers go back after unpacking (``None``: nowhere).
     """
 
     parts: list[tuple[Any, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]
@@ -229,6 +128,7 @@ class FusedWork:
     finish: Callable[[], None] | None = None
     bytes_on_wire: int = 0
     done: bool = field(default=False)
+    pool: BufferPool | None = None
 
     def is_completed(self) -> bool:
         """Whether every collective of this work has finished (never blocks)."""
@@ -259,8 +159,8 @@ class FusedWork:
                         out.mul_(self.post)
                 offset += n
             del sources
-            if not in_place:
-                POOL.give(buf)
+            if not in_place and self.pool is not None:
+                self.pool.give(buf)
         self.done = True
         if self.finish is not None:
             self.finish()
@@ -291,20 +191,23 @@ def launch_fused_allreduce(
     compression: type[Compressor] = NoneCompressor,
     threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
     group: Any = None,
+    pool: BufferPool | None = None,
 ) -> FusedWork:
     """Reduce ``tensors`` into ``outputs`` (same shapes; may be the same tensors), fused.
 
     The tensors are grouped, in order, into buffers of one wire dtype and device of at most
     ``threshold_bytes`` (:func:`plan_buckets`), each launched with ``async_op=True``. The result is
     ``postscale * op(prescale * x)`` (Average divides by ``world_size`` as part of the postscale,
-    Horovod's convention).
+    Horovod's convention). The fusion buffers come from ``pool`` and go back to it after
+    :meth:`FusedWork.wait` (the caller owns the pool: ``ringtrain.horovod``'s runtime keeps one
+    per ``hvd.init()``); without one, each call allocates fresh buffers.
 
     Returns:
         A :class:`FusedWork`; the outputs hold the results after its ``wait()``.
     """
     post = postscale_factor / world_size if op == ReduceOp.Average else postscale_factor
     # gloo and NCCL have no int16: such tensors travel as int32 (exact, wraps like int16 on cast)
-    wire = [_NO_INT16.get(w, w) for w in (compression.wire_dtype_for(t.dtype) for t in tensors)]
+    wire = [NO_INT16.get(w, w) for w in (compression.wire_dtype_for(t.dtype) for t in tensors)]
     keys = [(w, t.device) for w, t in zip(wire, tensors, strict=True)]
     sizes = [
         t.numel() * torch.empty((), dtype=w).element_size()
@@ -324,55 +227,15 @@ def launch_fused_allreduce(
             buf = ins[0].view(-1)  # in place: no fusion buffer, no copies
         else:
             numel = sum(t.numel() for t in ins)
-            buf = pack(ins, wire[bucket[0]], POOL.take(numel, wire[bucket[0]], ins[0].device))
+            reuse = pool.take(numel, wire[bucket[0]], ins[0].device) if pool is not None else None
+            buf = pack(ins, wire[bucket[0]], reuse)
         _apply_scale(buf, prescale_factor)
         total += buf.numel() * buf.element_size()
         work = None
         if world_size > 1:
-            work = dist.all_reduce(buf, op=_DIST_OPS[op], group=group, async_op=True)
+            work = dist.all_reduce(buf, op=DIST_OPS[op], group=group, async_op=True)
         parts.append((work, buf, ins, outs))
-    return FusedWork(parts, post, bytes_on_wire=total)
-
-
-# ------------------------------------------------------------------ layout check
-
-
-def layout_digest(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> torch.Tensor:
-    """A 16-byte digest (as 2 int64) of names, dtypes and shapes, for a cross-rank check."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, dtype, shape in entries:
-        h.update(f"{name}|{dtype}|{tuple(shape)};".encode())
-    raw = h.digest()
-    return torch.tensor(
-        [
-            int.from_bytes(raw[:8], "little", signed=True),
-            int.from_bytes(raw[8:], "little", signed=True),
-        ],
-        dtype=torch.int64,
-    )
-
-
-def check_same_layout(
-    entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-    what: str,
-    world_size: int,
-    group: Any = None,
-) -> None:
-    """Raise ``RuntimeError`` on every rank unless all ranks hold the same layout.
-
-    Cost: one ``all_gather`` of 16 bytes per rank (one network latency).
-    """
-    if world_size <= 1:
-        return
-    mine = layout_digest(entries)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    differing = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
-    if differing:
-        raise RuntimeError(
-            f"{what}: ranks {differing} hold different tensors (names, dtypes or shapes) than "
-            "rank 0; every rank must register the same parameters in the same order"
-        )
+    return FusedWork(parts, post, bytes_on_wire=total, pool=pool)
 
 
 # ------------------------------------------------------------------ gradients during backward
@@ -560,7 +423,7 @@ class GradientAllreducer:
         self.bytes_on_wire += buf.numel() * buf.element_size()
         work = None
         if self.world_size > 1:
-            work = dist.all_reduce(buf, op=_DIST_OPS[self.op], group=self.group, async_op=True)
+            work = dist.all_reduce(buf, op=DIST_OPS[self.op], group=self.group, async_op=True)
         self._inflight.append((bucket, work))
 
     # -------------------------------------------------------------- public
