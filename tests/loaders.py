@@ -35,7 +35,7 @@ def take(loader: PreparedDataLoader, k: int | None = None) -> list[list[torch.Te
         it.close()
 
 
-def assert_same_batches(a, b):
+def assert_same_batches(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
         assert len(x) == len(y)
@@ -88,7 +88,7 @@ class Augmented(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 24
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
         return i, torch.rand(1)
 
 
@@ -96,7 +96,7 @@ def check_resume_reproduces_augmentations() -> None:
     """With 2 loader workers, a resumed loader gives the same samples and the same random
     augmentations as an uninterrupted one."""
 
-    def make():
+    def make() -> PreparedDataLoader:
         dl = DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2)
         return rt.prepare_data_loader(dl, seed=1)
 
