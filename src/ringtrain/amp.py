@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.hooks import ModelSetup
+from ringtrain.hooks import ModelSetup, WorkerPlugin
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 """The values of ``prepare_model(precision=...)``."""
@@ -136,7 +136,7 @@ def apply_precision(module: torch.nn.Module, precision: str, device: torch.devic
     module.register_forward_hook(hooks.post, always_call=True)
 
 
-class PrecisionPlugin:
+class PrecisionPlugin(WorkerPlugin):
     """Precision as a worker plug-in (:mod:`ringtrain.hooks`, the ``before_wrap`` hook): one per
     worker session, found or registered by :func:`precision_plugin`, so that what it holds goes
     with the session (no module-level state).
