@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringtrain.config import RunConfig, ScalingConfig
+from ringtrain.launch.base import Launcher
 from ringtrain.train.torch import TorchConfig
 from ringtrain.trainer import Trainer
 
@@ -41,7 +42,7 @@ class TorchTrainer(Trainer):
         dataset_config: Any = None,
         metadata: dict[str, Any] | None = None,
         resume_from_checkpoint: Any = None,
-        launcher: Any = None,
+        launcher: Launcher | None = None,
         train_fn: Callable[..., Any] | None = None,
     ) -> None:
         for name, value, fix in (
