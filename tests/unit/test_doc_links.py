@@ -122,3 +122,22 @@ def test_every_page_of_docs_is_in_the_mkdocs_nav() -> None:
     pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
     assert sorted(pages - nav) == [], "add these pages to the nav of mkdocs.yml"
     assert sorted(nav - pages) == [], "mkdocs.yml's nav names pages that do not exist"
+
+
+def test_the_api_reference_renders_every_public_name() -> None:
+    """Every name of ``ringtrain.__all__`` has a ``::: ringtrain.NAME`` block in docs/api/ (read
+    from the source: nothing is imported)."""
+    import ast
+
+    tree = ast.parse((ROOT / "src" / "ringtrain" / "__init__.py").read_text())
+    public = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    )
+    rendered = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        rendered.update(re.findall(r"^::: ringtrain\.(\w+)\s*$", page.read_text(), re.M))
+    missing = sorted(set(public) - rendered - {"__version__"})
+    assert missing == [], "add a ::: ringtrain.NAME block to a page of docs/api/ for each"
