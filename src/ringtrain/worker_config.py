@@ -23,9 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
-from ringtrain.config import ELASTIC_BATCH_POLICIES
+from ringtrain.config import ELASTIC_BATCH_POLICIES, RunConfig, ScalingConfig
 
 COMM_TIMING_MODES = ("auto", "hook", "wait")
 """``MonitorConfig.comm_timing`` values."""
@@ -154,54 +153,9 @@ class WorkerConfig:
         return dataclasses.replace(self, elastic=dataclasses.replace(self.elastic, joining=True))
 
 
-class _Scaling(Protocol):
-    """The parts of :class:`ringtrain.config.ScalingConfig` a worker config is built from."""
-
-    use_gpu: bool
-    elastic_batch_policy: str
-    elastic_grow_after_s: float | None
-
-    @property
-    def elastic(self) -> bool: ...
-
-    @property
-    def min_workers(self) -> int: ...
-
-    @property
-    def max_workers(self) -> int: ...
-
-
-class _Checkpointing(Protocol):
-    async_save: bool
-
-
-class _Failure(Protocol):
-    worker_timeout_s: float | None
-    snapshot_interval_steps: int
-
-
-class _Monitor(Protocol):
-    timing: bool
-    timing_interval_s: float
-    comm_timing: str
-
-
-class _Run(Protocol):
-    """The parts of :class:`ringtrain.config.RunConfig` a worker config is built from."""
-
-    @property
-    def checkpoint_config(self) -> _Checkpointing: ...
-
-    @property
-    def failure_config(self) -> _Failure: ...
-
-    @property
-    def monitor_config(self) -> _Monitor: ...
-
-
 def build_worker_config(
-    scaling_config: _Scaling,
-    run_config: _Run,
+    scaling_config: ScalingConfig,
+    run_config: RunConfig,
     *,
     max_steps: int | None = None,
 ) -> WorkerConfig:
