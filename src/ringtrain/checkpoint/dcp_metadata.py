@@ -3,7 +3,8 @@
 ``torch.distributed.checkpoint`` writes ``.metadata`` with ``pickle.dump`` and reads it back with
 ``pickle.load``: whoever can write the file can run any command on every rank that resumes from
 it, and in ``ringtrain export``. :func:`load_metadata` replaces that ``pickle.load`` with a small
-pickle virtual machine of its own (:class:`_Machine`), which knows only these operations:
+pickle virtual machine of its own (:class:`_Machine`), which knows only these operations (the
+table and the checked calls are in :mod:`ringtrain.checkpoint.dcp_globals`):
 
 - **Globals** resolve through one table of exact ``(module, qualname)`` pairs
   (:func:`allowed_globals`): the DCP classes that ``dcp.save`` of torch 2.13 writes (found by
@@ -34,198 +35,37 @@ CPython's pure-Python unpickler; 2.6 to 5 times C ``pickle`` on 1 to 14 MB of me
 
 from __future__ import annotations
 
-import dataclasses
-import pathlib
 import pickle
 import pickletools
 import struct
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
-import torch
+from ringtrain.checkpoint.dcp_globals import (
+    allowed_globals,
+    build_object,
+    find_class,
+    is_global,
+    new_object,
+    reduce_call,
+    refuse,
+    set_item,
+)
 
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Global:
-    """A global resolved from the table, on the stack until a REDUCE or NEWOBJ uses it (a bare
-    one left in the result is refused)."""
-
-    name: str
-    target: Any
-    call: Callable[[tuple[Any, ...]], Any] | None  # REDUCE: checks the arguments, then builds
-    newobj: bool  # NEWOBJ allowed (a DCP dataclass)
-
-
-def _refuse(why: str) -> pickle.UnpicklingError:
-    return pickle.UnpicklingError(f"DCP .metadata refused: {why} (loading it could run code)")
-
-
-def _size(args: tuple[Any, ...]) -> torch.Size:
-    if len(args) != 1 or type(args[0]) not in (tuple, list):
-        raise _refuse(f"torch.Size{args!r:.80}: expected one tuple of ints")
-    if not all(type(x) is int for x in args[0]):
-        raise _refuse(f"torch.Size{args!r:.80}: expected one tuple of ints")
-    return torch.Size(args[0])
-
-
-def _path(cls: type) -> Callable[[tuple[Any, ...]], Any]:
-    def build(args: tuple[Any, ...]) -> Any:
-        if not all(type(x) is str for x in args):
-            raise _refuse(f"{cls.__name__}{args!r:.80}: expected strings")
-        return cls(*args)
-
-    return build
-
-
-def _layout(args: tuple[Any, ...]) -> torch.layout:
-    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
-    if len(args) != 1 or type(args[0]) is not str or args[0] not in layouts:
-        raise _refuse(f"torch.serialization._get_layout{args!r:.80}: not a layout's name")
-    return layouts[args[0]]
-
-
-def _enum(cls: Any) -> Callable[[tuple[Any, ...]], Any]:
-    def build(args: tuple[Any, ...]) -> Any:
-        if len(args) != 1 or type(args[0]) is not int:
-            raise _refuse(f"{cls.__name__}{args!r:.80}: expected one int")
-        return cls(args[0])
-
-    return build
-
-
-@cache
-def _tables() -> tuple[dict[tuple[str, str], _Global], dict[type, frozenset[str]]]:
-    """``(globals, dataclasses)``: the exact globals a .metadata may name, and for each DCP
-    dataclass the fields BUILD may set."""
-    from torch.distributed.checkpoint import filesystem as dcp_fs
-    from torch.distributed.checkpoint import metadata as dcp_md
-
-    classes: list[tuple[str, type]] = [
-        (_DCP_METADATA, dcp_md.Metadata),
-        (_DCP_METADATA, dcp_md.TensorStorageMetadata),
-        (_DCP_METADATA, dcp_md.BytesStorageMetadata),
-        (_DCP_METADATA, dcp_md.ChunkStorageMetadata),
-        (_DCP_METADATA, dcp_md.TensorProperties),
-        (_DCP_METADATA, dcp_md.MetadataIndex),
-        (_DCP_METADATA, dcp_md.StorageMeta),
-        (_DCP_FILESYSTEM, dcp_fs._StorageInfo),
-    ]
-    table: dict[tuple[str, str], _Global] = {}
-    fields: dict[type, frozenset[str]] = {}
-    for module, cls in classes:
-        table[(module, cls.__name__)] = _Global(f"{module}.{cls.__name__}", cls, None, True)
-        fields[cls] = frozenset(f.name for f in dataclasses.fields(cls))
-    enum_cls = dcp_md._MEM_FORMAT_ENCODING
-    reducible: list[tuple[str, str, Any, Callable[[tuple[Any, ...]], Any]]] = [
-        (_DCP_METADATA, "_MEM_FORMAT_ENCODING", enum_cls, _enum(enum_cls)),
-        ("torch", "Size", torch.Size, _size),
-        ("torch.serialization", "_get_layout", None, _layout),
-        ("pathlib", "PosixPath", pathlib.PosixPath, _path(pathlib.PosixPath)),
-        ("pathlib", "PurePosixPath", pathlib.PurePosixPath, _path(pathlib.PurePosixPath)),
-    ]
-    for module, name, target, call in reducible:
-        table[(module, name)] = _Global(f"{module}.{name}", target, call, False)
-    # Constants: dtypes, layouts, memory formats (none is callable).
-    for name, value in vars(torch).items():
-        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-            table[("torch", name)] = _Global(f"torch.{name}", value, None, False)
-    return table, fields
-
-
-def allowed_globals() -> frozenset[tuple[str, str]]:
-    """The exact ``(module, qualname)`` pairs a ``.metadata`` file may name."""
-    return frozenset(_tables()[0])
-
-
-def _find_class(module: Any, name: Any) -> Any:
-    if type(module) is not str or type(name) is not str:
-        raise _refuse(f"a global named by {type(module).__name__}/{type(name).__name__}")
-    if "." in name:
-        raise _refuse(f"{module}.{name}: a dotted name (it resolves through the module's imports)")
-    found = _tables()[0].get((module, name))
-    if found is None:
-        raise _refuse(f"it refers to {module}.{name}, which a DCP metadata file never holds")
-    if found.call is None and not found.newobj:
-        return found.target  # a constant: dtype, layout, memory format
-    return found
-
-
-def _reduce(func: Any, args: Any) -> Any:
-    if type(func) is not _Global or func.call is None:
-        raise _refuse(f"REDUCE of {getattr(func, 'name', type(func).__name__)}")
-    if type(args) is not tuple:
-        raise _refuse(f"REDUCE of {func.name} with {type(args).__name__} arguments")
-    return func.call(args)
-
-
-def _newobj(cls: Any, args: Any) -> Any:
-    if type(cls) is not _Global or not cls.newobj:
-        raise _refuse(f"NEWOBJ of {getattr(cls, 'name', type(cls).__name__)}")
-    if type(args) is not tuple or args:
-        raise _refuse(f"NEWOBJ of {cls.name} with arguments")
-    return object.__new__(cls.target)
-
-
-def _build(inst: Any, state: Any) -> None:
-    kind = type(inst)
-    fields = _tables()[1].get(kind)
-    if fields is None:
-        raise _refuse(f"BUILD on {kind.__name__}")
-    if kind.__name__ == "TensorProperties":
-        if type(state) is not tuple or len(state) != 5:
-            raise _refuse("BUILD of TensorProperties with a state other than its 5-tuple")
-        inst.__setstate__(state)  # DCP's own: unpacks the tuple, maps the enum
-        return
-    if type(state) is not dict or not all(type(k) is str and k in fields for k in state):
-        raise _refuse(f"BUILD of {kind.__name__} with fields other than {sorted(fields)}")
-    if kind is _index_class():
-        _check_index({**vars(inst), **state})
-    vars(inst).update(state)
-
-
-@cache
-def _index_class() -> type:
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    return MetadataIndex
-
-
-def _check_index(state: dict[str, Any]) -> None:
-    """A MetadataIndex is hashed (a dict key): its fqn must be a str, its offset a Size of ints
-    or None (hashing a deeply nested tuple crashes CPython), its index an int or None."""
-    fqn, offset, index = state.get("fqn"), state.get("offset"), state.get("index")
-    if type(fqn) is not str or type(offset) not in (torch.Size, type(None)):
-        raise _refuse("a MetadataIndex whose fqn is not a str or offset not a torch.Size")
-    if type(index) not in (int, type(None)):
-        raise _refuse("a MetadataIndex whose index is not an int")
-
-
-def _setitem(target: Any, key: Any, value: Any) -> None:
-    if type(target) is not dict:
-        raise _refuse(f"SETITEM on {type(target).__name__}")
-    kind = type(key)
-    if kind is not str and kind is not int:
-        if kind is not _index_class():
-            raise _refuse(f"a dictionary key of type {kind.__name__}")
-        _check_index(vars(key))  # its hash reads fqn and offset: keep them flat
-    target[key] = value
+__all__ = ["allowed_globals", "load_metadata"]
 
 
 def _uint(data: bytes, pos: int, width: int) -> int:
     raw = data[pos : pos + width]
     if len(raw) != width:
-        raise _refuse("a truncated pickle")
+        raise refuse("a truncated pickle")
     return int.from_bytes(raw, "little")
 
 
 def _take(data: bytes, pos: int, n: int) -> bytes:
     raw = data[pos : pos + n]
     if len(raw) != n:
-        raise _refuse("a truncated pickle")
+        raise refuse("a truncated pickle")
     return raw
 
 
@@ -250,13 +90,13 @@ class _Machine:
         while True:
             pos = self.pos
             if pos >= end:
-                raise _refuse("a pickle that ends before its STOP opcode")
+                raise refuse("a pickle that ends before its STOP opcode")
             code = data[pos]
             # The three opcodes of most of a .metadata, inline (the rest: one method each).
             if code == _SHORT_BINUNICODE and pos + 1 < end:
                 stop = pos + 2 + data[pos + 1]
                 if stop > end:
-                    raise _refuse("a truncated pickle")
+                    raise refuse("a truncated pickle")
                 self.stack.append(str(data[pos + 2 : stop], "utf-8", "surrogatepass"))
                 self.pos = stop
                 continue
@@ -266,7 +106,7 @@ class _Machine:
                 continue
             if code == _BINGET and pos + 1 < end and data[pos + 1] < len(memo):
                 value = memo[data[pos + 1]]
-                if type(value) is _Global:
+                if is_global(value):
                     self.loose += 1
                 self.stack.append(value)
                 self.pos = pos + 2
@@ -274,7 +114,7 @@ class _Machine:
             self.pos = pos + 1
             handler = dispatch.get(code)
             if handler is None:
-                raise _refuse(f"opcode {_opname(code)} at byte {self.pos - 1}")
+                raise refuse(f"opcode {_opname(code)} at byte {self.pos - 1}")
             if handler(self):
                 return self.result
 
@@ -297,16 +137,16 @@ class _Machine:
     # -- framing, protocol, end
     def op_proto(self) -> None:
         if self.arg(1) not in (4, 5):
-            raise _refuse("a pickle protocol other than 4 or 5 (what DCP writes)")
+            raise refuse("a pickle protocol other than 4 or 5 (what DCP writes)")
 
     def op_frame(self) -> None:
         self.arg(8)  # the whole file is in memory: frames need no handling
 
     def op_stop(self) -> bool:
         if self.marks or len(self.stack) != 1:
-            raise _refuse("a pickle that does not end with exactly one object")
+            raise refuse("a pickle that does not end with exactly one object")
         if self.loose:
-            raise _refuse("a class or function itself (not an instance of it) in the metadata")
+            raise refuse("a class or function itself (not an instance of it) in the metadata")
         self.result = self.stack[0]
         return True
 
@@ -324,7 +164,7 @@ class _Machine:
         elif index < len(self.memo):
             self.memo[index] = self.stack[-1]
         else:
-            raise _refuse(f"memo slot {index} past the {len(self.memo)} in use")
+            raise refuse(f"memo slot {index} past the {len(self.memo)} in use")
 
     def op_binput(self) -> None:
         self._put(self.arg(1))
@@ -334,9 +174,9 @@ class _Machine:
 
     def _get(self, index: int) -> None:
         if index >= len(self.memo):
-            raise _refuse(f"memo slot {index} was never filled")
+            raise refuse(f"memo slot {index} was never filled")
         value = self.memo[index]
-        if type(value) is _Global:
+        if is_global(value):
             self.loose += 1
         self.stack.append(value)
 
@@ -410,7 +250,7 @@ class _Machine:
     def _tuple(self, n: int) -> None:
         stack = self.stack
         if len(stack) < n:
-            raise _refuse(f"TUPLE{n} with {len(stack)} items on the stack")
+            raise refuse(f"TUPLE{n} with {len(stack)} items on the stack")
         packed = tuple(stack[-n:])
         del stack[-n:]
         stack.append(packed)
@@ -430,7 +270,7 @@ class _Machine:
     def _extend(self, items: list[Any]) -> None:
         target = self.stack[-1]
         if type(target) is not list:
-            raise _refuse(f"APPEND to {type(target).__name__}")
+            raise refuse(f"APPEND to {type(target).__name__}")
         target.extend(items)
 
     def op_append(self) -> None:
@@ -445,38 +285,38 @@ class _Machine:
     def op_setitem(self) -> None:
         stack = self.stack
         value, key = stack.pop(), stack.pop()
-        _setitem(stack[-1], key, value)
+        set_item(stack[-1], key, value)
 
     def op_setitems(self) -> None:
         items = self.pop_mark()
         if len(items) % 2:
-            raise _refuse("SETITEMS with an odd number of items")
+            raise refuse("SETITEMS with an odd number of items")
         target = self.stack[-1]
         for k in range(0, len(items), 2):
-            _setitem(target, items[k], items[k + 1])
+            set_item(target, items[k], items[k + 1])
 
     # -- globals and the calls they allow
     def op_stack_global(self) -> None:
         stack = self.stack
         name, module = stack.pop(), stack.pop()
-        found = _find_class(module, name)
-        if type(found) is _Global:
+        found = find_class(module, name)
+        if is_global(found):
             self.loose += 1
         stack.append(found)
 
     def op_reduce(self) -> None:
         args = self.stack.pop()
-        self.stack[-1] = _reduce(self.stack[-1], args)
+        self.stack[-1] = reduce_call(self.stack[-1], args)
         self.loose -= 1
 
     def op_newobj(self) -> None:
         args = self.stack.pop()
-        self.stack[-1] = _newobj(self.stack[-1], args)
+        self.stack[-1] = new_object(self.stack[-1], args)
         self.loose -= 1
 
     def op_build(self) -> None:
         state = self.stack.pop()
-        _build(self.stack[-1], state)
+        build_object(self.stack[-1], state)
 
 
 def _opname(code: int) -> str:
@@ -501,17 +341,17 @@ def _check_files(metadata: Any) -> None:
 
     storage = metadata.storage_data
     if type(storage) is not dict:
-        raise _refuse(f"storage_data is a {type(storage).__name__}, not a dict")
+        raise refuse(f"storage_data is a {type(storage).__name__}, not a dict")
     for key, info in storage.items():
         if type(key) is not MetadataIndex or type(info) is not _StorageInfo:
-            raise _refuse("storage_data maps other than MetadataIndex -> _StorageInfo")
+            raise refuse("storage_data maps other than MetadataIndex -> _StorageInfo")
         path = vars(info).get("relative_path")
         if type(path) is not str or "/" in path or "\\" in path or path in ("", ".", ".."):
-            raise _refuse(f"data file {path!r:.80} is not a file name in the checkpoint")
+            raise refuse(f"data file {path!r:.80} is not a file name in the checkpoint")
         if any(
             type(vars(info).get(f)) is not int or vars(info)[f] < 0 for f in ("offset", "length")
         ):
-            raise _refuse(f"data file {path!r}: offset and length must be ints >= 0")
+            raise refuse(f"data file {path!r}: offset and length must be ints >= 0")
 
 
 def load_metadata(data: bytes) -> Any:
@@ -533,7 +373,7 @@ def load_metadata(data: bytes) -> Any:
     try:
         metadata = _Machine(bytes(data)).run()
         if type(metadata) is not Metadata:
-            raise _refuse(f"it holds a {type(metadata).__name__}, not a Metadata")
+            raise refuse(f"it holds a {type(metadata).__name__}, not a Metadata")
         _check_files(metadata)
     except pickle.UnpicklingError:
         raise
