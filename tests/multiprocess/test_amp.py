@@ -9,21 +9,18 @@ import torch
 import comm_workloads
 import ringtrain as rt
 from ringtrain.comm.ddp import PowerSGDStateDict
+from support import run_job
 
 
 def _fit(tmp_path, name, **config):
     out = tmp_path / f"{name}.pt"
-    result = rt.Trainer(
+    result = run_job(
         comm_workloads.resume_fn,
-        rt.ScalingConfig(num_workers=2),
-        rt.RunConfig(
-            name=name,
-            storage_path=str(tmp_path / "runs"),
-            failure_config=rt.FailureConfig(max_failures=1),
-            progress="off",
-        ),
+        storage_path=tmp_path / "runs",
+        name=name,
+        max_failures=1,
         train_loop_config={"epochs": 2, "out": str(out), **config},
-    ).fit()
+    )
     return result, torch.load(out, weights_only=True)
 
 

@@ -11,6 +11,7 @@ import ringtrain as rt
 import workloads
 from ringtrain.monitor.timing import PARTS
 from ringtrain.trainer import run_workers
+from support import run_job
 
 
 def _events(result, type_):
@@ -33,18 +34,16 @@ class Recorder:
 
 
 def _fit(tmp_path, config, monitor=None, callbacks=(), name="run", n=2):
-    return rt.Trainer(
+    return run_job(
         workloads.timed_fn,
-        rt.ScalingConfig(num_workers=n),
-        rt.RunConfig(
-            name=name,
-            storage_path=str(tmp_path),
-            progress="plain",
-            callbacks=list(callbacks),
-            monitor_config=monitor or rt.MonitorConfig(timing_interval_s=0.3),
-        ),
+        n,
+        storage_path=tmp_path,
+        name=name,
+        progress="plain",
+        callbacks=list(callbacks),
+        monitor_config=monitor or rt.MonitorConfig(timing_interval_s=0.3),
         train_loop_config=config,
-    ).fit()
+    )
 
 
 @pytest.mark.parametrize("comm_timing", ["wait", "hook"])

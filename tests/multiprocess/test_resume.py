@@ -19,24 +19,19 @@ import torch
 
 import ringtrain as rt
 import workloads
-from support import assert_bit_identical
+from support import assert_bit_identical, run_job
 
 EPOCHS = 3  # 120 samples, batch 6 per rank, 2 ranks: 10 steps per epoch, 30 steps in all
 _baselines: dict[tuple, dict] = {}
 
 
-def _fit(tmp_path, name, kill=None, kill_rank=1, *, epochs=EPOCHS, run_config=None, **config):
+def _fit(tmp_path, name, kill=None, kill_rank=1, *, epochs=EPOCHS, job=None, **config):
+    """``workloads.exact_fn`` on 2 workers; ``job``: run_job's config (default: max_failures=2,
+    the run in ``tmp_path/runs``); ``config``: more of exact_fn's own settings."""
     out = tmp_path / f"{name}.pt"
     cfg = {"epochs": epochs, "out": str(out), "kill": kill, "kill_rank": kill_rank, **config}
-    rc = run_config or rt.RunConfig(
-        name=name,
-        storage_path=str(tmp_path / "runs"),
-        failure_config=rt.FailureConfig(max_failures=2),
-        progress="off",
-    )
-    result = rt.Trainer(
-        workloads.exact_fn, rt.ScalingConfig(num_workers=2), rc, train_loop_config=cfg
-    ).fit()
+    job = {"storage_path": tmp_path / "runs", **(job or {"max_failures": 2})}
+    result = run_job(workloads.exact_fn, name=name, train_loop_config=cfg, **job)
     return result, torch.load(out, weights_only=True)
 
 
@@ -79,32 +74,21 @@ def test_sigkill_anywhere_resumes_bit_exactly(tmp_path, tmp_path_factory, point)
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
 def test_loader_with_worker_processes_resumes_mid_epoch(tmp_path, tmp_path_factory, async_save):
     clean = _baseline(tmp_path_factory, loader_workers=2)
-    rc = rt.RunConfig(
-        name="workers",
-        storage_path=str(tmp_path / "runs"),
-        failure_config=rt.FailureConfig(max_failures=1),
-        checkpoint_config=rt.CheckpointConfig(async_save=async_save),
-        progress="off",
-    )
-    result, final = _fit(tmp_path, "workers", ("step", 15), run_config=rc, loader_workers=2)
+    job = {"max_failures": 1, "async_save": async_save}
+    result, final = _fit(tmp_path, "workers", ("step", 15), job=job, loader_workers=2)
     assert len(result.failures) == 1
     assert_bit_identical(clean, final)
 
 
 def test_max_failures_exhausted_raises_with_every_failure(tmp_path):
-    trainer = rt.Trainer(
-        workloads.sigkill_fn,
-        rt.ScalingConfig(num_workers=2),
-        rt.RunConfig(
-            name="doomed",
-            storage_path=str(tmp_path),
-            failure_config=rt.FailureConfig(max_failures=2),
-            progress="off",
-        ),
-        train_loop_config={"bad_rank": 1},
-    )
     with pytest.raises(rt.TrainingFailedError) as info:
-        trainer.fit()
+        run_job(
+            workloads.sigkill_fn,
+            storage_path=tmp_path,
+            name="doomed",
+            max_failures=2,
+            train_loop_config={"bad_rank": 1},
+        )
     err = info.value
     assert [(f.attempt, f.rank, f.kind) for f in err.failures] == [
         (0, 1, "signal"),
@@ -122,13 +106,8 @@ def test_max_failures_exhausted_raises_with_every_failure(tmp_path):
 @pytest.mark.parametrize("how", ["hang", "freeze"])
 def test_hung_worker_is_detected_and_the_run_recovers(tmp_path, tmp_path_factory, how):
     clean = _baseline(tmp_path_factory)
-    rc = rt.RunConfig(
-        name=how,
-        storage_path=str(tmp_path / "runs"),
-        failure_config=rt.FailureConfig(max_failures=1, worker_timeout_s=2.0),
-        progress="off",
-    )
-    result, final = _fit(tmp_path, how, (how, 13), run_config=rc)
+    job = {"max_failures": 1, "worker_timeout_s": 2.0}
+    result, final = _fit(tmp_path, how, (how, 13), job=job)
     [failure] = result.failures
     assert failure.kind == "hang" and failure.rank == 1
     expected = "made no progress" if how == "hang" else "stopped answering"
@@ -180,13 +159,8 @@ def test_corrupt_checkpoints_are_skipped_and_never_loaded(tmp_path, tmp_path_fac
 def test_transient_storage_errors_are_retried(tmp_path, tmp_path_factory, monkeypatch):
     clean = _baseline(tmp_path_factory)
     monkeypatch.setenv("RT_FLAKY_FAILS", "2")  # every process: its first two .pt writes fail
-    rc = rt.RunConfig(
-        name="flaky",
-        storage_path=f"flaky://{tmp_path}/runs",
-        failure_config=rt.FailureConfig(max_failures=1),
-        progress="off",
-    )
-    result, final = _fit(tmp_path, "flaky", ("step", 13), run_config=rc)
+    job = {"storage_path": f"flaky://{tmp_path}/runs", "max_failures": 1}
+    result, final = _fit(tmp_path, "flaky", ("step", 13), job=job)
     assert len(result.failures) == 1
     assert_bit_identical(clean, final)
     events = (tmp_path / "runs" / "flaky" / "events.jsonl").read_text()
@@ -195,13 +169,8 @@ def test_transient_storage_errors_are_retried(tmp_path, tmp_path_factory, monkey
 
 def test_persistent_storage_failure_costs_checkpoints_not_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("RT_FLAKY_FAILS", "always")
-    rc = rt.RunConfig(
-        name="broken",
-        storage_path=f"flaky://{tmp_path}/runs",
-        checkpoint_config=rt.CheckpointConfig(async_save=False),
-        progress="off",
-    )
-    result, final = _fit(tmp_path, "broken", epochs=1, run_config=rc)
+    job = {"storage_path": f"flaky://{tmp_path}/runs", "async_save": False}
+    result, final = _fit(tmp_path, "broken", epochs=1, job=job)
     assert result.error is None and final["step"] == 10
     assert result.checkpoint is None
     run = tmp_path / "runs" / "broken"
