@@ -141,3 +141,13 @@ def test_the_api_reference_renders_every_public_name() -> None:
         rendered.update(re.findall(r"^::: ringtrain\.(\w+)\s*$", page.read_text(), re.M))
     missing = sorted(set(public) - rendered - {"__version__"})
     assert missing == [], "add a ::: ringtrain.NAME block to a page of docs/api/ for each"
+
+
+def test_the_docs_pages_that_source_code_names_exist() -> None:
+    """Docstrings and error messages send users to ``docs/NAME.md``: each such page exists."""
+    named = set()
+    for path in (ROOT / "src").rglob("*.py"):
+        for page in re.findall(r"docs/[\w./-]+?\.md", path.read_text(encoding="utf-8")):
+            if not (ROOT / page).exists():
+                named.add(f"{path.relative_to(ROOT)}: {page}")
+    assert sorted(named) == []
