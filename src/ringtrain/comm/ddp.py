@@ -49,7 +49,8 @@ logger = logging.getLogger("ringtrain")
 COMM_HOOKS = ("bf16", "fp16", "powersgd")
 """The values of ``prepare_model(comm_hook=...)`` besides ``None`` (DDP's own allreduce)."""
 
-_DDP_OPTIONS = ("bucket_cap_mb", "static_graph", "find_unused_parameters")
+DDP_OPTIONS = ("bucket_cap_mb", "static_graph", "find_unused_parameters")
+"""``prepare_model``'s own DDP options, which are also ``DistributedDataParallel`` arguments."""
 
 BUCKET_ORDERS = ("fixed", "rebuild")
 """The values of ``prepare_model(bucket_order=...)``: ``"fixed"`` (default,
@@ -103,7 +104,7 @@ def validate_comm_options(
             )
         check_powersgd({**POWERSGD_DEFAULTS, **comm_hook_options})
     merged = dict(ddp_kwargs or {})
-    for name in _DDP_OPTIONS:
+    for name in DDP_OPTIONS:
         value = ddp_options.get(name)
         if value is None:
             continue

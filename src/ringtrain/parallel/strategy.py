@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 from torch import nn
 
 from ringtrain.amp import normalize_precision
-from ringtrain.comm.ddp import check_bucket_order, validate_comm_options
+from ringtrain.comm.ddp import DDP_OPTIONS, check_bucket_order, validate_comm_options
 from ringtrain.env import DistributedContext
 from ringtrain.fsdp import FSDPConfig
 
@@ -47,9 +47,6 @@ _DDP_ONLY = (
     "find_unused_parameters",
 )
 """``prepare_model``'s keywords that configure DDP, in the order its errors list them."""
-
-_DDP_FIELDS = ("bucket_cap_mb", "static_graph", "find_unused_parameters")
-"""The DDP options that are also ``DistributedDataParallel`` arguments."""
 
 _FSDP_PRECISIONS = ("32", "32-true", "fp32")
 
@@ -299,7 +296,7 @@ def _ddp_arguments(options: Mapping[str, Any], where: str) -> dict[str, Any]:
     return DDP's keyword arguments; errors name ``where`` (``"prepare_model"`` for its keywords,
     ``"DDPStrategy"`` for the object)."""
     check_bucket_order(options.get("bucket_order", "fixed"), where)
-    direct = {name: options.get(name) for name in _DDP_FIELDS}
+    direct = {name: options.get(name) for name in DDP_OPTIONS}
     return validate_comm_options(
         options.get("comm_hook"),
         options.get("comm_hook_options"),
