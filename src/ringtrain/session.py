@@ -19,13 +19,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringtrain.channel import CheckpointDone, Heartbeat, Report, Timing, WorkerChannel
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.env import DistributedContext, context_from_env
 from ringtrain.hooks import HookRegistry, StepState
+
+if TYPE_CHECKING:  # the timer is monitor/timing's, which a worker with timing off never loads
+    from ringtrain.monitor.timing import StepTimer
 from ringtrain.worker_config import WorkerConfig
 
 logger = logging.getLogger("ringtrain")
@@ -62,7 +65,7 @@ class Session:
     progressed: bool = False
     progress_count: int = 0
     warned_no_storage: bool = False
-    timer: Any = None
+    timer: StepTimer | None = None
     timing_interval_s: float = 2.0
     # Where training is (note_epoch): sent with each timing window for the driver's progress bar.
     progress_hint: dict[str, Any] = field(default_factory=dict)
@@ -250,7 +253,7 @@ def mark_progress(step: int | None = None) -> None:
             session.last_step = step
 
 
-def current_timer() -> Any:
+def current_timer() -> StepTimer | None:
     """This worker's :class:`~ringtrain.monitor.timing.StepTimer`, or ``None`` (timing off, or
     not a ringtrain worker)."""
     session = _session

@@ -40,7 +40,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ringtrain.checkpoint import sharded as sharded_io
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.session import (
     get_checkpoint,
@@ -164,9 +166,7 @@ class TrainState:
                 objects[name] = obj
             elif name not in _NAMED and not isinstance(obj, torch.utils.data.DataLoader):
                 plain[name] = obj
-        from ringtrain.checkpoint.sharded import sharded_objects
-
-        self._sharded, sharded_problems = sharded_objects(objects)
+        self._sharded, sharded_problems = sharded_io.sharded_objects(objects)
         problems += sharded_problems
         if problems:
             raise TypeError("TrainState cannot save:\n  " + "\n  ".join(problems))
@@ -318,21 +318,17 @@ class TrainState:
         directory, and return writers that copy this rank's files from there. With ``staged``,
         ``dcp.async_save`` copies the shards to host memory and returns; the writers wait for
         its files."""
-        from ringtrain.checkpoint import sharded
-
         group = None
         if staged:
-            import torch.distributed as dist
-
             if self._dcp_group is None:  # every rank saves at the same report: collective
                 self._dcp_group = dist.new_group(backend="gloo")
             group = self._dcp_group
-        state = sharded.state_dict_of(
+        state = sharded_io.state_dict_of(
             self._objects["model"],
             self._objects.get("optimizer") if "optimizer" in self._sharded else None,
         )
-        directory, wait = sharded.save_to_local(state, rank, async_group=group)
-        return sharded.file_writers(directory, rank, wait)
+        directory, wait = sharded_io.save_to_local(state, rank, async_group=group)
+        return sharded_io.file_writers(directory, rank, wait)
 
     # ------------------------------------------------------------------ restoring
     def restore(self, checkpoint: Checkpoint | None = None) -> bool:
@@ -372,13 +368,11 @@ class TrainState:
         return True
 
     def _restore_sharded(self, ckpt: Checkpoint) -> None:
-        from ringtrain.checkpoint.sharded import restore_objects
-
         optimizer = self._objects["optimizer"] if "optimizer" in self._sharded else None
         # DCP reads whichever files hold this rank's slices: it gets a private copy of the
         # verified files, never the storage itself.
         with ckpt.verified_directory(is_dcp_file) as local:
-            restore_objects(self._objects["model"], optimizer, local, None)
+            sharded_io.restore_objects(self._objects["model"], optimizer, local, None)
 
     def load_payload(
         self,

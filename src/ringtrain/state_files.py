@@ -1,7 +1,7 @@
 """The files of a :class:`~ringtrain.TrainState` checkpoint and what fills them: the file names,
 the checks of what a ``weights_only`` file can hold, RNG capture and restore, staging to host
 memory, the per-rank state attached to a prepared model, and the verified, weights-only loading of
-a file (``ringtrain.state`` builds and loads the payload; docs/checkpointing.md has the layout).
+a file (``ringtrain.state`` builds and loads the payload; docs/run-directory.md has the layout).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ringtrain.checkpoint.checkpoint import Checkpoint, CheckpointLoadError
+from ringtrain.checkpoint.sharded import METADATA
 
 logger = logging.getLogger("ringtrain")
 
@@ -209,8 +210,6 @@ def torch_writer(obj: Any) -> Callable[[Any], None]:
 
 def is_dcp_file(name: str) -> bool:
     """Whether ``name`` is a file of a ``torch.distributed.checkpoint`` save (sharded state)."""
-    from ringtrain.checkpoint.sharded import METADATA
-
     return name == METADATA or name.endswith(".distcp")
 
 

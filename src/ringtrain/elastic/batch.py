@@ -37,7 +37,13 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.data import DataLoader
 
 # Splitting a step's batch is not elastic's own: it lives with gradient accumulation (the names
 # are re-exported here, where they were).
@@ -45,9 +51,6 @@ from ringtrain.accumulate import batch_length, micro_batches, split_batch
 from ringtrain.config import ELASTIC_BATCH_POLICIES
 from ringtrain.env import DistributedContext
 from ringtrain.session import installed_session
-
-if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
 
 __all__ = [
     "BatchPlan",
@@ -248,8 +251,6 @@ def constant_global_batch(
         plan = plan_for_loader(data_loader, ctx)
     if plan is None or plan.per_worker_batch == data_loader.batch_size:
         return data_loader
-    from torch.utils.data import DataLoader
-
     kwargs: dict[str, Any] = dict(
         batch_size=plan.per_worker_batch,
         sampler=data_loader.sampler,
@@ -296,11 +297,6 @@ def install_lr_scaling(scale: Callable[[], float]) -> list[Any]:
         The hooks' two handles (torch's ``RemovableHandle``): the caller owns them (the elastic
         plug-in installs them once per worker process and removes them when the worker stops).
     """
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
-
     saved: dict[int, list[Any]] = {}
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -16,12 +16,17 @@ position by broadcast, and fresh RNG streams (:func:`joiner_rng`).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
+import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from fsspec.implementations.memory import MemoryFileSystem
 
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.session import get_context
@@ -79,8 +84,6 @@ def replicate_to_neighbour(snapshot: Snapshot, rank: int, world_size: int) -> No
     """
     if world_size < 2:
         return
-    import torch.distributed as dist
-
     buffer = io.BytesIO()
     torch.save(snapshot.rank, buffer)
     data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
@@ -122,8 +125,6 @@ def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int
     Raises:
         ValueError: if ``source`` itself has no snapshot.
     """
-    import torch.distributed as dist
-
     box: list[Any] = [None]
     if rank == source:
         if snapshot is None:
@@ -151,11 +152,6 @@ def joiner_rng(source_rng: Any, rank: int, generation: int) -> dict[str, Any]:
     and are the same when the run is repeated. (A dead rank's streams, held by its ring
     neighbour, are stale by the time capacity returns and would not map to a new rank number.)
     """
-    import hashlib
-    import random
-
-    import numpy as np
-
     digest = hashlib.sha256(f"ringtrain-join/{rank}/{generation}/".encode())
     state = source_rng.get("torch") if isinstance(source_rng, dict) else None
     if isinstance(state, torch.Tensor):
@@ -181,8 +177,6 @@ class SnapshotCheckpoint(Checkpoint):
     """
 
     def __init__(self, snapshot: Snapshot, rank: int) -> None:
-        from fsspec.implementations.memory import MemoryFileSystem
-
         super().__init__(f"/ringtrain-elastic-snapshot/step_{snapshot.step}", MemoryFileSystem())
         self.snapshot = snapshot
         # "elastic": a resize keeps the math (constant global batch); no bit-exactness warning.

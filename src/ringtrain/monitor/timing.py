@@ -433,7 +433,7 @@ def timed_comm_hook(timer: StepTimer, hook: Callable[[Any, Any], Any]) -> Callab
 
     # No annotations (hence the type: ignores): DDP checks them against dist.GradBucket and
     # Future, and with ``from __future__ import annotations`` they would be strings.
-    def timed(state, bucket):  # type: ignore[no-untyped-def]
+    def timed(state, bucket):  # type: ignore[no-untyped-def, unused-ignore]
         buf = bucket.buffer()
         nbytes = buf.numel() * buf.element_size()
         started = _now()
@@ -455,7 +455,7 @@ def timed_allreduce_hook(timer: StepTimer) -> Callable[[Any, Any], Any]:
     two)."""
     import torch.distributed as dist
 
-    def timed(process_group, bucket):  # type: ignore[no-untyped-def]
+    def timed(process_group, bucket):  # type: ignore[no-untyped-def, unused-ignore]
         group = process_group if process_group is not None else dist.group.WORLD
         buf = bucket.buffer()
         nbytes = buf.numel() * buf.element_size()
@@ -463,7 +463,7 @@ def timed_allreduce_hook(timer: StepTimer) -> Callable[[Any, Any], Any]:
         buf.div_(dist.get_world_size(group))
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 
-        def done(f):  # type: ignore[no-untyped-def]
+        def done(f):  # type: ignore[no-untyped-def, unused-ignore]
             timer.comm_done(started, nbytes)
             return f.value()[0]
 
