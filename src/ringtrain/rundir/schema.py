@@ -17,7 +17,7 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from time import time as _now
 from typing import Any, ClassVar, TypeVar, Union
@@ -91,36 +91,105 @@ def _key(f: dataclasses.Field[Any]) -> str:
     return str(f.metadata.get("key", f.name))
 
 
-def _coerce(tp: Any, value: Any) -> Any:
-    """``value`` as type ``tp``, or ``_MISSING`` when it is not one (ints where floats are
-    expected are fine; a digit string is an int; ``bool`` is never a number)."""
-    if tp is Any:
+Coerce = Callable[[Any], Any]
+"""Turns a parsed JSON value into a field's type, or returns ``_MISSING`` when it is not one."""
+
+
+def _to_int(value: Any) -> Any:
+    """Ints, integral floats and digit strings; never a bool."""
+    if type(value) is int:
         return value
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        for arg in typing.get_args(tp):
-            if arg is not type(None) and (found := _coerce(arg, value)) is not _MISSING:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return _MISSING
+
+
+def _to_float(value: Any) -> Any:
+    """Finite ints and floats; never a bool."""
+    if type(value) in (int, float) and math.isfinite(value):
+        return float(value)
+    return _MISSING
+
+
+def _to_bool(value: Any) -> Any:
+    return value if value is True or value is False else _MISSING
+
+
+def _any(value: Any) -> Any:
+    return value
+
+
+def _instance_of(base: type) -> Coerce:
+    def coerce(value: Any) -> Any:
+        return base(value) if isinstance(value, base) else _MISSING
+
+    return coerce
+
+
+def _optional(inner: list[Coerce], nullable: bool) -> Coerce:
+    def coerce(value: Any) -> Any:
+        if value is None:
+            return None if nullable else _MISSING
+        for one in inner:
+            found = one(value)
+            if found is not _MISSING:
                 return found
         return _MISSING
-    if isinstance(value, bool):
-        return value if tp is bool else _MISSING
-    if tp is int:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
-        return _MISSING
-    if tp is float:
-        ok = isinstance(value, int | float) and math.isfinite(value)
-        return float(value) if ok else _MISSING
+
+    return coerce
+
+
+def _coercer(tp: Any) -> Coerce:
+    """The :data:`Coerce` of a field annotation (``int``, ``float | None``, ``dict[str, Any]``,
+    ``list[int]``, ``Any``, ...); elements of containers are not checked."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        return _optional([_coercer(a) for a in args if a is not type(None)], type(None) in args)
+    simple: dict[Any, Coerce] = {int: _to_int, float: _to_float, bool: _to_bool, Any: _any}
+    if tp in simple:
+        return simple[tp]
     base = origin or tp
     if base in (dict, list, str):
-        return base(value) if isinstance(value, base) else _MISSING
-    return _MISSING
+        return _instance_of(base)
+    raise TypeError(f"run directory records cannot hold a {tp!r} field")
+
+
+def _coerce(tp: Any, value: Any) -> Any:
+    """``value`` as type ``tp``, or ``_MISSING`` when it is not one."""
+    return _coercer(tp)(value)
+
+
+@dataclass(frozen=True)
+class _FieldPlan:
+    """How one field is read: its name, JSON key, coercion and whether it may be left out."""
+
+    name: str
+    key: str
+    coerce: Coerce
+    required: bool
+
+
+_PLANS: dict[type, tuple[_FieldPlan, ...]] = {}
+
+
+def _plan(cls: type) -> tuple[_FieldPlan, ...]:
+    found = _PLANS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        found = _PLANS[cls] = tuple(
+            _FieldPlan(
+                f.name,
+                _key(f),
+                _coercer(hints[f.name]),
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            )
+            for f in dataclasses.fields(cls)
+            if f.init
+        )
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,30 +212,23 @@ class Record:
     def from_json(cls: type[R], obj: Mapping[str, Any]) -> R | None:
         """The record in ``obj`` (as parsed from the file), or None when a field without a
         default is missing or of the wrong type. Unknown keys are ignored."""
-        hints = _hints(cls)
+        values = cls._values(obj)
+        return None if values is None else cls(**values)
+
+    @classmethod
+    def _values(cls, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The constructor's arguments read from ``obj`` (see :meth:`from_json`)."""
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if not f.init:
-                continue
-            raw = obj.get(_key(f), _MISSING)
-            value = _MISSING if raw is _MISSING else _coerce(hints[f.name], raw)
+        for field_ in _plan(cls):
+            raw = obj.get(field_.key, _MISSING)
+            value = _MISSING if raw is _MISSING else field_.coerce(raw)
             if value is not _MISSING:
-                values[f.name] = value
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                values[field_.name] = value
+            elif field_.required:
                 return None
-            elif f.name == "time":
-                values[f.name] = None  # an event's time is never made up when reading
-        return cls(**values)
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    found = _HINTS.get(cls)
-    if found is None:
-        found = _HINTS[cls] = typing.get_type_hints(cls)
-    return found
+            elif field_.name == "time":
+                values["time"] = None  # an event's time is never made up when reading
+        return values
 
 
 # ------------------------------------------------------------------------------ events
@@ -225,14 +287,13 @@ class TimingEvent(EventRecord):
         return head | {k: v for k, v in self.window.items() if k not in _TIMING_KEYS}
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> TimingEvent | None:
-        base = super().from_json(obj)
-        if base is None:
-            return None
-        nested = obj.get("window")
-        source = nested if isinstance(nested, dict) else obj
-        window = {k: v for k, v in source.items() if k not in _TIMING_KEYS}
-        return dataclasses.replace(base, window=window)
+    def _values(cls, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        values = super()._values(obj)
+        if values is not None:
+            nested = obj.get("window")
+            source = nested if isinstance(nested, dict) else obj
+            values["window"] = {k: v for k, v in source.items() if k not in _TIMING_KEYS}
+        return values
 
 
 _TIMING_KEYS = frozenset({"type", "time", "rank", "attempt", "window"})
