@@ -29,6 +29,8 @@ from ringtrain.chaos.plan import FAULT_KINDS, ChaosConfig, Fault, make_plan, run
 from ringtrain.chaos.report import CampaignReport, RunReport
 from ringtrain.chaos.worker import ChaosTrainFn, read_log
 from ringtrain.launch.backends import backend_for
+from ringtrain.rundir.reader import run_events
+from ringtrain.rundir.schema import FailureEvent
 
 ORPHAN_GRACE_S = 1.0
 """A process of a run still alive this long after its driver ended is an orphan."""
@@ -337,20 +339,12 @@ def _last_step(run_path: str) -> int | None:
 
 
 def _failures(run_path: str) -> list[dict[str, Any]]:
-    out = []
-    try:
-        with open(os.path.join(run_path, "events.jsonl")) as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("type") == "failure":
-                    keys = ("attempt", "rank", "kind", "message", "time")
-                    out.append({k: ev.get(k) for k in keys})
-    except FileNotFoundError:
-        pass
-    return out
+    keys = ("attempt", "rank", "kind", "message", "time")
+    return [
+        {k: getattr(ev, k) for k in keys}
+        for ev in run_events(run_path)
+        if isinstance(ev, FailureEvent)
+    ]
 
 
 def _error_of(outcome: str, code: int, log: str) -> str:
