@@ -14,6 +14,8 @@ The public API; nothing outside this list is public::
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -110,3 +112,18 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+class _Package(types.ModuleType):
+    """The ``ringtrain`` package object. Importing a submodule sets it as an attribute of its
+    package, so importing ``ringtrain.accumulate`` (the module) anywhere would replace the lazy
+    function ``rt.accumulate`` with the module of the same name; such a submodule attribute is
+    not set (the module stays in ``sys.modules``; ``from ringtrain.accumulate import X`` works)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,21 @@
+"""The package's lazy public names survive the import of a submodule of the same name."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import ringtrain as rt
+
+
+def test_importing_the_accumulate_module_leaves_rt_accumulate_the_function():
+    module = importlib.import_module("ringtrain.accumulate")  # e.g. elastic/batch.py's import
+    # What the import system does on a submodule's first import (before rt.accumulate was
+    # ever looked up), which used to turn rt.accumulate into the module:
+    rt.__dict__.pop("accumulate", None)
+    setattr(rt, "accumulate", module)  # noqa: B010
+    assert not isinstance(rt.accumulate, types.ModuleType)
+    assert rt.accumulate is module.accumulate
+    from ringtrain import accumulate
+
+    assert accumulate is module.accumulate
