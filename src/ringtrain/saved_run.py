@@ -22,9 +22,7 @@ from ringtrain.checkpoint.storage import is_local_fs
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.monitor.runs import pid_alive
 from ringtrain.rundir import RunDirectory
-
-PAYLOAD_FILE = "payload.pkl"
-CONFIG_FILE = "config.json"
+from ringtrain.rundir.schema import CONFIG_FILE, PAYLOAD_FILE, RESULT_FILE, ConfigRecord
 
 
 def check_signed(run_dir: RunDirectory, filename: str, data: bytes, signer: Signer) -> None:
@@ -122,7 +120,7 @@ def refuse_if_running(run_dir: RunDirectory) -> None:
     checkpoints; a run whose driver is still alive on this host cannot be started again."""
     if not run_dir.is_local:
         return  # no way to see another host's processes; object stores are on the user
-    path = os.path.join(run_dir.path, "result.json")
+    path = os.path.join(run_dir.path, RESULT_FILE)
     try:
         with open(path) as f:
             previous = json.load(f)
@@ -162,7 +160,7 @@ def finished_note(storage_path: str, name: str) -> str | None:
     if not run_dir.is_local:
         return None
     try:
-        with open(os.path.join(run_dir.path, "result.json")) as f:
+        with open(os.path.join(run_dir.path, RESULT_FILE)) as f:
             previous = json.load(f)
         status, rounds = previous.get("status"), previous.get("rounds")
     except (OSError, ValueError, AttributeError):
@@ -193,19 +191,20 @@ def write_run_config(
     back) and, in function mode, ``payload.pkl`` (the cloudpickled train function), each with
     its signature: they are what ``Trainer.restore(path)`` and ``ringtrain run --resume`` start
     again after the driver itself died, so they decide which code runs (docs/security.md)."""
+    record = ConfigRecord(
+        name=run_dir.name,
+        storage_path=run_config.storage_path,
+        entrypoint=entrypoint,
+        script=script,
+        script_args=list(script_args),
+        ringtrain_version=ringtrain.__version__,
+        created=time.time(),
+        scaling_config=scaling_config.to_dict(),
+        run_config={**run_config.to_dict(), "name": run_dir.name},
+        train_loop_config=train_loop_config,
+    )
     config_json = json.dumps(
-        {
-            "name": run_dir.name,
-            "storage_path": run_config.storage_path,
-            "entrypoint": entrypoint,
-            "script": script,
-            "script_args": list(script_args),
-            "ringtrain_version": ringtrain.__version__,
-            "created": time.time(),
-            "scaling_config": scaling_config.to_dict(),
-            "run_config": {**run_config.to_dict(), "name": run_dir.name},
-            "train_loop_config": train_loop_config,
-        },
+        record.to_json(),
         indent=2,
         default=repr,
         allow_nan=True,
