@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.horovod.handles import _view
-from ringtrain.horovod.process_sets import global_process_set
+from ringtrain.horovod.process_sets import ProcessSet, global_process_set
 from ringtrain.horovod.runtime import negotiate, runtime
 
 
@@ -31,7 +31,7 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def broadcast_parameters(
-    params: Any, root_rank: int, process_set: Any = global_process_set
+    params: Any, root_rank: int, process_set: ProcessSet | None = global_process_set
 ) -> None:
     """Overwrite, in place, every rank's parameters with ``root_rank``'s.
 
@@ -77,7 +77,10 @@ def broadcast_parameters(
 
 
 def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
+    obj: Any,
+    root_rank: int = 0,
+    name: str | None = None,
+    process_set: ProcessSet | None = global_process_set,
 ) -> Any:
     """``root_rank``'s ``obj`` (any picklable object), returned on every rank of the set.
 
@@ -98,7 +101,7 @@ def broadcast_object(
 
 
 def allgather_object(
-    obj: Any, name: str | None = None, process_set: Any = global_process_set
+    obj: Any, name: str | None = None, process_set: ProcessSet | None = global_process_set
 ) -> list[Any]:
     """Every rank's ``obj`` (picklable), as a list in the set's rank order."""
     view = _view(process_set, "allgather_object")
@@ -126,7 +129,9 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int, process_set: Any = global_process_set
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    process_set: ProcessSet | None = global_process_set,
 ) -> None:
     """Make every rank's optimizer state (moments, step counts, learning rates and the other
     hyper-parameters of every param group) equal to ``root_rank``'s.

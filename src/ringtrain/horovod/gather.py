@@ -24,7 +24,7 @@ from ringtrain.horovod.handles import (
     _view,
     synchronize,
 )
-from ringtrain.horovod.process_sets import SetView, global_process_set
+from ringtrain.horovod.process_sets import ProcessSet, SetView, global_process_set
 from ringtrain.horovod.reduce import allreduce_async
 from ringtrain.horovod.runtime import negotiate, runtime
 
@@ -57,7 +57,9 @@ def _launch_allgather(
 
 
 def allgather_async(
-    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor,
+    name: str | None = None,
+    process_set: ProcessSet | None = global_process_set,
 ) -> int:
     """Start concatenating every rank's ``tensor`` along the first dimension; returns a handle.
 
@@ -92,7 +94,9 @@ class _AllgatherFn(torch.autograd.Function):
 
 
 def allgather(
-    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+    tensor: torch.Tensor,
+    name: str | None = None,
+    process_set: ProcessSet | None = global_process_set,
 ) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along the first dimension (rank order); differentiable.
 
@@ -114,7 +118,9 @@ def allgather(
 
 
 def grouped_allgather_async(
-    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet | None = global_process_set,
 ) -> int:
     """Start an allgather of each tensor of the list, under one handle (``synchronize`` returns
     the list of results). One metadata exchange checks the whole list."""
@@ -142,7 +148,9 @@ def grouped_allgather_async(
 
 
 def grouped_allgather(
-    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet | None = global_process_set,
 ) -> list[torch.Tensor]:
     """:func:`allgather` of each tensor of the list (differentiable when a tensor requires
     grad)."""
@@ -182,7 +190,7 @@ def broadcast_async_(
     tensor: torch.Tensor,
     root_rank: int,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
 ) -> int:
     """Start overwriting ``tensor`` on every rank with ``root_rank``'s (a global rank, as in
     Horovod); returns a handle.
@@ -203,7 +211,7 @@ def broadcast_async(
     tensor: torch.Tensor,
     root_rank: int,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
 ) -> int:
     """As :func:`broadcast_async_`, into a new tensor."""
     view = _view(process_set, "broadcast")
@@ -235,7 +243,7 @@ def broadcast(
     tensor: torch.Tensor,
     root_rank: int,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
 ) -> torch.Tensor:
     """``root_rank``'s ``tensor``, on every rank (a new tensor); differentiable.
 
@@ -256,7 +264,7 @@ def broadcast_(
     tensor: torch.Tensor,
     root_rank: int,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
 ) -> torch.Tensor:
     """Overwrite ``tensor`` in place with ``root_rank``'s and return it."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
@@ -266,7 +274,7 @@ def broadcast_(
 
 
 def sparse_allreduce_async(
-    tensor: torch.Tensor, name: str, op: Any, process_set: Any = global_process_set
+    tensor: torch.Tensor, name: str, op: Any, process_set: ProcessSet | None = global_process_set
 ) -> Callable[[], torch.Tensor]:
     """Start reducing a sparse COO ``tensor``: allgather of its indices and values (Horovod's
     algorithm); returns a *function* that waits and returns the sparse result (pass it to

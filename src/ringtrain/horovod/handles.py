@@ -20,7 +20,7 @@ from ringtrain.comm.fusion import (
     ReduceOp,
     check_op,
 )
-from ringtrain.horovod.process_sets import SetView
+from ringtrain.horovod.process_sets import ProcessSet, SetView
 from ringtrain.horovod.runtime import HorovodInternalError, Pending, runtime
 
 
@@ -41,7 +41,7 @@ def _resolve_op(average: bool | None, op: Any) -> ReduceOp:
     return _parse_op(op)
 
 
-def _view(process_set: Any, what: str) -> SetView:
+def _view(process_set: ProcessSet | None, what: str) -> SetView:
     """The set an operation runs on; ``ValueError`` (on this rank only: it is no participant)
     if this rank is not a member."""
     view = runtime().set_view(None if process_set is None else process_set)
@@ -49,7 +49,7 @@ def _view(process_set: Any, what: str) -> SetView:
     return view
 
 
-def _check_process_set(process_set: Any) -> None:
+def _check_process_set(process_set: ProcessSet | None) -> None:
     """Validate ``process_set`` (registered, this rank a member)."""
     _view(process_set, "collective")
 

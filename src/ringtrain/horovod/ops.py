@@ -21,7 +21,6 @@ operations live by family: :mod:`~ringtrain.horovod.handles` (argument checks, h
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from ringtrain.comm.fusion import ReduceOp
 from ringtrain.horovod.gather import (
@@ -36,7 +35,7 @@ from ringtrain.horovod.gather import (
     sparse_allreduce_async,
 )
 from ringtrain.horovod.handles import _view, poll, synchronize
-from ringtrain.horovod.process_sets import global_process_set
+from ringtrain.horovod.process_sets import ProcessSet, global_process_set
 from ringtrain.horovod.reduce import (
     allreduce,
     allreduce_,
@@ -70,7 +69,7 @@ Average, Sum, Adasum, Min, Max, Product = (
 # ------------------------------------------------------------------ barrier and join
 
 
-def barrier(process_set: Any = global_process_set) -> None:
+def barrier(process_set: ProcessSet | None = global_process_set) -> None:
     """Block until every rank of the set has called ``barrier()`` (the metadata exchange is the
     barrier: a rank in another operation makes both raise instead of hanging)."""
     view = _view(process_set, "barrier")

@@ -19,7 +19,7 @@ import torch
 
 from ringtrain.comm.compression import Compressor, NoneCompressor, resolve
 from ringtrain.comm.fusion import GradientAllreducer, ReduceOp, check_op
-from ringtrain.horovod.process_sets import global_process_set
+from ringtrain.horovod.process_sets import ProcessSet, global_process_set
 from ringtrain.horovod.runtime import negotiate, runtime
 
 
@@ -78,7 +78,7 @@ def DistributedOptimizer(
     gradient_predivide_factor: float = 1.0,
     groups: Any = None,
     sparse_as_dense: bool = False,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
     *,
     fusion_threshold_bytes: int | None = None,
 ) -> torch.optim.Optimizer:

@@ -27,7 +27,7 @@ from ringtrain.horovod.handles import (
     _view,
     synchronize,
 )
-from ringtrain.horovod.process_sets import SetView
+from ringtrain.horovod.process_sets import ProcessSet, SetView
 from ringtrain.horovod.runtime import negotiate, runtime
 
 
@@ -66,7 +66,7 @@ def allreduce_async_(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> int:
     """Start reducing ``tensor`` in place across all ranks; returns a handle.
 
@@ -102,7 +102,7 @@ def allreduce_async(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> int:
     """As :func:`allreduce_async_`, into a new tensor (the input is left unchanged)."""
     view = _view(process_set, "allreduce")
@@ -150,7 +150,7 @@ def _reduce_compressed(
     post: float,
     name: str | None,
     compression: type[Compressor],
-    process_set: Any,
+    process_set: ProcessSet | None,
 ) -> torch.Tensor:
     """A blocking reduction (allreduce, reducescatter) with wire compression: through the
     differentiable ``fn`` when autograd records, else ``launch_async`` + :func:`synchronize`."""
@@ -179,7 +179,7 @@ def allreduce(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> torch.Tensor:
     """Reduce ``tensor`` across all ranks and return the result (a new tensor); differentiable.
 
@@ -222,7 +222,7 @@ def allreduce_(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place across all ranks and return it (see :func:`allreduce`)."""
     return synchronize(
@@ -237,7 +237,7 @@ def grouped_allreduce_async_(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> int:
     """Start reducing a list of tensors in place, as one fused operation; returns a handle.
 
@@ -274,7 +274,7 @@ def grouped_allreduce_async(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> int:
     """As :func:`grouped_allreduce_async_`, into new tensors."""
     view = _view(process_set, "grouped_allreduce")
@@ -335,7 +335,7 @@ def grouped_allreduce(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors as one fused operation; returns new tensors; differentiable.
 
@@ -373,7 +373,7 @@ def grouped_allreduce_(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> list[torch.Tensor]:
     """Reduce a list of tensors in place as one fused operation and return them."""
     return synchronize(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ringtrain.comm.fusion import BufferPool
 from ringtrain.env import DistributedContext
 from ringtrain.horovod.metadata import DUP, hash63, metadata_row, mismatches
+from ringtrain.horovod.process_sets import ProcessSet, SetView, add_process_set, global_process_set
 
 __all__ = [
     "HorovodInternalError",
@@ -130,15 +131,13 @@ class Runtime:
 
     # -------------------------------------------------------------- process sets
 
-    def set_view(self, process_set: Any) -> Any:
+    def set_view(self, process_set: ProcessSet | None) -> SetView:
         """The :class:`~ringtrain.horovod.process_sets.SetView` of ``process_set`` (``None``:
         the global set).
 
         Raises:
             ValueError: for a set that is not registered (never added, or removed).
         """
-        from ringtrain.horovod.process_sets import SetView
-
         psid = 0 if process_set is None else getattr(process_set, "process_set_id", "?")
         if psid == 0:
             n, r = self.ctx.world_size, self.ctx.world_rank
@@ -154,7 +153,7 @@ class Runtime:
         me = self.ctx.world_rank
         return SetView(psid, ranks, group, len(ranks), ranks.index(me) if me in ranks else -1)
 
-    def register_set(self, ps: Any) -> None:
+    def register_set(self, ps: ProcessSet) -> None:
         """Create the subgroup of ``ps`` (collective over all ranks) and give it an id."""
         ranks = tuple(ps.ranks or ())
         n = self.ctx.world_size
@@ -180,7 +179,7 @@ class Runtime:
         ps.process_set_id = psid
         ps.ranks = list(ranks)
 
-    def unregister_set(self, ps: Any) -> bool:
+    def unregister_set(self, ps: ProcessSet) -> bool:
         """Drop the subgroup of ``ps`` (collective over all ranks)."""
         psid = getattr(ps, "process_set_id", None)
         negotiate("remove_process_set", None, [], extra=-1 if psid is None else int(psid))
@@ -257,11 +256,7 @@ def _init(process_sets: Sequence[Any]) -> None:
             owns = True
             atexit.register(_destroy_owned_group)
         _runtime = Runtime(ctx=ctx, owns_group=owns)
-        from ringtrain.horovod.process_sets import global_process_set
-
         global_process_set.ranks = list(range(ctx.world_size))
-    from ringtrain.horovod.process_sets import ProcessSet, add_process_set
-
     for ps in process_sets:
         add_process_set(ps if isinstance(ps, ProcessSet) else ProcessSet(ps))
 
@@ -423,7 +418,7 @@ def negotiate(
     vary_first_dim: bool = False,
     extra: int = 0,
     splits: Sequence[int] | None = None,
-    view: Any = None,
+    view: SetView | None = None,
     payload: int = 0,
     signature: str | None = None,
 ) -> list[list[int]]:

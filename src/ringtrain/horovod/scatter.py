@@ -24,7 +24,7 @@ from ringtrain.horovod.handles import (
     _view,
     synchronize,
 )
-from ringtrain.horovod.process_sets import global_process_set
+from ringtrain.horovod.process_sets import ProcessSet, global_process_set
 from ringtrain.horovod.reduce import _launch_allreduce, _reduce_compressed
 from ringtrain.horovod.runtime import negotiate
 
@@ -52,7 +52,7 @@ def alltoall_async(
     tensor: torch.Tensor,
     splits: Any = None,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
 ) -> int:
     """Start an all-to-all: rank r sends ``splits[j]`` rows of ``tensor`` to the j-th rank of the
     set.
@@ -130,7 +130,7 @@ def alltoall(
     tensor: torch.Tensor,
     splits: Any = None,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
 ) -> Any:
     """Scatter slices of ``tensor`` to every rank and gather theirs; differentiable.
 
@@ -163,7 +163,7 @@ def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
     op: Any = ReduceOp.Average,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> int:
@@ -223,7 +223,7 @@ def reducescatter(
     name: str | None = None,
     compression: type[Compressor] = NoneCompressor,
     op: Any = ReduceOp.Average,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
@@ -253,7 +253,7 @@ def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
     op: Any = ReduceOp.Average,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> int:
@@ -295,7 +295,7 @@ def grouped_reducescatter(
     name: str | None = None,
     compression: type[Compressor] = NoneCompressor,
     op: Any = ReduceOp.Average,
-    process_set: Any = global_process_set,
+    process_set: ProcessSet | None = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
