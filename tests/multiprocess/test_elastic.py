@@ -22,6 +22,7 @@ from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
 from ringtrain.result import WorkerFailure
 from support import read_events as _events
 from support import read_jsonl_dir as _records
+from support import run_job
 
 EPOCHS = 2  # 120 samples, global batch 12 (3 x 4 or 2 x 6): 10 steps per epoch, 20 in all
 KILL_STEP = 5
@@ -31,20 +32,16 @@ def _fit(tmp_path, name, num_workers, *, max_failures=3, restore_from=None, scal
     log = tmp_path / f"{name}_log"
     log.mkdir()
     cfg = {"epochs": EPOCHS, "log": str(log), "out": str(tmp_path / f"{name}.pt"), **config}
-    scaling = rt.ScalingConfig(num_workers=num_workers, **(scaling or {}))
-    if restore_from is not None:
-        trainer = rt.Trainer.restore(
-            restore_from, workloads.elastic_fn, scaling_config=scaling, train_loop_config=cfg
-        )
-    else:
-        run_config = rt.RunConfig(
-            name=name,
-            storage_path=str(tmp_path / "runs"),
-            failure_config=rt.FailureConfig(max_failures=max_failures),
-            progress="off",
-        )
-        trainer = rt.Trainer(workloads.elastic_fn, scaling, run_config, train_loop_config=cfg)
-    result = trainer.fit()
+    result = run_job(
+        workloads.elastic_fn,
+        num_workers,
+        storage_path=tmp_path / "runs",
+        name=name,
+        restore_from=restore_from,
+        max_failures=max_failures,
+        train_loop_config=cfg,
+        **(scaling or {}),
+    )
     return result, _records(log), torch.load(cfg["out"], weights_only=True)
 
 
@@ -170,23 +167,23 @@ def test_reentry_without_restore_still_starts_ddp_from_rank_0s_parameters(tmp_pa
         assert torch.equal(value, ranks[1]["model"][key]), f"{key} differs between the ranks"
 
 
-def test_deferred_sync_only_when_reentering_with_a_snapshot(monkeypatch, tmp_path):
+def test_deferred_sync_only_when_reentering_with_a_snapshot(tmp_path):
     from ringtrain import session as session_module
     from ringtrain.checkpoint.checkpoint import Checkpoint
     from ringtrain.elastic import snapshot as snapshots
-    from ringtrain.elastic.worker import RESTORED_ATTR, deferred_sync_generation, mark_restored
+    from ringtrain.elastic.worker import (
+        RESTORED_ATTR,
+        ElasticRuntime,
+        deferred_sync_generation,
+        mark_restored,
+    )
+    from ringtrain.worker_config import ElasticSettings
 
-    class Runtime:
-        generation = 3
-
-    class Session:
-        elastic = None
-        latest_checkpoint = None
-
-    current = Session()
-    monkeypatch.setattr(session_module, "_session", current)
+    current = session_module.current_session()
     assert deferred_sync_generation() is None  # not elastic
-    current.elastic = Runtime()
+    runtime = ElasticRuntime(current, ElasticSettings(min_workers=2, max_workers=3))
+    runtime.generation = 3
+    current.hooks.register(runtime)  # as run_elastic does
     assert deferred_sync_generation() is None  # elastic, fresh start
     disk = Checkpoint(str(tmp_path))
     current.latest_checkpoint = disk
@@ -356,7 +353,8 @@ def test_scaling_config_range_and_int_forms():
     fixed = rt.ScalingConfig(num_workers=3)
     assert not fixed.elastic and fixed.num_workers == 3
     assert (fixed.min_workers, fixed.max_workers) == (3, 3)
-    assert rt.ScalingConfig(num_workers=(1, 2), backend="ray").elastic  # tests/test_ray_elastic.py
+    # tests/backends/test_ray_elastic.py
+    assert rt.ScalingConfig(num_workers=(1, 2), backend="ray").elastic
     with pytest.raises(ValueError, match="snapshot_interval_steps"):
         rt.FailureConfig(snapshot_interval_steps=0)
 

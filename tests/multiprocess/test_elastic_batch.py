@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 import ringtrain as rt
 from ringtrain.elastic import batch as eb
+from support import run_job
 from workloads import IndexedDataset, _kill_self
 
 # ------------------------------------------------------------------ the workload
@@ -81,24 +82,22 @@ def batch_policy_fn(config):
         )
 
 
-def _fit(tmp_path, name, scaling, config, restore_from=None):
+def _fit(tmp_path, name, workers, scaling, config, restore_from=None):
+    """``scaling``: ScalingConfig fields besides num_workers (``workers``)."""
     log = tmp_path / f"{name}_log"
     log.mkdir()
     cfg = {"log": str(log), "out": str(tmp_path / f"{name}.pt"), **config}
-    if restore_from is not None:
-        trainer = rt.Trainer.restore(
-            restore_from, batch_policy_fn, scaling_config=scaling, train_loop_config=cfg
-        )
-    else:
-        run = rt.RunConfig(
-            name=name,
-            storage_path=str(tmp_path / "runs"),
-            failure_config=rt.FailureConfig(max_failures=3),
-            checkpoint_config=rt.CheckpointConfig(async_save=False),  # written before a kill
-            progress="off",
-        )
-        trainer = rt.Trainer(batch_policy_fn, scaling, run, train_loop_config=cfg)
-    result = trainer.fit()
+    result = run_job(
+        batch_policy_fn,
+        workers,
+        storage_path=tmp_path / "runs",
+        name=name,
+        restore_from=restore_from,
+        max_failures=3,
+        async_save=False,  # written before a kill
+        train_loop_config=cfg,
+        **scaling,
+    )
     records = [json.loads(line) for f in sorted(log.glob("*.jsonl")) for line in f.open()]
     return result, records, torch.load(cfg["out"], weights_only=True)
 
@@ -116,8 +115,8 @@ def test_accumulate_matches_a_run_at_the_new_size_with_the_same_micro_batches(tm
     # Global batch 12: 3 workers x 4, then 2 workers x 6 = 2 micro-batches of 3 (<= 4).
     # 72 samples: 6 steps per epoch, 12 in all; rank 1 dies after step 3.
     config = {"n": 72, "batch_size": 4, "epochs": 2, "kills": [[3, 1, 3]], "report_steps": [3]}
-    scaling = rt.ScalingConfig(num_workers=(2, 3), elastic_batch_policy="accumulate")
-    result, records, elastic = _fit(tmp_path, "acc", scaling, config)
+    scaling = {"elastic_batch_policy": "accumulate"}
+    result, records, elastic = _fit(tmp_path, "acc", (2, 3), scaling, config)
     assert result.error is None and _resizes(result) == [(3, 2)]
     assert {tuple(r["micro"]) for r in records if r["world"] == 3} == {(4,)}
     after = [r for r in records if r["world"] == 2]
@@ -127,9 +126,7 @@ def test_accumulate_matches_a_run_at_the_new_size_with_the_same_micro_batches(tm
     # The reference: the run's own disk checkpoint of step 3 (its only one), resumed by 2
     # non-elastic workers with 6 samples each, cut into micro-batches of at most 4.
     ref_config = {**config, "batch_size": 6, "max_size": 4, "kills": [], "report_steps": []}
-    _, ref_records, reference = _fit(
-        tmp_path, "ref", rt.ScalingConfig(num_workers=2), ref_config, restore_from=result.path
-    )
+    _, ref_records, reference = _fit(tmp_path, "ref", 2, {}, ref_config, restore_from=result.path)
     assert sorted({r["step"] for r in ref_records}) == list(range(4, 13))
     assert {tuple(r["micro"]) for r in ref_records} == {(3, 3)}
     assert reference["step"] == elastic["step"] == 12
@@ -147,8 +144,8 @@ def test_scale_lr_follows_the_world_size_without_compounding(tmp_path):
         "kills": [[3, 1, 2], [2, 1, 5]],
         "report_steps": [11],
     }
-    scaling = rt.ScalingConfig(num_workers=(1, 3), elastic_batch_policy="scale_lr")
-    result, records, final = _fit(tmp_path, "lr", scaling, config)
+    scaling = {"elastic_batch_policy": "scale_lr"}
+    result, records, final = _fit(tmp_path, "lr", (1, 3), scaling, config)
     assert result.error is None and _resizes(result) == [(3, 2), (2, 1)]
     expected = {3: 0.05, 2: 0.05 * 2 / 3, 1: 0.05 / 3}
     for r in records:
@@ -278,14 +275,12 @@ def test_weighted_micro_batches_give_the_gradient_of_the_whole_batch():
 
 
 @pytest.fixture
-def lr_hooks(monkeypatch):
+def lr_hooks():
     scale = {"value": 1.0}
-    monkeypatch.setattr(eb, "current_lr_scale", lambda: scale["value"])
-    eb.install_lr_scaling()
+    handles = eb.install_lr_scaling(lambda: scale["value"])
     yield scale
-    for handle in eb._LR_HOOKS:
+    for handle in handles:
         handle.remove()
-    eb._LR_HOOKS.clear()
 
 
 def test_lr_scaling_applies_to_the_step_only_and_never_compounds(lr_hooks):
