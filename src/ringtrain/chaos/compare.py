@@ -15,12 +15,14 @@ run directory is unpickled.
 from __future__ import annotations
 
 import io
-import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ringtrain.checkpoint import storage
+from ringtrain.rundir.reader import run_events
+from ringtrain.rundir.schema import CheckpointEvent, ResumeEvent, RunStartEvent
 
 STATE_FILE = "train_state.pt"  # ringtrain.state.STATE_FILE (not imported: no torch model code)
 
@@ -113,38 +115,45 @@ def first_difference(a: Any, b: Any, path: tuple[Any, ...] = ()) -> tuple[Any, .
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return path
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return path
-        if torch.equal(a, b):
-            return None
-        if a.is_floating_point() or a.is_complex():
-            same_nan = torch.equal(torch.isnan(a), torch.isnan(b))
-            if same_nan and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)):
-                return None
-        return path
+        return None if _same_tensor(a, b) else path
     if isinstance(a, dict) and isinstance(b, dict):
         if list(a) != list(b) and set(a) != set(b):
             return (*path, "<keys>")
-        for key in a:
-            found = first_difference(a[key], b[key], (*path, key))
-            if found is not None:
-                return found
-        return None
+        return _first_of((a[key], b[key], (*path, key)) for key in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return (*path, "<length>")
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            found = first_difference(x, y, (*path, i))
-            if found is not None:
-                return found
-        return None
+        return _first_of(((x, y, (*path, i)) for i, (x, y) in enumerate(zip(a, b, strict=True))))
     if type(a) is not type(b):
         return path
     if isinstance(a, float) and a != a and b != b:
         return None  # both NaN
     return None if a == b else path
+
+
+def _first_of(pairs: Iterable[tuple[Any, Any, tuple[Any, ...]]]) -> tuple[Any, ...] | None:
+    """The first difference among ``(a, b, path)`` pairs, in order (lazily: stops at it)."""
+    for a, b, path in pairs:
+        found = first_difference(a, b, path)
+        if found is not None:
+            return found
+    return None
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Both tensors, of the same dtype, shape and bits (NaNs in the same places)."""
+    import torch
+
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if torch.equal(a, b):
+        return True
+    if a.is_floating_point() or a.is_complex():
+        same_nan = torch.equal(torch.isnan(a), torch.isnan(b))
+        return same_nan and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    return False
 
 
 def describe(file: str, path: tuple[Any, ...]) -> str:
@@ -207,42 +216,33 @@ def writers_of(run_path: str) -> dict[int, dict[str, Any]]:
     """For each checkpoint round of a run, which attempt wrote it: ``{"attempt", "world_size",
     "resumed_from" (checkpoint name or None), "first_after_resume" (bool), "driver_restarts"}``,
     from the run's ``events.jsonl``."""
-    try:
-        with open(os.path.join(run_path, "events.jsonl")) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return {}
     out: dict[int, dict[str, Any]] = {}
     current: dict[str, Any] = {"attempt": 0, "world_size": None, "resumed_from": None}
     drivers = -1
     fresh = False
-    for line in lines:
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        kind = ev.get("type")
-        if kind == "resume":
-            current["resumed_from"] = os.path.basename(str(ev.get("checkpoint", "")).rstrip("/"))
-            fresh = True
-        elif kind == "run_start":
-            if ev.get("attempt") == 0:
-                drivers += 1  # every driver (a resumed one too) starts at attempt 0
-            current["attempt"] = ev.get("attempt", 0)
-            current["world_size"] = ev.get("world_size")
-            if not fresh:
-                current["resumed_from"] = None
-            fresh = False
-            current["first"] = True
-        elif kind == "checkpoint" and isinstance(ev.get("round"), int):
-            out[ev["round"]] = {
-                "attempt": current["attempt"],
-                "world_size": current["world_size"],
-                "resumed_from": current["resumed_from"],
-                "first_after_resume": bool(current.get("first")),
-                "driver_restarts": max(drivers, 0),
-            }
-            current["first"] = False
+    for ev in run_events(run_path):
+        match ev:
+            case ResumeEvent():
+                current["resumed_from"] = os.path.basename((ev.checkpoint or "").rstrip("/"))
+                fresh = True
+            case RunStartEvent():
+                if ev.attempt == 0:
+                    drivers += 1  # every driver (a resumed one too) starts at attempt 0
+                current["attempt"] = ev.attempt if ev.attempt is not None else 0
+                current["world_size"] = ev.world_size
+                if not fresh:
+                    current["resumed_from"] = None
+                fresh = False
+                current["first"] = True
+            case CheckpointEvent(round=int(round_)):
+                out[round_] = {
+                    "attempt": current["attempt"],
+                    "world_size": current["world_size"],
+                    "resumed_from": current["resumed_from"],
+                    "first_after_resume": bool(current.get("first")),
+                    "driver_restarts": max(drivers, 0),
+                }
+                current["first"] = False
     return out
 
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TextIO
+
+from ringtrain.chaos.report import CampaignReport, RunReport
+
+if TYPE_CHECKING:
+    from rich.status import Status
 
 _STYLE = {
     "EXACT": "green",
@@ -16,8 +21,24 @@ _STYLE = {
 }
 
 
+class CampaignDisplay(Protocol):
+    """What a campaign tells about its progress (``run_campaign(display=...)``)."""
+
+    def run_started(self, run: RunReport, plan: list[str]) -> None:
+        """A run starts, with its planned faults in words."""
+
+    def tick(self, run: RunReport, now: float) -> None:
+        """About once a second while ``run`` goes (``now``: ``time.monotonic()``)."""
+
+    def run_finished(self, run: RunReport) -> None:
+        """``run`` has its verdict."""
+
+    def finished(self, report: CampaignReport) -> None:
+        """Every run has ended."""
+
+
 class Display:
-    """Progress of a campaign on a console.
+    """Progress of a campaign on a console (a :class:`CampaignDisplay`).
 
     Args:
         mode: ``"rich"`` (a live status line per run), ``"plain"`` (a line when a run starts and
@@ -25,7 +46,7 @@ class Display:
         file: where to print (default: stdout).
     """
 
-    def __init__(self, mode: str = "auto", file: Any = None) -> None:
+    def __init__(self, mode: str = "auto", file: TextIO | None = None) -> None:
         if mode not in ("auto", "rich", "plain", "off"):
             raise ValueError(f"--progress must be auto, rich, plain or off, got {mode!r}")
         from rich.console import Console
@@ -35,7 +56,7 @@ class Display:
             mode = "rich" if getattr(self.file, "isatty", lambda: False)() else "plain"
         self.mode = mode
         self.console = Console(file=self.file, highlight=False, soft_wrap=True)
-        self._status: Any = None
+        self._status: Status | None = None
         self._label = ""
         self._started = 0.0
 
@@ -43,7 +64,7 @@ class Display:
         if self.mode != "off":
             self.console.print(text)
 
-    def run_started(self, run: Any, plan: list[str]) -> None:
+    def run_started(self, run: RunReport, plan: list[str]) -> None:
         self._label = _label(run)
         self._started = time.monotonic()
         faults = "; ".join(plan) if plan else "no faults (the reference)"
@@ -54,12 +75,12 @@ class Display:
         elif self.mode == "plain":
             self._print(f"{self._label}: {faults} (seed {run.seed})")
 
-    def tick(self, run: Any, now: float) -> None:
+    def tick(self, run: RunReport, now: float) -> None:
         if self._status is not None:
             elapsed = now - self._started
             self._status.update(f"{self._label}: {self._faults}  [{elapsed:.0f} s]")
 
-    def run_finished(self, run: Any) -> None:
+    def run_finished(self, run: RunReport) -> None:
         if self._status is not None:
             self._status.stop()
             self._status = None
@@ -70,7 +91,7 @@ class Display:
         verdict = f"[{style}]{run.verdict}[/]" if self.mode == "rich" else run.verdict
         self._print(f"{self._label}: {verdict} in {run.wall_s:.1f} s{rec}{detail}")
 
-    def finished(self, report: Any) -> None:
+    def finished(self, report: CampaignReport) -> None:
         if self.mode == "off":
             return
         from rich.table import Table
@@ -107,7 +128,7 @@ class Display:
         self._print(verdict)
 
 
-def _label(run: Any) -> str:
+def _label(run: RunReport) -> str:
     if run.index == 0:
         return f"[W={run.world_size} clean]"
     return f"[W={run.world_size} run {run.index}]"
