@@ -476,6 +476,28 @@ def print_saves(summary: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+def _settings(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[dict[str, Any], int, int, int, int]:
+    """The model of B and C, repeats of A and B, saves of C and warm-up runs (--quick: 1 each)."""
+    if args.retries is None:
+        args.retries = 0 if args.quick else 2
+    if args.quick:
+        print("--quick: one run of each part, and a 25 M parameter model for B and C (smoke test)")
+        return LARGE_QUICK, 1, 1, 2, 0
+    if min(args.repeats, args.repeats_large, args.saves) < 1:
+        parser.error("--repeats, --repeats-large and --saves must be >= 1")
+    return LARGE, args.repeats, args.repeats_large, args.saves, args.warmup_runs
+
+
+def _source_digest(src: Path) -> Any:
+    """SHA-256 over ringtrain's source files (names and bytes), to tie results to the code."""
+    digest = hashlib.sha256()
+    for path in sorted(src.rglob("*.py")):
+        digest.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs of A (small model)")
@@ -513,24 +535,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child(args.child)
     parts = set(args.parts.upper())
-    large = LARGE_QUICK if args.quick else LARGE
-    repeats = 1 if args.quick else args.repeats
-    repeats_large = 1 if args.quick else args.repeats_large
-    saves = 2 if args.quick else args.saves
-    warmup_runs = 0 if args.quick else args.warmup_runs
-    if args.retries is None:
-        args.retries = 0 if args.quick else 2
-    if min(repeats, repeats_large, saves) < 1:
-        parser.error("--repeats, --repeats-large and --saves must be >= 1")
+    large, repeats, repeats_large, saves, warmup_runs = _settings(args, parser)
 
     import torch
 
     import ringtrain
 
-    src = Path(ringtrain.__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(src.rglob("*.py")):
-        digest.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes())
+    digest = _source_digest(Path(ringtrain.__file__).resolve().parent)
     config: dict[str, Any] = {
         "workers": 2,
         "threads_per_worker": 1,
@@ -552,8 +563,6 @@ def main(argv: list[str] | None = None) -> int:
         f"ringtrain {ringtrain.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
         f"2 workers x 1 thread, DDP/gloo, TrainState checkpoints (num_to_keep=1)"
     )
-    if args.quick:
-        print("--quick: one run of each part, and a 25 M parameter model for B and C (smoke test)")
     t_start = time.monotonic()
     report: dict[str, Any] = {"config": config, "summary": {}, "runs": {}}
     discarded: list[dict[str, Any]] = []
