@@ -1,9 +1,11 @@
 """The Ray backend on a real two-node Ray cluster started on this machine by the tests.
 
-One cluster (``ray.cluster_utils.Cluster``: a head and a worker node, 2 CPUs each) serves the whole
-module; it starts before the first test, so its processes predate every test's leak check. The
-exact-resume tests run ``workloads.exact_fn`` and compare, tensor by tensor, with an uninterrupted
-run on the *local* backend: the Ray backend must give the very same parameters.
+One cluster (``ray.cluster_utils.Cluster``: a head and a worker node, 2 CPUs each, from
+tests/backends/conftest.py) serves the whole module; it starts before the first test, so its
+processes predate every test's leak check. The exact-resume tests run ``workloads.exact_fn`` and
+compare, tensor by tensor, with an uninterrupted run on the *local* backend: the Ray backend must
+give the very same parameters. The module also checks where the rendezvous store listens (issue
+18), on this cluster rather than on one of its own.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 
 import pytest
 import torch
 
+import net_workloads
 import ringtrain as rt
 import workloads
 from ray_cluster import assert_torn_down, leftovers
@@ -27,9 +31,8 @@ pytest.importorskip("ray.util.state", reason="the Ray state API needs ray[defaul
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from ringtrain.launch.ray import (  # noqa: E402
-    PlacementError,
-)
+from ringtrain.launch.ray import PlacementError  # noqa: E402
+from ringtrain.launch.ray_worker import remote_worker_class  # noqa: E402
 
 EPOCHS = 3  # exact_fn: 30 steps, a report every 4 steps and at each epoch's end: 10 rounds
 _finals: dict[str, dict] = {}
@@ -213,6 +216,36 @@ def test_cli_runs_a_script_on_ray(cluster, tmp_path):
     config = json.loads((tmp_path / "runs" / "cli" / "config.json").read_text())
     assert config["scaling_config"]["backend"] == "ray"
     assert config["scaling_config"]["ray_address"] == cluster.address
+    assert_torn_down()
+
+
+# ------------------------------------------------------------------ the store's address (issue 18)
+
+
+def test_the_rank0_actor_store_binds_the_node_address(cluster):
+    """On Ray, the rendezvous store listens on its node's address, not the wildcard (the cluster
+    runs on this machine, so the actor's sockets can be read from /proc)."""
+    actor = remote_worker_class(ray).options(num_cpus=1).remote()
+    try:
+        port = ray.get(actor.host_store.remote(2), timeout=120)
+        info = ray.get(actor.node_info.remote(), timeout=120)
+        # the socket is bound before host_store returns; the store takes it over meanwhile
+        assert wait_until(
+            lambda: any(p == port for _, p in net_workloads.tcp_listeners(info["pid"])),
+            timeout_s=60,
+        )
+        ours = [(h, p) for h, p in net_workloads.tcp_listeners(info["pid"]) if p == port]
+        assert ours == [(info["ip"], port)], f"the store listens on {ours}, not {info['ip']}"
+        assert info["ip"] not in ("0.0.0.0", "::")
+        # and it serves: a worker-side client can use it
+        import torch.distributed as dist
+
+        client = dist.TCPStore(info["ip"], port, is_master=False, timeout=timedelta(seconds=60))
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        del client
+    finally:
+        ray.kill(actor, no_restart=True)
     assert_torn_down()
 
 
