@@ -16,10 +16,9 @@ import sys
 import pytest
 import torch
 
-import ringtrain as rt
 from ringtrain import session as session_mod
 from ringtrain.env import DistributedContext
-from support import Poisoned
+from support import Poisoned, run_job
 
 pl = pytest.importorskip(
     "lightning.pytorch", reason="needs the extra: pip install 'ringtrain[lightning]'"
@@ -40,17 +39,14 @@ _runs: dict[str, dict] = {}
 def _fit(tmp_path, name, max_failures=0, backend="local", **config):
     out = tmp_path / f"{name}.pt"
     starts = tmp_path / f"{name}.starts"
-    result = rt.Trainer(
+    result = run_job(
         lightning_workloads.train_fn,
-        rt.ScalingConfig(num_workers=2, backend=backend),
-        rt.RunConfig(
-            name=name,
-            storage_path=str(tmp_path / "runs"),
-            failure_config=rt.FailureConfig(max_failures=max_failures),
-            progress="off",
-        ),
+        storage_path=tmp_path / "runs",
+        name=name,
+        backend=backend,
+        max_failures=max_failures,
         train_loop_config={"epochs": EPOCHS, "out": str(out), "starts": str(starts), **config},
-    ).fit()
+    )
     assert result.error is None, result.error
     final = torch.load(out, weights_only=True)
     entries = [json.loads(line) for line in starts.read_text().splitlines()]
