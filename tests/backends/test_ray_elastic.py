@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ringtrain as rt
 import workloads
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'")
@@ -23,6 +22,7 @@ pytest.importorskip("ray.util.state", reason="the Ray state API needs ray[defaul
 from ray_cluster import assert_torn_down  # noqa: E402
 from support import read_events as _events  # noqa: E402
 from support import read_jsonl_dir as _records  # noqa: E402
+from support import run_job  # noqa: E402
 
 EPOCHS = 2  # 120 samples, global batch 12 (3 x 4, then 2 x 6): 10 steps per epoch
 STEPS = 10 * EPOCHS
@@ -37,21 +37,18 @@ def _fit(
     log.mkdir()
     config = {"epochs": EPOCHS, "log": str(log), "out": str(tmp_path / f"{name}.pt"), **cfg}
     elastic = {"elastic_grow_after_s": grow} if isinstance(num_workers, tuple) else {}
-    scaling = rt.ScalingConfig(num_workers=num_workers, backend=backend, **elastic)
-    if restore_from is not None:
-        trainer = rt.Trainer.restore(
-            restore_from, workloads.elastic_fn, scaling_config=scaling, train_loop_config=config
-        )
-    else:
-        run_config = rt.RunConfig(
-            name=name,
-            storage_path=str(tmp_path / "runs"),
-            failure_config=rt.FailureConfig(max_failures=3),
-            progress="off",
-            callbacks=list(callbacks),
-        )
-        trainer = rt.Trainer(workloads.elastic_fn, scaling, run_config, train_loop_config=config)
-    result = trainer.fit()
+    result = run_job(
+        workloads.elastic_fn,
+        num_workers,
+        storage_path=tmp_path / "runs",
+        name=name,
+        restore_from=restore_from,
+        backend=backend,
+        max_failures=3,
+        callbacks=list(callbacks),
+        train_loop_config=config,
+        **elastic,
+    )
     return result, _records(log), torch.load(config["out"], weights_only=True)
 
 

@@ -19,24 +19,22 @@ import torch
 
 import exact_workloads as ew
 import ringtrain as rt
+from support import run_job
 
 EPOCHS = 3  # 10 steps per epoch at every world size; reports at 4, 8, 10, 12, 16, 20, 20, 24...
 
 
 def _run(tmp_path, name, workers, *, max_failures=3, async_save=True, **config):
     out = tmp_path / f"{name}.pt"
-    result = rt.Trainer(
+    result = run_job(
         ew.exact_resume_fn,
-        rt.ScalingConfig(num_workers=workers),
-        rt.RunConfig(
-            name=name,
-            storage_path=str(tmp_path / "runs"),
-            failure_config=rt.FailureConfig(max_failures=max_failures),
-            checkpoint_config=rt.CheckpointConfig(async_save=async_save),
-            progress="off",
-        ),
+        workers,
+        storage_path=tmp_path / "runs",
+        name=name,
+        max_failures=max_failures,
+        async_save=async_save,
         train_loop_config={"epochs": EPOCHS, "out": str(out), **config},
-    ).fit()
+    )
     assert result.error is None, result.error
     return result, torch.load(out, weights_only=True)
 
