@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from ringtrain.launch.backends import backend_for
 from ringtrain.validation import check_int, short_errors
+from ringtrain.worker_config import ELASTIC_BATCH_POLICIES
 
-ELASTIC_BATCH_POLICIES = ("resize_batch", "accumulate", "scale_lr")
 """``ScalingConfig.elastic_batch_policy`` values (docs/elastic.md, "Same math")."""
 
 CALLBACK_HOOKS = (

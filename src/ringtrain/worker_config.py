@@ -23,8 +23,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ringtrain.config import ELASTIC_BATCH_POLICIES, RunConfig, ScalingConfig
+if TYPE_CHECKING:  # only to type build_worker_config: config imports this module's constants
+    from ringtrain.config import RunConfig, ScalingConfig
+
+ELASTIC_BATCH_POLICIES = ("resize_batch", "accumulate", "scale_lr")
+"""``ScalingConfig.elastic_batch_policy`` values (re-exported by :mod:`ringtrain.config`)."""
 
 COMM_TIMING_MODES = ("auto", "hook", "wait")
 """``MonitorConfig.comm_timing`` values."""

@@ -20,7 +20,7 @@ import pytest
 import ringtrain as rt
 import workloads
 from pages import WAIT_MS, Page, needs_browser, screenshot
-from ringtrain.monitor import runs
+from ringtrain.monitor import render, runs
 from ringtrain.monitor.dashboard.data import Cursors, RunStore
 from ringtrain.monitor.runs import WorldSizeChange
 from test_dashboard import (
@@ -305,7 +305,7 @@ def _render(details: runs.RunDetails) -> str:
     from rich.console import Console
 
     buf = io.StringIO()
-    runs.render_run(details, Console(file=buf, width=120, color_system=None))
+    render.render_run(details, Console(file=buf, width=120, color_system=None))
     return buf.getvalue()
 
 

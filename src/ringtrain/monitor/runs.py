@@ -85,33 +85,6 @@ __all__ = [
     "worker_range",
 ]
 
-#: Rendering lives in :mod:`ringtrain.monitor.render`; these names are re-exported from here
-#: (lazily: render imports this module) so that ``from ringtrain.monitor.runs import render_runs``
-#: keeps working.
-_RENDER_NAMES = frozenset(
-    {
-        "format_bytes",
-        "format_duration",
-        "format_metrics",
-        "format_timestamp",
-        "format_value",
-        "render_run",
-        "render_runs",
-    }
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENDER_NAMES:
-        from ringtrain.monitor import render
-
-        return getattr(render, name)
-    if name in ("SweepSummary", "list_sweeps"):
-        from ringtrain.monitor import sweeps
-
-        return getattr(sweeps, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id exists on this host."""

@@ -15,23 +15,20 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from ringtrain.config import ScalingConfig
 from ringtrain.prepare import PreparedDataLoader, get_device
 from ringtrain.prepare import prepare_data_loader as _prepare_data_loader
 from ringtrain.prepare import prepare_model as _prepare_model
 from ringtrain.session import get_context
+from ringtrain.train.torch_config import TorchConfig
 
 if TYPE_CHECKING:
     from ringtrain.train.trainer import TorchTrainer
-
-DEFAULT_TIMEOUT_S = 1800
 
 
 def get_devices() -> list[torch.device]:
@@ -134,48 +131,6 @@ def prepare_data_loader(
     return _prepare_data_loader(
         data_loader, add_dist_sampler=shard, move_to_device=move_to_device, loader_rng="global"
     )
-
-
-@dataclass(frozen=True)
-class TorchConfig:
-    """Ray Train's ``TorchConfig``, for the values ringtrain can honour.
-
-    Attributes:
-        backend: ``None`` (NCCL with GPUs, gloo otherwise: what ringtrain always picks),
-            ``"nccl"`` (needs ``use_gpu=True``) or ``"gloo"`` (needs ``use_gpu=False``).
-        init_method: ``"env"`` (ringtrain's rendezvous is always ``env://``).
-        timeout_s: 1800 (the collective timeout follows ``FailureConfig.worker_timeout_s``).
-    """
-
-    backend: str | None = None
-    init_method: str = "env"
-    timeout_s: int = DEFAULT_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if self.backend not in (None, "nccl", "gloo"):
-            raise ValueError(
-                f"TorchConfig.backend must be None, 'nccl' or 'gloo', got {self.backend!r}"
-            )
-        if self.init_method != "env":
-            raise ValueError(
-                f"TorchConfig.init_method must be 'env', got {self.init_method!r} (ringtrain "
-                "always rendezvouses through env://)"
-            )
-        if self.timeout_s != DEFAULT_TIMEOUT_S:
-            raise ValueError(
-                f"TorchConfig.timeout_s={self.timeout_s} is not supported: the collective "
-                "timeout follows FailureConfig.worker_timeout_s (use RunConfig(failure_config="
-                "FailureConfig(worker_timeout_s=...)))"
-            )
-
-    def check(self, scaling: ScalingConfig) -> None:
-        """Raise ValueError when ``backend`` contradicts ``scaling.use_gpu``."""
-        wanted = "nccl" if scaling.use_gpu else "gloo"
-        if self.backend not in (None, wanted):
-            raise ValueError(
-                f"TorchConfig(backend={self.backend!r}) with ScalingConfig(use_gpu="
-                f"{scaling.use_gpu}): ringtrain uses {wanted!r} there (leave backend=None)"
-            )
 
 
 def __getattr__(name: str) -> Any:

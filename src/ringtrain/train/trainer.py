@@ -7,7 +7,7 @@ from typing import Any
 
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.launch.base import Launcher
-from ringtrain.train.torch import TorchConfig
+from ringtrain.train.torch_config import TorchConfig
 from ringtrain.trainer import Trainer
 
 
