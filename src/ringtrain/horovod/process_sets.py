@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ringtrain.horovod.slot import runtime
+
 __all__ = [
     "ProcessSet",
     "SetView",
@@ -76,8 +78,6 @@ class ProcessSet:
         self.ranks = ranks
 
     def _view(self) -> SetView:
-        from ringtrain.horovod.runtime import runtime
-
         return runtime().set_view(self)
 
     def size(self) -> int | None:
@@ -185,8 +185,6 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             outside ``[0, size())``.
         RuntimeError: on every rank, if the ranks passed differ across ranks.
     """
-    from ringtrain.horovod.runtime import runtime
-
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     runtime().register_set(ps)
     return ps
@@ -200,6 +198,4 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     Raises:
         RuntimeError: on every rank, if the ranks remove different sets.
     """
-    from ringtrain.horovod.runtime import runtime
-
     return runtime().unregister_set(process_set)

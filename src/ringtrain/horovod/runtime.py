@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from ringtrain.comm.fusion import BufferPool
 from ringtrain.env import DistributedContext
+from ringtrain.horovod import slot
 from ringtrain.horovod.metadata import DUP, hash63, metadata_row, mismatches
 from ringtrain.horovod.process_sets import ProcessSet, SetView, add_process_set, global_process_set
+from ringtrain.horovod.slot import runtime
 
 __all__ = [
     "HorovodInternalError",
@@ -201,13 +203,6 @@ class Runtime:
         return pending
 
 
-#: The one Runtime of this process. Horovod's API is module-level by contract (``hvd.init()``,
-#: ``hvd.rank()`` take no context), so its state lives in this slot: set by init(), cleared by
-#: shutdown(), guarded by _slot_lock.
-_runtime: Runtime | None = None
-_slot_lock = threading.Lock()
-
-
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Initialise ringtrain.horovod (``hvd.init()``); a second call does nothing.
 
@@ -226,7 +221,6 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         NotImplementedError: for ``comm`` (on every rank: it does not depend on the rank).
         ValueError: for ``process_sets`` of another type.
     """
-    global _runtime
     if comm is not None:
         raise NotImplementedError(
             "hvd.init(comm=...) needs MPI, which ringtrain.horovod does not use; call hvd.init() "
@@ -242,9 +236,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 
 def _init(process_sets: Sequence[Any]) -> None:
-    global _runtime
-    with _slot_lock:
-        if _runtime is not None:
+    with slot.lock:
+        if slot.current is not None:
             return
         from ringtrain.distributed import init_process_group
         from ringtrain.session import get_context
@@ -255,7 +248,7 @@ def _init(process_sets: Sequence[Any]) -> None:
             init_process_group(ctx)
             owns = True
             atexit.register(_destroy_owned_group)
-        _runtime = Runtime(ctx=ctx, owns_group=owns)
+        slot.current = Runtime(ctx=ctx, owns_group=owns)
         global_process_set.ranks = list(range(ctx.world_size))
     for ps in process_sets:
         add_process_set(ps if isinstance(ps, ProcessSet) else ProcessSet(ps))
@@ -269,10 +262,9 @@ def shutdown() -> None:
     ``init`` created is destroyed at interpreter exit; one made by ringtrain's worker or by the
     user is theirs to destroy.
     """
-    global _runtime
-    with _slot_lock:
-        rt = _runtime
-        _runtime = None
+    with slot.lock:
+        rt = slot.current
+        slot.current = None
     if rt is None:
         return
     for _, group in rt.sets.values():
@@ -296,19 +288,7 @@ def _destroy_owned_group() -> None:
 
 def is_initialized() -> bool:
     """Whether :func:`init` has been called (and :func:`shutdown` not since)."""
-    return _runtime is not None
-
-
-def runtime() -> Runtime:
-    """The runtime :func:`init` created.
-
-    Raises:
-        ValueError: before ``hvd.init()`` (Horovod's error).
-    """
-    rt = _runtime
-    if rt is None:
-        raise ValueError("Horovod has not been initialized; use hvd.init().")
-    return rt
+    return slot.current is not None
 
 
 def size() -> int:
