@@ -147,12 +147,8 @@ def test_worker_environment_has_horovods_variables():
         master_addr="10.0.0.1",
         master_port=29500,
         threads=1,
-        use_gpu=False,
-        attempt=0,
-        run_dir="/tmp/run",
         driver_addr="127.0.0.1:1",
         authkey_hex="00",
-        start_round=0,
     )
     assert {k: v for k, v in env.items() if k.startswith("HOROVOD_")} == {
         "HOROVOD_RANK": "5",
