@@ -17,16 +17,9 @@ import pytest
 from fsspec.core import url_to_fs
 from rich.console import Console
 
-from ringtrain.monitor.runs import (
-    RunSummary,
-    format_bytes,
-    format_duration,
-    format_value,
-    list_runs,
-    load_run,
-    render_run,
-    render_runs,
-)
+from ringtrain.monitor.format import format_bytes, format_duration, format_value
+from ringtrain.monitor.render import render_run, render_runs
+from ringtrain.monitor.runs import RunSummary, list_runs, load_run
 
 T0 = 1763720000.0
 
