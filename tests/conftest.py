@@ -6,6 +6,7 @@ has its own conftest (``tests/unit/conftest.py`` refuses to start a process)."""
 
 from __future__ import annotations
 
+import builtins
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -159,6 +160,16 @@ def _child_leaks(before: set[int]) -> list[str]:
     if child_pids() - before:
         wait_until(lambda: not (child_pids() - before), timeout_s=5)
     return [f"child process {pid}" for pid in sorted(child_pids() - before)]
+
+
+@pytest.fixture(autouse=True)
+def _builtin_print() -> Iterator[None]:
+    """Put ``builtins.print`` back after each test: ``ray.shutdown()`` leaves Ray's
+    ``tqdm_ray.safe_print`` installed in the test process (Ray 2.x), which later tests that pickle
+    ``print`` would see."""
+    original = builtins.print
+    yield
+    builtins.print = original
 
 
 @pytest.fixture(autouse=True)

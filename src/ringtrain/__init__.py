@@ -14,8 +14,10 @@ The public API; nothing outside this list is public::
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -124,6 +126,12 @@ class _Package(types.ModuleType):
         if name in _LAZY and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
+
+    def __reduce__(self) -> tuple[Callable[[str], types.ModuleType], tuple[str]]:
+        # A module subclass is not in pickle's or cloudpickle's table of modules: without this, a
+        # train_fn that names ``rt`` could not be pickled. By reference, as any module: the
+        # worker imports ``ringtrain`` itself.
+        return importlib.import_module, (self.__name__,)
 
 
 sys.modules[__name__].__class__ = _Package

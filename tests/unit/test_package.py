@@ -19,3 +19,18 @@ def test_importing_the_accumulate_module_leaves_rt_accumulate_the_function():
     from ringtrain import accumulate
 
     assert accumulate is module.accumulate
+
+
+def test_the_package_pickles_by_reference():
+    """A train function defined in ``__main__`` (a script, a notebook) is pickled by value and
+    names ``rt``: the package object must pickle as a module does, by name (it is a module
+    subclass, which neither pickle's nor cloudpickle's module table matches)."""
+    import pickle
+
+    import cloudpickle
+
+    assert pickle.loads(pickle.dumps(rt)) is rt
+    namespace = {"__name__": "__main__", "rt": rt}
+    exec("def train_fn(config):\n    return rt.get_context\n", namespace)
+    train_fn = cloudpickle.loads(cloudpickle.dumps(namespace["train_fn"]))
+    assert train_fn({}) is rt.get_context
