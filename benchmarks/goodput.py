@@ -1,0 +1,297 @@
+"""Goodput under a steady rate of failures (issue 19): SIGKILLs and preemption notices.
+
+Goodput = useful step time / wall time, where useful step time = ``N`` (the steps the run must
+train) x the median step period of an undisturbed run at full world size, and wall time runs from
+the first driver start to the end of the last one (automatic resumes included). Steps recomputed =
+steps executed (by rank 0 of the group, logged after ``optimizer.step()``) - ``N``: work lost in a
+failure and trained again.
+
+Workload: ``_goodput_worker.train_fn`` (an MLP 784-1024-1024-10, 1.86 M parameters, momentum SGD,
+DDP on gloo, batch 64 per worker), 2 local workers, a ``TrainState`` checkpoint every ``--every``
+steps written asynchronously. ``N`` is calibrated so an undisturbed run trains for about
+``--duration`` seconds.
+
+Modes (each a fresh driver process, ``python benchmarks/goodput.py --child``, as a scheduler would
+start it):
+
+- ``restart-kill``: every ``--kill-every`` s a random rank (seeded: ``--seed``) is SIGKILLed; the
+  run restarts its worker group from the last checkpoint (``FailureConfig(max_failures=...)``).
+- ``elastic-kill``: the same with ``ScalingConfig(num_workers=(1, 2))``: the survivor continues in
+  place from its in-memory snapshot and the group grows back when capacity returns.
+- ``restart-preempt``: every ``--preempt-every`` s the driver receives SIGTERM (a scheduler's
+  preemption notice); the run stops at an agreed step with a checkpoint (``PREEMPTED``) and the
+  benchmark starts the driver again at once, which resumes the run by its name.
+- ``elastic-preempt``: every ``--preempt-every`` s one random worker receives SIGTERM (its node is
+  going away); the elastic run shrinks in place at an agreed step and grows back.
+
+Usage::
+
+    python benchmarks/goodput.py                              # 4 modes x 600 s
+    python benchmarks/goodput.py --duration 120 --modes restart-kill,elastic-kill
+    python benchmarks/goodput.py --json /tmp/goodput.json
+
+Linux only (``/proc``). Each mode's run directory lives in a temporary directory, removed after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+MODES = ("restart-kill", "elastic-kill", "restart-preempt", "elastic-preempt")
+EXIT_FINISHED, EXIT_PREEMPTED, EXIT_OTHER = 0, 3, 1
+
+
+@dataclass
+class ModeResult:
+    """One mode's figures (seconds, steps)."""
+
+    mode: str
+    steps: int
+    wall_s: float
+    useful_s: float
+    goodput: float
+    executed: int
+    recomputed: int
+    injected: int
+    driver_starts: int
+    statuses: list[str]
+
+
+# ---------------------------------------------------------------------------- the child driver
+def child(spec: dict) -> int:
+    """Run (or resume) one run and exit with ``EXIT_FINISHED``/``EXIT_PREEMPTED``/``EXIT_OTHER``."""
+    import _goodput_worker
+
+    import ringtrain as rt
+
+    failure = {"max_failures": 10_000, "snapshot_interval_steps": 1}
+    if "preemption_grace_s" in rt.FailureConfig.__dataclass_fields__:
+        failure["preemption_grace_s"] = 30.0
+    elastic = spec["mode"].startswith("elastic")
+    result = rt.Trainer(
+        _goodput_worker.train_fn,
+        rt.ScalingConfig(
+            num_workers=(1, 2) if elastic else 2,
+            resources_per_worker={"CPU": 1},
+            **({"elastic_grow_after_s": 2.0} if elastic else {}),
+        ),
+        rt.RunConfig(
+            name=spec["mode"],
+            storage_path=spec["storage"],
+            failure_config=rt.FailureConfig(**failure),
+            checkpoint_config=rt.CheckpointConfig(num_to_keep=2, async_save=True),
+            progress="off",
+        ),
+        train_loop_config=spec["config"],
+    ).fit()
+    status = getattr(result, "status", "FINISHED" if result.error is None else "ERRORED")
+    with open(os.path.join(spec["config"]["log"], "status.jsonl"), "a") as f:
+        f.write(json.dumps({"status": status}) + "\n")
+    if status == "FINISHED":
+        return EXIT_FINISHED
+    return EXIT_PREEMPTED if status == "PREEMPTED" else EXIT_OTHER
+
+
+# ---------------------------------------------------------------------------- the parent
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _rank_pids(log: str) -> list[int]:
+    pids = []
+    for name in sorted(os.listdir(log)):
+        if name.startswith("rank") and name.endswith(".pid"):
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(log, name)) as f:
+                pids.append(int(f.read()))
+    return [p for p in pids if _alive(p)]
+
+
+class Injector(threading.Thread):
+    """Every ``every_s`` seconds: SIGKILL a random live rank (``kill``), SIGTERM the driver
+    (``preempt-driver``) or SIGTERM a random live rank (``preempt-worker``)."""
+
+    def __init__(self, kind: str, every_s: float, log: str, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.kind, self.every_s, self.log = kind, every_s, log
+        self.rng = random.Random(seed)
+        self.driver_pid: int | None = None
+        self.injected = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every_s):
+            if self.kind == "preempt-driver":
+                if self.driver_pid is not None and _alive(self.driver_pid):
+                    os.kill(self.driver_pid, signal.SIGTERM)
+                    self.injected += 1
+                continue
+            pids = _rank_pids(self.log)
+            if not pids:
+                continue
+            victim = self.rng.choice(pids)
+            sig = signal.SIGKILL if self.kind == "kill" else signal.SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, sig)
+                self.injected += 1
+
+
+def _start(spec: dict) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(os.path.join(spec["config"]["log"], "driver.err"), "ab"),
+    )
+
+
+def run_mode(mode: str, steps: int, step_s: float, args: argparse.Namespace) -> ModeResult:
+    """Run ``mode`` to ``steps`` steps under its fault injector; resume after each preemption."""
+    with tempfile.TemporaryDirectory(prefix="rt_goodput_") as tmp:
+        log = os.path.join(tmp, "log")
+        os.mkdir(log)
+        spec = {
+            "mode": mode,
+            "storage": os.path.join(tmp, "runs"),
+            "config": {"steps": steps, "every": args.every, "batch": 64, "log": log},
+        }
+        kind = {
+            "restart-kill": "kill",
+            "elastic-kill": "kill",
+            "restart-preempt": "preempt-driver",
+            "elastic-preempt": "preempt-worker",
+        }[mode]
+        every = args.kill_every if kind == "kill" else args.preempt_every
+        injector = Injector(kind, every, log, args.seed)
+        start = time.monotonic()
+        injector.start()
+        starts, code = 0, EXIT_PREEMPTED
+        while code == EXIT_PREEMPTED and starts < args.max_starts:
+            proc = _start(spec)
+            injector.driver_pid = proc.pid
+            starts += 1
+            code = proc.wait()
+        wall = time.monotonic() - start
+        injector.done.set()
+        injector.join()
+        with open(os.path.join(log, "steps.jsonl")) as f:
+            executed = sum(1 for _ in f)
+        statuses = []
+        with contextlib.suppress(OSError), open(os.path.join(log, "status.jsonl")) as f:
+            statuses = [json.loads(line)["status"] for line in f]
+        if code != EXIT_FINISHED:
+            with open(os.path.join(log, "driver.err"), errors="replace") as f:
+                sys.stderr.write(f.read()[-4000:])
+            raise SystemExit(f"{mode}: the run did not finish (exit {code}, statuses {statuses})")
+        useful = steps * step_s
+        return ModeResult(
+            mode=mode,
+            steps=steps,
+            wall_s=round(wall, 2),
+            useful_s=round(useful, 2),
+            goodput=round(useful / wall, 4),
+            executed=executed,
+            recomputed=executed - steps,
+            injected=injector.injected,
+            driver_starts=starts,
+            statuses=statuses,
+        )
+
+
+def calibrate(args: argparse.Namespace) -> tuple[float, float]:
+    """An undisturbed run of ``--calibration-steps``: (median step period s, wall s)."""
+    with tempfile.TemporaryDirectory(prefix="rt_goodput_cal_") as tmp:
+        log = os.path.join(tmp, "log")
+        os.mkdir(log)
+        spec = {
+            "mode": "calibration",
+            "storage": os.path.join(tmp, "runs"),
+            "config": {
+                "steps": args.calibration_steps,
+                "every": args.every,
+                "batch": 64,
+                "log": log,
+            },
+        }
+        start = time.monotonic()
+        if _start(spec).wait() != EXIT_FINISHED:
+            raise SystemExit("the calibration run failed")
+        wall = time.monotonic() - start
+        with open(os.path.join(log, "steps.jsonl")) as f:
+            times = [json.loads(line)["time"] for line in f]
+        periods = [b - a for a, b in itertools.pairwise(times)]
+        return statistics.median(periods), wall
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of useful work")
+    parser.add_argument("--kill-every", type=float, default=30.0)
+    parser.add_argument("--preempt-every", type=float, default=60.0)
+    parser.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--calibration-steps", type=int, default=300)
+    parser.add_argument("--max-starts", type=int, default=100, help="driver starts per mode")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(json.loads(args.child))
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    step_s, cal_wall = calibrate(args)
+    steps = max(1, int(args.duration / step_s))
+    print(
+        f"calibration: median step period {step_s * 1000:.1f} ms at 2 workers, "
+        f"{args.calibration_steps} steps in {cal_wall:.1f} s (start-up included); "
+        f"N = {steps} steps (~{args.duration:.0f} s of useful work)",
+        flush=True,
+    )
+    results = []
+    for mode in modes:
+        r = run_mode(mode, steps, step_s, args)
+        results.append(r)
+        print(
+            f"{r.mode:16s} goodput {r.goodput * 100:5.1f} %  wall {r.wall_s:7.1f} s  "
+            f"useful {r.useful_s:7.1f} s  injected {r.injected:3d}  "
+            f"recomputed {r.recomputed:5d} steps  driver starts {r.driver_starts}",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "args": vars(args),
+                    "step_s": step_s,
+                    "calibration_wall_s": cal_wall,
+                    "results": [asdict(r) for r in results],
+                },
+                f,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
