@@ -9,6 +9,7 @@ The public API; nothing outside this list is public::
     prepare_optimizer, backward, accumulate          (mixed precision, gradient accumulation)
     FSDPConfig, export_model                         (sharded data parallelism, export)
     DDPStrategy, FSDPStrategy                        (prepare_model(strategy=...))
+    ParallelConfig, ParallelStrategy                 (device mesh: HSDP, tensor parallelism)
     TensorBoardCallback, CSVCallback, MLflowCallback, WandbCallback   (logging callbacks)
 """
 
@@ -33,6 +34,7 @@ from ringtrain.config import (
     ScalingConfig,
 )
 from ringtrain.env import DistributedContext
+from ringtrain.parallel_config import ParallelConfig
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure
 from ringtrain.session import get_checkpoint, get_context, report
 
@@ -78,6 +80,7 @@ __all__ = [
     "FailureConfig",
     "MLflowCallback",
     "MonitorConfig",
+    "ParallelConfig",
     "Result",
     "RunConfig",
     "ScalingConfig",

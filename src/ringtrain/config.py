@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ringtrain.launch.backends import backend_for
+from ringtrain.parallel_config import ParallelConfig
 from ringtrain.validation import check_int, short_errors
 from ringtrain.worker_config import ELASTIC_BATCH_POLICIES
 
@@ -75,6 +76,11 @@ class ScalingConfig:
             failed) and grow the group back to ``max`` at the next step boundary, the new
             workers receiving the state from a peer (seconds, >= 0; ``None``: never grow back).
             Ignored with an int ``num_workers``. See docs/elastic.md.
+        parallel: the device mesh the workers form (:class:`ringtrain.ParallelConfig`:
+            ``dp_replicate x dp_shard x tp x pp``, docs/parallelism.md); its sizes must
+            multiply to ``num_workers``. ``None`` (default): plain data parallelism, as before
+            (``prepare_model`` uses DDP; ``get_context().mesh`` is the mesh with ``dp_shard``
+            = the world size). Not with elastic ``num_workers=(min, max)``.
     """
 
     num_workers: int | tuple[int, int] = 1
@@ -86,9 +92,11 @@ class ScalingConfig:
     placement_timeout_s: float = 60.0
     elastic_batch_policy: str = "resize_batch"
     elastic_grow_after_s: float | None = 10.0
+    parallel: ParallelConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_num_workers()
+        self._check_parallel()
         self._check_elastic_batch_policy()
         grow = self.elastic_grow_after_s
         if grow is not None and (
@@ -153,6 +161,34 @@ class ScalingConfig:
             1,
             "use num_workers=1 for a single process, or (min, max) for elastic training",
         )
+
+    def _check_parallel(self) -> None:
+        parallel = self.parallel
+        if parallel is None:
+            return
+        if isinstance(parallel, Mapping):  # config.json gives back a dict
+            parallel = ParallelConfig(**parallel)
+            object.__setattr__(self, "parallel", parallel)
+        if not isinstance(parallel, ParallelConfig):
+            raise TypeError(
+                "ScalingConfig.parallel must be a ringtrain.ParallelConfig or None, got "
+                f"{type(parallel).__name__} (e.g. parallel=rt.ParallelConfig(dp_shard=2, tp=2))"
+            )
+        if self.elastic:
+            raise ValueError(
+                f"ScalingConfig(num_workers={self.num_workers!r}, parallel=...): elastic resizing "
+                "of a device mesh is not supported (a lost rank breaks its TP group and its "
+                "shards of every parameter); give a fixed num_workers: restarts then restore the "
+                "whole mesh from the latest checkpoint (FailureConfig(max_failures=...))"
+            )
+        mesh = parallel.resolve(self.max_workers)
+        if self.use_gpu and mesh.tp > 1 and self.placement_strategy == "STRICT_SPREAD":
+            raise ValueError(
+                f"ScalingConfig(placement_strategy='STRICT_SPREAD', parallel=ParallelConfig("
+                f"tp={mesh.tp})): tensor parallelism must stay within a node (its all-reduces "
+                "run every layer) but STRICT_SPREAD puts one worker per node; use "
+                "placement_strategy='PACK' or tp=1"
+            )
 
     def _check_elastic_batch_policy(self) -> None:
         policy = self.elastic_batch_policy

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import inspect
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ringtrain.env import DistributedContext
+if TYPE_CHECKING:  # env's ctx.mesh imports this module (parallel/mesh.py): no run-time cycle
+    from ringtrain.env import DistributedContext
 
 DEFAULT_TIMEOUT_S = 1800.0
 

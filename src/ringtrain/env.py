@@ -64,6 +64,10 @@ class DistributedContext:
             or ``"single"`` (no distributed environment: a single process).
         config: what the driver told this worker (:class:`~ringtrain.worker_config.WorkerConfig`;
             the defaults outside a ringtrain-launched worker).
+        mesh: this worker's ``torch.distributed.DeviceMesh`` (a property, built on first use):
+            dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` sized by
+            ``ScalingConfig.parallel``; without one, ``dp_shard`` is the world size and the
+            others 1 (:mod:`ringtrain.parallel.mesh`).
     """
 
     world_rank: int = 0
@@ -78,6 +82,9 @@ class DistributedContext:
     run_dir: str | None = None
     source: str = "single"
     config: WorkerConfig = field(default_factory=WorkerConfig, repr=False)
+    _cache: dict[str, Any] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def with_config(self, config: WorkerConfig) -> DistributedContext:
         """This context with the driver's ``config`` (from ``Start``): its ``use_gpu``,
@@ -89,6 +96,15 @@ class DistributedContext:
             run_dir=config.run_dir,
             config=config,
         )
+
+    @property
+    def mesh(self) -> Any:
+        """This worker's ``DeviceMesh`` over the default process group (initialised here if it
+        is not yet), built on first use by every rank: a collective, so call it on all ranks.
+        See :func:`ringtrain.parallel.mesh.context_mesh`."""
+        from ringtrain.parallel.mesh import context_mesh
+
+        return context_mesh(self, self._cache)
 
     @property
     def worker_timeout_s(self) -> float | None:

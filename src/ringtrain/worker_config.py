@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ringtrain.parallel_config import MeshShape
+
 if TYPE_CHECKING:  # only to type build_worker_config: config imports this module's constants
     from ringtrain.config import RunConfig, ScalingConfig
 
@@ -94,6 +96,9 @@ class WorkerConfig:
         max_steps: stop cleanly after this many steps (``ringtrain bench``; ``None``: no limit).
         elastic: the elastic settings, ``None`` for a run of a fixed size.
         elastic_batch_policy: ``ScalingConfig.elastic_batch_policy`` (elastic runs).
+        mesh: the resolved ``ScalingConfig.parallel`` (``get_context().mesh`` is built from it;
+            ``prepare_model`` then shards and applies TP over it); ``None`` without a
+            ``ParallelConfig``.
 
     Raises:
         ValueError: from ``__post_init__`` for a value out of range (the message names the field
@@ -111,6 +116,7 @@ class WorkerConfig:
     max_steps: int | None = None
     elastic: ElasticSettings | None = None
     elastic_batch_policy: str = "resize_batch"
+    mesh: MeshShape | None = None
 
     def __post_init__(self) -> None:
         for name in ("attempt", "start_round"):
@@ -196,4 +202,9 @@ def build_worker_config(
         max_steps=None if max_steps is None else int(max_steps),
         elastic=elastic,
         elastic_batch_policy=scaling_config.elastic_batch_policy,
+        mesh=(
+            None
+            if scaling_config.parallel is None
+            else scaling_config.parallel.resolve(scaling_config.max_workers)
+        ),
     )
