@@ -146,7 +146,43 @@ class JoinReady:
     time: float
 
 
+@dataclass(frozen=True)
+class WorkerNotice:
+    """A worker received a preemption signal itself (SIGTERM to its process or process group: a
+    node going away with the whole process tree). It keeps training; the driver turns this into a
+    :class:`~ringtrain.preemption.PreemptionNotice` (source ``"worker-signal"``) and answers every
+    worker with a :class:`PreemptRequest`."""
+
+    rank: int
+    time: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class PreemptSaved:
+    """A worker stopped for a preemption after ``TrainState.step`` ``step`` and saved its state
+    as round ``round``'s checkpoint (``round`` is ``None`` when it had no ``TrainState`` to
+    save: the run's previous checkpoint is what a resume uses). Sent before its ``Done``."""
+
+    rank: int
+    time: float
+    step: int | None
+    round: int | None
+
+
 # ---------------------------------------------------------------- messages (driver -> worker)
+
+
+@dataclass(frozen=True)
+class PreemptRequest:
+    """Stop for a preemption: every worker allreduces a "stop requested" flag (MAX) at each
+    ``TrainState.step`` boundary, and at the first boundary where it is set on any rank they all
+    save their ``TrainState`` (no ``report()`` call needed), say :class:`PreemptSaved` and exit.
+    ``deadline``: when the driver kills the group (Unix seconds); ``reason``: for the logs."""
+
+    time: float
+    deadline: float
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -216,6 +252,8 @@ Event = (
     | Interrupted
     | Resumed
     | JoinReady
+    | WorkerNotice
+    | PreemptSaved
 )
 
 

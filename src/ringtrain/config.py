@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from ringtrain.launch.backends import backend_for
 from ringtrain.parallel_config import ParallelConfig
+from ringtrain.preemption import NoticeSource, check_sources
 from ringtrain.validation import check_int, short_errors
 from ringtrain.worker_config import ELASTIC_BATCH_POLICIES
 
@@ -304,11 +305,23 @@ class FailureConfig:
             every this many ``TrainState.step`` increments each worker copies its TrainState to
             host memory (its per-rank part is also sent to its ring neighbour), which is what a
             resize in place rolls back to (docs/elastic.md). Ignored with an int ``num_workers``.
+        preemption_grace_s: after a preemption notice (SIGTERM or SIGUSR1 to the driver, SIGTERM
+            to the workers, a ``notice_sources`` entry), the seconds the workers get to reach one
+            agreed step boundary, save their ``TrainState`` there and exit; then the group is
+            killed (what was not written is said in a ``preemption_incomplete`` event and the
+            previous checkpoint stays). A source that knows a shorter deadline wins. The run
+            ends ``PREEMPTED``; notices never count against ``max_failures``
+            (docs/fault-tolerance.md, "Preemption").
+        notice_sources: extra preemption notice sources, each with ``start(notify)`` and
+            ``stop()`` (:class:`ringtrain.preemption.NoticeSource`, e.g.
+            ``CallableNotice(fn, interval_s)``); the driver's SIGTERM/SIGUSR1 are always watched.
     """
 
     max_failures: int = 0
     worker_timeout_s: float | None = 600.0
     snapshot_interval_steps: int = 1
+    preemption_grace_s: float = 30.0
+    notice_sources: Sequence[NoticeSource] = ()
 
     def __post_init__(self) -> None:
         check_int(
@@ -333,9 +346,25 @@ class FailureConfig:
                 f"FailureConfig.worker_timeout_s must be a positive number of seconds or None, "
                 f"got {t!r} (None disables hang detection)"
             )
+        g = self.preemption_grace_s
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf"):
+            raise ValueError(
+                f"FailureConfig.preemption_grace_s must be a positive number of seconds, got "
+                f"{g!r} (the time the workers get after a preemption notice, e.g. 30)"
+            )
+        sources = check_sources("FailureConfig.notice_sources", self.notice_sources)
+        object.__setattr__(self, "notice_sources", sources)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "notice_sources"
+        }
+        # Objects, not data: written for the reader (a resumed `ringtrain run` cannot rebuild
+        # them; its driver still watches SIGTERM/SIGUSR1).
+        out["notice_sources_repr"] = [repr(s) for s in self.notice_sources]
+        return out
 
 
 @short_errors

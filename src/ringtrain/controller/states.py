@@ -14,8 +14,12 @@
     Restarting    Starting      the FailurePolicy says RESTART (or the checkpoint was unloadable)
     Restarting    Errored       the FailurePolicy says RAISE
     any live      Stopped       ``stop_event`` was set
-    any live      Preempting    a PreemptionNotice (nothing produces one yet: a later issue)
-    Preempting    Preempted     the group was stopped
+    any live      Preempting    a PreemptionNotice (ringtrain.preemption: signals, user sources,
+                                a worker's SIGTERM): the workers are asked to stop at one step
+    Preempting    Preempted     every worker saved its state at that step and exited, or the
+                                deadline passed (the previous checkpoint stays), or the group
+                                could not be asked
+    Preempting    Finished      every worker finished before reaching the stop step
     any           Aborted       the driver raised (Ctrl-C, a bug)
 
 A failure while ``Growing`` leaves it as from ``Running`` (to ``Resizing`` or ``Restarting``).
@@ -28,6 +32,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
+
+from ringtrain.preemption import PreemptionNotice
 
 if TYPE_CHECKING:
     from ringtrain.controller.generation import Generation, Grow
@@ -62,17 +68,6 @@ _TERMINAL = {
     RunState.STOPPED,
     RunState.PREEMPTED,
 }
-
-
-@dataclass(frozen=True)
-class PreemptionNotice:
-    """The cluster will take the workers away (a spot instance's two-minute warning, a SLURM
-    ``--signal``). Args: ``time`` (Unix seconds), ``deadline_s`` (seconds from ``time`` until
-    the workers are killed), ``reason`` (free text, logged)."""
-
-    time: float
-    deadline_s: float
-    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -136,11 +131,14 @@ class Restarting(State):
 
 @dataclass(frozen=True)
 class Preempting(State):
-    """The workers will be taken away (``notice``): stop the group and end ``Preempted``."""
+    """The workers will be taken away (``notice``): every worker was asked to stop at the next
+    step boundary they all reach, save its ``TrainState`` there and exit, before ``deadline``
+    (``time.monotonic()``); then (or at the deadline, killing the group) ``Preempted``."""
 
     kind: ClassVar[RunState] = RunState.PREEMPTING
     generation: Generation = field(repr=False, compare=False)
     notice: PreemptionNotice
+    deadline: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -173,6 +171,9 @@ class Stopped(State):
 
 @dataclass(frozen=True)
 class Preempted(State):
+    """A preemption notice ended the run; it is resumable: a later ``fit()`` of the same run
+    name continues from the checkpoint saved at the stop step."""
+
     kind: ClassVar[RunState] = RunState.PREEMPTED
 
 
