@@ -315,6 +315,9 @@ class FailureConfig:
         notice_sources: extra preemption notice sources, each with ``start(notify)`` and
             ``stop()`` (:class:`ringtrain.preemption.NoticeSource`, e.g.
             ``CallableNotice(fn, interval_s)``); the driver's SIGTERM/SIGUSR1 are always watched.
+        slurm_requeue: inside a SLURM job (``SLURM_JOB_ID`` set), a run that ends ``PREEMPTED``
+            asks for its job to be queued again (``scontrol requeue``); the requeued job resumes
+            the run by its name (:mod:`ringtrain.slurm`). ``False`` leaves the job ended.
     """
 
     max_failures: int = 0
@@ -322,6 +325,7 @@ class FailureConfig:
     snapshot_interval_steps: int = 1
     preemption_grace_s: float = 30.0
     notice_sources: Sequence[NoticeSource] = ()
+    slurm_requeue: bool = True
 
     def __post_init__(self) -> None:
         check_int(
@@ -351,6 +355,10 @@ class FailureConfig:
             raise ValueError(
                 f"FailureConfig.preemption_grace_s must be a positive number of seconds, got "
                 f"{g!r} (the time the workers get after a preemption notice, e.g. 30)"
+            )
+        if not isinstance(self.slurm_requeue, bool):
+            raise TypeError(
+                f"FailureConfig.slurm_requeue must be True or False, got {self.slurm_requeue!r}"
             )
         sources = check_sources("FailureConfig.notice_sources", self.notice_sources)
         object.__setattr__(self, "notice_sources", sources)

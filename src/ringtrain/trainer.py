@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -15,6 +16,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ringtrain import slurm
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.signing import from_run_config
 from ringtrain.checkpoint.storage import protocols
@@ -65,11 +67,12 @@ logger.addHandler(logging.NullHandler())
 
 
 def default_run_name(entrypoint: str) -> str:
-    """``{entrypoint}_{YYYY-mm-dd_HH-MM-SS}``."""
+    """``{entrypoint}_{YYYY-mm-dd_HH-MM-SS}``; inside a SLURM job ``{entrypoint}_slurm{JOB_ID}``,
+    the same for the requeued job, which so resumes the run (:mod:`ringtrain.slurm`)."""
     safe = (
         "".join(c if c.isalnum() or c in "_.-" else "_" for c in entrypoint).strip("_.-") or "run"
     )
-    return f"{safe}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    return slurm.default_run_name(safe) or f"{safe}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
 
 
 def validate_gpus(scaling: ScalingConfig) -> None:
@@ -454,7 +457,9 @@ def run_workers(
     )
     try:
         with _sigterm_as_interrupt():
-            return controller.run()
+            result = controller.run()
+        _requeue_if_preempted(controller.state.value, run_config)
+        return result
     finally:
         for sink in sinks:  # also after Ctrl-C, when on_end is not called: files complete
             sink.close()  # type: ignore[attr-defined]
@@ -462,6 +467,17 @@ def run_workers(
             launcher.close()  # type: ignore[attr-defined]  # e.g. a Ray instance it started
         if staging_dir is not None:
             shutil.rmtree(staging_dir, ignore_errors=True)
+
+
+def _requeue_if_preempted(status: str, run_config: RunConfig) -> None:
+    """Inside a SLURM job, requeue it after a run that ended ``PREEMPTED`` (unless
+    ``FailureConfig.slurm_requeue`` is False); say what was done, or why scontrol failed, on
+    stderr in one line. Never raises: the run's status stays ``PREEMPTED``."""
+    outcome = slurm.requeue_after_preemption(
+        status, enabled=run_config.failure_config.slurm_requeue
+    )
+    if outcome.attempted:
+        print(f"ringtrain: {outcome.message}", file=sys.stderr, flush=True)
 
 
 class DriverTerminated(KeyboardInterrupt):
