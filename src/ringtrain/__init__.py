@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ringtrain.fsdp import FSDPConfig
     from ringtrain.monitor.integrations import MLflowCallback, WandbCallback
     from ringtrain.monitor.sinks import CSVCallback, TensorBoardCallback
-    from ringtrain.parallel import DDPStrategy, FSDPStrategy
+    from ringtrain.parallel import DDPStrategy, FSDPStrategy, ParallelStrategy
     from ringtrain.prepare import get_device, prepare_data_loader, prepare_model
     from ringtrain.state import TrainState
     from ringtrain.trainer import Trainer
@@ -59,6 +59,7 @@ _LAZY = {
     "FSDPConfig": "ringtrain.fsdp",
     "DDPStrategy": "ringtrain.parallel",
     "FSDPStrategy": "ringtrain.parallel",
+    "ParallelStrategy": "ringtrain.parallel",
     "export_model": "ringtrain.export",
     "accumulate": "ringtrain.accumulate",
     "backward": "ringtrain.amp",
@@ -81,6 +82,7 @@ __all__ = [
     "MLflowCallback",
     "MonitorConfig",
     "ParallelConfig",
+    "ParallelStrategy",
     "Result",
     "RunConfig",
     "ScalingConfig",

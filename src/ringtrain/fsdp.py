@@ -401,14 +401,7 @@ def wrap_fsdp(model: nn.Module, ctx: DistributedContext, config: FSDPConfig | No
     units = check_fsdp_model(model, config)
 
     import torch.distributed as dist
-    from torch.distributed._composable import checkpoint as checkpoint_activations
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
 
     from ringtrain.distributed import init_process_group
 
@@ -416,13 +409,53 @@ def wrap_fsdp(model: nn.Module, ctx: DistributedContext, config: FSDPConfig | No
         init_process_group(ctx)
     else:
         _init_single_process_group(ctx)
-    device = ctx.device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
+    meta = prepare_sharding(model, ctx.device, config)
+    shard_units(model, units, mesh, config, ctx.device)
+    if meta:
+        finish_meta(model, config, ctx.device)
+    logger.info(
+        "FSDP: %d unit(s) + root over %d rank(s)%s%s%s",
+        len(units),
+        dist.get_world_size(),
+        f", {config.mixed_precision} compute" if config.mixed_precision else "",
+        ", activation checkpointing" if config.activation_checkpointing else "",
+        ", CPU offload" if config.cpu_offload else "",
+    )
+    return model
+
+
+def prepare_sharding(model: nn.Module, device: torch.device, config: FSDPConfig) -> bool:
+    """Before any sharding: move ``model`` to ``device`` (unless on the meta device or offloaded)
+    and broadcast rank 0's parameters and buffers over the default group
+    (``config.sync_module_states``). Returns whether the model is on the meta device."""
+    import torch.distributed as dist
+
     meta = _on_meta(model)
     if not meta and not config.cpu_offload and device.type != "cpu":
         model.to(device)
     if not meta and config.sync_module_states and dist.get_world_size() > 1:
         _broadcast_from_rank0(model, device)
+    return meta
+
+
+def shard_units(
+    model: nn.Module,
+    units: Sequence[tuple[str, nn.Module]],
+    mesh: Any,
+    config: FSDPConfig,
+    device: torch.device,
+) -> None:
+    """Activation checkpointing of each unit, then ``fully_shard`` on each unit (innermost
+    first) and on the root over ``mesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP), with
+    ``config``'s mixed-precision and offload policies."""
+    from torch.distributed._composable import checkpoint as checkpoint_activations
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     if config.mixed_precision is not None:
         param_dtype, reduce_dtype = MIXED_PRECISION[config.mixed_precision]
@@ -437,7 +470,6 @@ def wrap_fsdp(model: nn.Module, ctx: DistributedContext, config: FSDPConfig | No
         if config.cpu_offload
         else OffloadPolicy()
     )
-
     if config.activation_checkpointing:
         for _, module in units:
             checkpoint_activations(module)
@@ -454,22 +486,16 @@ def wrap_fsdp(model: nn.Module, ctx: DistributedContext, config: FSDPConfig | No
         model, mesh=mesh, reshard_after_forward=False, mp_policy=root_mp, offload_policy=offload
     )
 
-    if meta:
-        assert config.init_fn is not None
-        model.to_empty(device="cpu" if config.cpu_offload else device)
-        if config.cpu_offload and device.type != "cpu":
-            for module in model.modules():
-                for name, buf in list(module._buffers.items()):
-                    if buf is not None:
-                        module._buffers[name] = buf.to(device)
-        with torch.no_grad():
-            config.init_fn(model)
-    logger.info(
-        "FSDP: %d unit(s) + root over %d rank(s)%s%s%s",
-        len(units),
-        dist.get_world_size(),
-        f", {config.mixed_precision} compute" if config.mixed_precision else "",
-        ", activation checkpointing" if config.activation_checkpointing else "",
-        ", CPU offload" if config.cpu_offload else "",
-    )
-    return model
+
+def finish_meta(model: nn.Module, config: FSDPConfig, device: torch.device) -> None:
+    """A meta-device model after sharding: ``to_empty`` on its device (the host with CPU
+    offload; buffers on ``device``), then ``config.init_fn`` under ``no_grad``."""
+    assert config.init_fn is not None
+    model.to_empty(device="cpu" if config.cpu_offload else device)
+    if config.cpu_offload and device.type != "cpu":
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+    with torch.no_grad():
+        config.init_fn(model)

@@ -21,10 +21,16 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from ringtrain.amp import check_precision, precision_plugin
 from ringtrain.data import ResumableDistributedSampler, SampleSeeded
+from ringtrain.env import DistributedContext
 from ringtrain.fsdp import FSDPConfig
 from ringtrain.hooks import LoaderSetup, ModelSetup
 from ringtrain.loader import PreparedDataLoader
-from ringtrain.parallel.strategy import ModelStrategy, WrapContext, strategy_from_kwargs
+from ringtrain.parallel.strategy import (
+    ModelStrategy,
+    ParallelStrategy,
+    WrapContext,
+    strategy_from_kwargs,
+)
 from ringtrain.session import current_hooks, current_timer, get_context
 
 
@@ -48,6 +54,7 @@ def prepare_model(
     find_unused_parameters: bool | None = None,
     fsdp_config: FSDPConfig | None = None,
     bucket_order: str = "fixed",
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> torch.nn.Module:
     """Place ``model`` on this worker's device and wrap it for data parallelism.
 
@@ -95,6 +102,12 @@ def prepare_model(
             ``"rebuild"``: torch's DDP, which rebuilds its buckets in the first backward's
             gradient-ready order (only differs for models whose gradients become ready far from
             reverse registration order; see docs/comm.md).
+        tp_plan: tensor parallelism on the device mesh (``ScalingConfig(parallel=
+            rt.ParallelConfig(tp=...))``): module-name pattern -> ``"colwise"``, ``"rowwise"``,
+            ``"sequence"`` or a ``ParallelStyle`` (docs/parallelism.md). With a ``tp_plan``, or
+            whenever the run has a ``ParallelConfig`` (and ``parallel_strategy`` is ``"ddp"``
+            or ``"fsdp"``), the strategy is :class:`ringtrain.ParallelStrategy`: the plan on
+            ``mesh["tp"]``, then FSDP2 (with ``fsdp_config``) over the data-parallel dimensions.
 
     Returns:
         The module to train (``model.module`` is the original when wrapped).
@@ -106,18 +119,22 @@ def prepare_model(
             before any process group is created.
         TypeError: ``strategy`` is not a strategy object.
     """
-    if strategy is None:
-        strategy = strategy_from_kwargs(
-            parallel_strategy,
-            fsdp_config,
-            ddp_kwargs=ddp_kwargs,
-            bucket_order=bucket_order,
-            comm_hook=comm_hook,
-            comm_hook_options=comm_hook_options,
-            bucket_cap_mb=bucket_cap_mb,
-            static_graph=static_graph,
-            find_unused_parameters=find_unused_parameters,
-        )
+    ctx = get_context()
+    ddp_options: dict[str, Any] = dict(
+        ddp_kwargs=ddp_kwargs,
+        bucket_order=bucket_order,
+        comm_hook=comm_hook,
+        comm_hook_options=comm_hook_options,
+        bucket_cap_mb=bucket_cap_mb,
+        static_graph=static_graph,
+        find_unused_parameters=find_unused_parameters,
+    )
+    if strategy is None and (
+        tp_plan is not None or (ctx.config.mesh is not None and parallel_strategy is not None)
+    ):
+        strategy = mesh_strategy(parallel_strategy, fsdp_config, tp_plan, ddp_options)
+    elif strategy is None:
+        strategy = strategy_from_kwargs(parallel_strategy, fsdp_config, **ddp_options)
     else:
         keywords = dict(
             parallel_strategy=(parallel_strategy, "ddp"),
@@ -129,15 +146,48 @@ def prepare_model(
             find_unused_parameters=(find_unused_parameters, None),
             fsdp_config=(fsdp_config, None),
             bucket_order=(bucket_order, "fixed"),
+            tp_plan=(tp_plan, None),
         )
         check_strategy(
             strategy, [k for k, (value, default) in keywords.items() if value != default]
         )
-    ctx = get_context()
     precision = strategy.check(precision)
     check_precision(precision, ctx.device)
-    target = WrapContext(ctx, move_to_device, precision, current_timer())
+    mesh = ctx.mesh if getattr(strategy, "uses_mesh", False) else None
+    target = WrapContext(ctx, move_to_device, precision, current_timer(), mesh=mesh)
     return _wrap(model, strategy, target)
+
+
+def mesh_strategy(
+    parallel_strategy: str | None,
+    fsdp_config: FSDPConfig | None,
+    tp_plan: Mapping[str, Any] | None,
+    ddp_options: Mapping[str, Any],
+) -> ParallelStrategy:
+    """The :class:`ringtrain.ParallelStrategy` that ``prepare_model``'s keywords describe on a
+    run with a device mesh (or with ``tp_plan=``).
+
+    Raises:
+        ValueError: ``parallel_strategy`` is not ``"ddp"``/``"fsdp"``, or DDP-only options
+            were given (the model is sharded on the mesh, not replicated).
+    """
+    if parallel_strategy not in ("ddp", "fsdp"):
+        raise ValueError(
+            f"prepare_model(tp_plan=..., parallel_strategy={parallel_strategy!r}): tensor "
+            "parallelism shards the model on the mesh; drop parallel_strategy (or tp_plan)"
+        )
+    given = [
+        name
+        for name, value in ddp_options.items()
+        if value is not None and not (name == "bucket_order" and value == "fixed")
+    ]
+    if given:
+        raise ValueError(
+            f"prepare_model: {', '.join(given)} only apply to DDP, but this run shards the model "
+            "on its device mesh (ScalingConfig(parallel=...) or tp_plan=): drop them; FSDP's "
+            "options go in fsdp_config=ringtrain.FSDPConfig(...)"
+        )
+    return ParallelStrategy(tp_plan, fsdp_config if fsdp_config is not None else FSDPConfig())
 
 
 def check_strategy(strategy: object, keywords: list[str]) -> None:
@@ -219,7 +269,8 @@ def prepare_data_loader(
             ``add_dist_sampler`` is True (shard those yourself and pass ``add_dist_sampler=False``).
     """
     ctx = get_context()
-    setup = LoaderSetup(data_loader, world_size=ctx.world_size, world_rank=ctx.world_rank)
+    shards, shard = data_parallel_rank(ctx)
+    setup = LoaderSetup(data_loader, world_size=shards, world_rank=shard)
     if add_dist_sampler:
         # Elastic runs: the per-worker batch follows the world size by the elastic_batch_policy.
         current_hooks().on_prepare_loader(setup)
@@ -244,8 +295,8 @@ def prepare_data_loader(
         seeded = data_loader.num_workers > 0 and private
         sampler = ResumableDistributedSampler(
             data_loader.dataset,
-            num_replicas=ctx.world_size,
-            rank=ctx.world_rank,
+            num_replicas=shards,
+            rank=shard,
             shuffle=isinstance(data_loader.sampler, RandomSampler),
             seed=seed,
             drop_last=data_loader.drop_last,
@@ -255,10 +306,20 @@ def prepare_data_loader(
         generator = torch.Generator() if private else data_loader.generator
         loader = _rebuild(data_loader, dataset, sampler, generator)
     device = ctx.device if move_to_device else None
-    prepared = PreparedDataLoader(loader, device, seed=seed, world_size=ctx.world_size)
+    prepared = PreparedDataLoader(loader, device, seed=seed, world_size=shards)
     prepared.reseed = add_dist_sampler and loader_rng == "private"
     prepared.micro_batch_size = setup.micro_batch_size
     return prepared
+
+
+def data_parallel_rank(ctx: DistributedContext) -> tuple[int, int]:
+    """``(data-parallel size, this rank's data-parallel index)``: ``dp_replicate x dp_shard``
+    and the rank's coordinate on them when the run has a device mesh (TP and PP peers share
+    it), else ``(world_size, world_rank)``."""
+    mesh = ctx.config.mesh
+    if mesh is None or mesh.world_size != ctx.world_size:
+        return ctx.world_size, ctx.world_rank
+    return mesh.dp_size, mesh.dp_rank(ctx.world_rank)
 
 
 def _rebuild(

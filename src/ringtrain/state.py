@@ -476,6 +476,9 @@ class TrainState:
             if loader_state is not None and self.data_loader is not None:
                 loader_state = reshard_loader_state(loader_state, self.data_loader)
             per_rank = per_rank or {"rng": None}
+        elif loader_state is not None and _sharded_otherwise(loader_state, self.data_loader):
+            # Same world size, another device mesh: the data-parallel shards changed.
+            loader_state = reshard_loader_state(loader_state, self.data_loader)
         return dict(per_rank), loader_state
 
     def _load_rank_part(self, per_rank: dict[str, Any], loader_state: Any) -> None:
@@ -497,3 +500,14 @@ class TrainState:
             unwrap(model).__dict__[PENDING_ATTR] = saved_rank_state
         if per_rank["rng"] is not None:
             restore_rng(per_rank["rng"])
+
+
+def _sharded_otherwise(loader_state: Mapping[str, Any], loader: Any) -> bool:
+    """Whether ``loader`` shards the data over another number of data-parallel ranks, or with
+    another per-rank batch, than the loader ``loader_state`` was saved from (a checkpoint of
+    the same world size on another device mesh: ``dp_shard=2 x tp=2`` resumed at
+    ``dp_shard=4``)."""
+    if loader is None or not hasattr(loader, "world_size"):
+        return False
+    saved = (loader_state.get("world_size"), loader_state.get("batch_size"))
+    return saved != (loader.world_size, getattr(loader, "batch_size", None))

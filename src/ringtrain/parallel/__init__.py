@@ -12,6 +12,7 @@ from ringtrain.parallel.strategy import (
     FSDPStrategy,
     LocalStrategy,
     ModelStrategy,
+    ParallelStrategy,
     WrapContext,
     strategy_from_kwargs,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "FSDPStrategy",
     "LocalStrategy",
     "ModelStrategy",
+    "ParallelStrategy",
     "WrapContext",
     "strategy_from_kwargs",
 ]

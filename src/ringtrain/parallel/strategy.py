@@ -34,6 +34,7 @@ from ringtrain.fsdp import FSDPConfig
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     from ringtrain.monitor.timing import StepTimer
 
@@ -66,6 +67,8 @@ class WrapContext:
         sync_token: set by an elastic ``before_wrap`` hook when every rank is about to load the
             same snapshot into the module: DDP then skips its initial broadcast and checks at the
             first forward instead (:func:`ringtrain.comm.ddp.sync_unless_restored`).
+        mesh: the worker's ``DeviceMesh`` (``get_context().mesh``) for a strategy whose
+            ``uses_mesh`` is true (:class:`ParallelStrategy`); ``None`` for the others.
     """
 
     context: DistributedContext
@@ -73,6 +76,7 @@ class WrapContext:
     precision: str = "32"
     timer: StepTimer | None = None
     sync_token: int | None = None
+    mesh: DeviceMesh | None = None
 
     @property
     def device(self) -> torch.device:
@@ -252,6 +256,59 @@ class FSDPStrategy:
         from ringtrain.fsdp import wrap_fsdp
 
         return wrap_fsdp(model, ctx.context, self.config)
+
+
+@dataclass(frozen=True)
+class ParallelStrategy:
+    """The device mesh's strategy (``ScalingConfig(parallel=rt.ParallelConfig(...))``;
+    docs/parallelism.md): tensor parallelism from ``tp_plan`` on ``mesh["tp"]``, then FSDP2 over
+    ``mesh["dp_replicate", "dp_shard"]`` (HSDP) or ``mesh["dp_shard"]``, in torchtitan's order
+    (:func:`ringtrain.parallel.tensor.wrap_on_mesh`). Build the optimizer after
+    ``prepare_model``.
+
+    Attributes:
+        tp_plan: module-name pattern (``fnmatch``) -> ``"colwise"``, ``"rowwise"``,
+            ``"sequence"`` or a ``torch.distributed.tensor.parallel.ParallelStyle``; ``None``:
+            no tensor parallelism. Every pattern must match a module (checked at wrap). With
+            ``tp == 1`` the plan is checked and has no effect.
+        fsdp: FSDP's options (units, mixed precision, activation checkpointing...).
+
+    Raises:
+        TypeError / ValueError: a malformed plan or a style that is not known, naming the
+            pattern and the fix; ``fsdp`` is not a :class:`ringtrain.FSDPConfig`.
+    """
+
+    tp_plan: Mapping[str, Any] | None = None
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+    name: ClassVar[str] = "mesh"
+    uses_mesh: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.tp_plan is not None:
+            from ringtrain.parallel.tensor import check_tp_plan
+
+            object.__setattr__(self, "tp_plan", check_tp_plan(self.tp_plan))
+        if not isinstance(self.fsdp, FSDPConfig):
+            raise TypeError(
+                f"ParallelStrategy.fsdp must be a ringtrain.FSDPConfig, got "
+                f"{type(self.fsdp).__name__} (e.g. ParallelStrategy(fsdp=FSDPConfig("
+                "shard_modules=[Block])))"
+            )
+
+    def check(self, precision: object) -> str:
+        return FSDPStrategy(self.fsdp).check(precision)
+
+    def place(self, model: nn.Module, ctx: WrapContext) -> nn.Module:
+        return model  # wrap places the shards
+
+    def wrap(self, model: nn.Module, ctx: WrapContext) -> nn.Module:
+        """:func:`ringtrain.parallel.tensor.wrap_on_mesh` on ``ctx.mesh`` (the worker's mesh
+        when ``None``)."""
+        from ringtrain.parallel.tensor import wrap_on_mesh
+
+        mesh = ctx.mesh if ctx.mesh is not None else ctx.context.mesh
+        return wrap_on_mesh(model, ctx.context, mesh, self.fsdp, self.tp_plan)
 
 
 def strategy_from_kwargs(
