@@ -1,6 +1,7 @@
 """Train a small GPT-style byte-level language model on Python's own standard library, sharded
 over N ringtrain workers with FSDP2 (``--strategy fsdp``, the default) or replicated with DDP
-(``--strategy ddp``).
+(``--strategy ddp``), or on a device mesh (``--tp``, ``--dp-shard``, ``--dp-replicate``: tensor
+parallelism inside, FSDP2 or HSDP outside; docs/parallelism.md).
 
 Data (offline, deterministic): the ``*.py`` files directly in the standard library's directory
 (``os.path.dirname(os.__file__)``), sorted by name and concatenated, the first
@@ -31,6 +32,8 @@ Run it::
     python examples/gpt.py --strategy ddp --name gpt-ddp
     python examples/gpt.py --bf16 --activation-checkpointing --name gpt-bf16
     python examples/gpt.py --export runs/gpt/model.safetensors
+    python examples/gpt.py --tp 2 --dp-shard 2 --name gpt-tp   # 4 workers: FSDP x TP
+    python examples/gpt.py --dp-replicate 2 --dp-shard 2 --name gpt-hsdp
 """
 
 from __future__ import annotations
@@ -101,18 +104,45 @@ def load_data(corpus_bytes: int, block_size: int) -> tuple[Windows, Windows]:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused ``qkv`` projection whose output features
+    are head-major (``[head][q|k|v][head_dim]``): a contiguous slice of them is whole heads, so
+    tensor parallelism can split ``qkv`` column-wise and ``proj`` row-wise by heads (the heads are
+    counted with ``-1``: this rank's)."""
+
     def __init__(self, n_embd: int, n_head: int) -> None:
         super().__init__()
-        self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        B, T, C = x_BTC.shape
-        q, k, v = self.qkv(x_BTC).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x_BTC.shape
+        qkv_BTH3c = self.qkv(x_BTC).view(B, T, -1, 3, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv_BTH3c.unbind(dim=3))
         y_BHTc = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y_BHTc.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y_BHTc.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """The 4x GELU MLP: ``fc1`` splits column-wise, ``fc2`` row-wise under TP."""
+
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(n_embd, 4 * n_embd)
+        self.fc2 = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+TP_PLAN = {
+    "blocks.*.attn.qkv": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.fc1": "colwise",
+    "blocks.*.mlp.fc2": "rowwise",
+}
+"""Megatron-style tensor parallelism of each block: one all-reduce after attention, one after
+the MLP (``prepare_model(tp_plan=TP_PLAN)`` on ``--tp`` ranks)."""
 
 
 class Block(nn.Module):
@@ -123,9 +153,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head)
         self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(
-            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd)
-        )
+        self.mlp = MLP(n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -168,12 +196,12 @@ def lm_loss(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, val: Windows, batch_size: int, device: torch.device) -> float:
-    """Mean validation loss (nats per byte) over the held-out windows. Every rank evaluates a
-    disjoint, equally long slice (FSDP needs every rank in every forward) and the sums are
-    allreduced."""
-    ctx = rt.get_context()
-    n = len(val) // ctx.world_size * ctx.world_size
-    mine = list(range(ctx.world_rank, n, ctx.world_size))
+    """Mean validation loss (nats per byte) over the held-out windows. Every data-parallel rank
+    evaluates a disjoint, equally long slice (FSDP needs every rank in every forward; TP peers
+    evaluate the same slice together) and the sums are allreduced."""
+    rank, size = data_parallel_rank()  # TP peers evaluate the same windows together
+    n = len(val) // size * size
+    mine = list(range(rank, n, size))
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(0, len(mine), batch_size):
@@ -183,8 +211,19 @@ def evaluate(model: nn.Module, val: Windows, batch_size: int, device: torch.devi
         total[1] += y.numel()
     model.train()
     if dist.is_initialized():
-        dist.all_reduce(total)
+        dist.all_reduce(total)  # TP peers count their windows tp times, in both sums
     return float(total[0] / total[1])
+
+
+def data_parallel_rank() -> tuple[int, int]:
+    """``(index, count)`` of this rank among the data-parallel ranks (``dp_replicate x dp_shard``
+    on the mesh); the whole world without ``--tp``."""
+    ctx = rt.get_context()
+    if ctx.config.mesh is None:
+        return ctx.world_rank, ctx.world_size
+    mesh = ctx.mesh
+    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
 
 
 @torch.no_grad()
@@ -217,12 +256,14 @@ def train_fn(config: dict) -> None:
     train_set, val_set = load_data(config["corpus_bytes"], config["block_size"])
     torch.manual_seed(config["seed"])  # the same initial weights on every rank
     net = GPT(config["n_layer"], config["n_embd"], config["n_head"], config["block_size"])
-    if config["strategy"] == "fsdp":
-        fsdp_config = rt.FSDPConfig(
-            shard_modules=[Block],
-            mixed_precision="bf16" if config["bf16"] else None,
-            activation_checkpointing=config["activation_checkpointing"],
-        )
+    fsdp_config = rt.FSDPConfig(
+        shard_modules=[Block],
+        mixed_precision="bf16" if config["bf16"] else None,
+        activation_checkpointing=config["activation_checkpointing"],
+    )
+    if ctx.config.mesh is not None:  # --tp / --dp-shard / --dp-replicate: TP, then FSDP2/HSDP
+        model = rt.prepare_model(net, tp_plan=TP_PLAN, fsdp_config=fsdp_config)
+    elif config["strategy"] == "fsdp":
         model = rt.prepare_model(net, parallel_strategy="fsdp", fsdp_config=fsdp_config)
     else:
         model = rt.prepare_model(net, precision="bf16-mixed" if config["bf16"] else "32")
@@ -261,7 +302,7 @@ def train_fn(config: dict) -> None:
     if ctx.world_rank == 0:
         n_params = sum(p.numel() for p in net.parameters())
         print(
-            f"{config['strategy']}: {n_params / 1e6:.2f}M parameters, {len(train_set)} training "
+            f"{strategy_name(config)}: {n_params / 1e6:.2f}M parameters, {len(train_set)} training "
             f"windows of {config['block_size']} bytes, {len(loader)} steps per epoch per rank",
             flush=True,
         )
@@ -274,7 +315,7 @@ def train_fn(config: dict) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             # Under FSDP the gradients are DTensor shards: the global norm is reduced across ranks.
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip_grad_norm(model, 1.0)
             optimizer.step()
             scheduler.step()
             state.step += 1
@@ -303,6 +344,28 @@ def train_fn(config: dict) -> None:
             print("sample:\n" + text, flush=True)
 
 
+def strategy_name(config: dict) -> str:
+    """``"fsdp"``/``"ddp"``, or the mesh (``"mesh dp_shard=2 x tp=2"``)."""
+    mesh = rt.get_context().config.mesh
+    if mesh is None:
+        return str(config["strategy"])
+    names = ("pp", "dp_replicate", "dp_shard", "tp")
+    return "mesh " + " x ".join(f"{n}={k}" for n, k in zip(names, mesh.sizes, strict=True) if k > 1)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> None:
+    """``clip_grad_norm_`` over every parameter; on a mesh the gradients are DTensors on two
+    meshes (``(dp, tp)`` for TP-split weights, ``dp`` for the rest): each group's norm is made
+    a plain tensor (``full_tensor``) before they are combined."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+
+
 # ------------------------------------------------------------------------------------------- driver
 
 
@@ -312,9 +375,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp")
-    p.add_argument("--workers", type=int, default=2, help="number of data-parallel workers")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="number of workers (default: 2, or the product of the mesh sizes below)",
+    )
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (adjacent)")
+    p.add_argument("--dp-shard", type=int, default=None, help="FSDP2 ranks per replica group")
+    p.add_argument("--dp-replicate", type=int, default=None, help="replica groups (HSDP)")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=16, help="windows per worker per step")
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="windows per data-parallel rank per step"
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
@@ -335,8 +408,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def mesh_from_args(args: argparse.Namespace) -> tuple[int, rt.ParallelConfig | None]:
+    """``(num_workers, ParallelConfig or None)`` from ``--workers`` and the mesh flags."""
+    sizes = {"tp": args.tp, "dp_shard": args.dp_shard, "dp_replicate": args.dp_replicate}
+    given = {k: v for k, v in sizes.items() if v is not None}
+    if not given:
+        return args.workers or 2, None
+    parallel = rt.ParallelConfig(**given)
+    # Default: the product of the sizes given (dp_shard then takes what is left: 1).
+    return args.workers or math.prod(given.values()), parallel
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    workers, parallel = mesh_from_args(args)
     config = {
         "strategy": args.strategy,
         "epochs": args.epochs,
@@ -356,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     result = rt.Trainer(
         train_fn,
         train_loop_config=config,
-        scaling_config=rt.ScalingConfig(num_workers=args.workers, use_gpu=args.gpu),
+        scaling_config=rt.ScalingConfig(num_workers=workers, use_gpu=args.gpu, parallel=parallel),
         run_config=rt.RunConfig(
             name=args.name,
             storage_path=args.storage_path,
