@@ -309,7 +309,7 @@ class FailureConfig:
             to the workers, a ``notice_sources`` entry), the seconds the workers get to reach one
             agreed step boundary, save their ``TrainState`` there and exit; then the group is
             killed (what was not written is said in a ``preemption_incomplete`` event and the
-            previous checkpoint stays). A source that knows a shorter deadline wins. The run
+            previous checkpoint stays). A source that knows its deadline uses it instead. The run
             ends ``PREEMPTED``; notices never count against ``max_failures``
             (docs/fault-tolerance.md, "Preemption").
         notice_sources: extra preemption notice sources, each with ``start(notify)`` and

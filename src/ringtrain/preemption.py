@@ -61,9 +61,9 @@ class PreemptionNotice:
 
     Attributes:
         time: when the notice was received (Unix seconds, wall clock).
-        deadline_s: seconds from ``time`` until the workers are killed, as the source knows it;
-            ``None``: the source does not know, ``FailureConfig.preemption_grace_s`` applies.
-            The controller uses the smaller of the two.
+        deadline_s: seconds from ``time`` until the workers are killed, as the source knows it
+            (a cloud's two-minute warning); ``None``: the source does not know, and
+            ``FailureConfig.preemption_grace_s`` applies.
         reason: free text for the logs and events (``"SIGTERM to the driver"``).
         source: which kind of source sent it (``"signal"``, ``"callable"``, ``"worker-signal"``,
             ``"ray-drain"``...).
@@ -80,11 +80,11 @@ class PreemptionNotice:
     monotonic: float = field(default_factory=_monotonic)
 
     def grace_s(self, preemption_grace_s: float) -> float:
-        """The seconds the workers get from the notice: the source's deadline, capped by
-        ``preemption_grace_s`` (FailureConfig)."""
+        """The seconds the workers get from the notice: the source's own deadline when it
+        knows one (the kill comes then), else ``preemption_grace_s`` (FailureConfig)."""
         if self.deadline_s is None:
             return preemption_grace_s
-        return max(0.0, min(self.deadline_s, preemption_grace_s))
+        return max(0.0, float(self.deadline_s))
 
     def deadline(self, preemption_grace_s: float) -> float:
         """When the workers are killed, on the ``time.monotonic()`` clock."""

@@ -159,6 +159,13 @@ class Result:
         metrics_history: rank 0's metrics of every round, in order.
         config: the ``train_loop_config`` the run was given (a sweep trial's hyperparameters;
             ``None`` when it had none).
+        status: how the run ended: ``"FINISHED"``, ``"ERRORED"`` (with
+            ``fit(raise_on_error=False)``), ``"STOPPED"`` (stopped early on request) or
+            ``"PREEMPTED"`` (a preemption notice: every worker saved its state at one agreed
+            step; running it again with the same name resumes from there);
+            ``"RUNNING"`` while the run goes on.
+        preemptions: the preemption notices this run handled (never counted in ``failures``
+            nor against ``FailureConfig.max_failures``).
     """
 
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -171,3 +178,5 @@ class Result:
     follow_on_failures: list[WorkerFailure] = field(default_factory=list)
     metrics_history: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] | None = None
+    status: str = "FINISHED"
+    preemptions: int = 0

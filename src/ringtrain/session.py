@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ringtrain.channel import CheckpointDone, Heartbeat, Report, Timing, WorkerChannel
 from ringtrain.checkpoint import storage
@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # the timer is monitor/timing's, which a worker with timing o
 from ringtrain.worker_config import WorkerConfig
 
 logger = logging.getLogger("ringtrain")
+
+M = TypeVar("M")
 
 
 @dataclass
@@ -71,6 +73,8 @@ class Session:
     progress_hint: dict[str, Any] = field(default_factory=dict)
     _hint_sent: dict[str, Any] | None = None
     hooks: HookRegistry = field(default_factory=HookRegistry)
+    # Driver messages read from the channel and not yet taken (poll_driver/take_messages).
+    inbox: list[Any] = field(default_factory=list)
     _writer: Any = None
     _run_fs: Any = None
     _run_path: str | None = None
@@ -80,6 +84,25 @@ class Session:
         """What the driver told this worker (``Start``'s :class:`WorkerConfig`; the defaults
         outside a ringtrain-launched worker)."""
         return self.context.config
+
+    def poll_driver(self) -> None:
+        """Move the driver messages waiting on the channel into :attr:`inbox`, without blocking.
+        The one reader of driver messages on a worker (the training thread only): plug-ins take
+        their kinds with :meth:`take_messages` (preemption requests, elastic grow requests)."""
+        channel = self.channel
+        if channel is None:
+            return
+        while channel.conn.poll(0):
+            self.inbox.append(channel.recv())
+
+    def take_messages(self, kind: type[M]) -> list[M]:
+        """Remove and return the :attr:`inbox` messages of type ``kind``, oldest first."""
+        if not self.inbox:
+            return []
+        taken = [m for m in self.inbox if isinstance(m, kind)]
+        if taken:
+            self.inbox = [m for m in self.inbox if not isinstance(m, kind)]
+        return taken
 
     def start_heartbeat(self, interval_s: float) -> None:
         """Every ``interval_s`` seconds, tell the driver how long ago this rank last made

@@ -29,6 +29,7 @@ from ringtrain.launch.base import Launcher, WorkerSpec
 from ringtrain.monitor.progress import make_progress
 from ringtrain.monitor.sinks import default_sinks
 from ringtrain.monitor.straggler import StragglerDetector
+from ringtrain.preemption import SignalNotice
 from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
 from ringtrain.saved_run import (  # re-exported: cli, tests and users import them from here
@@ -454,10 +455,12 @@ def run_workers(
         else None,
         elastic=elastic,
         stop_event=stop_event,
+        # SIGTERM/SIGUSR1 to the driver are preemption notices (docs/fault-tolerance.md).
+        notice_sources=[SignalNotice(), *run_config.failure_config.notice_sources],
+        preemption_grace_s=run_config.failure_config.preemption_grace_s,
     )
     try:
-        with _sigterm_as_interrupt():
-            result = controller.run()
+        result = controller.run()
         _requeue_if_preempted(controller.state.value, run_config)
         return result
     finally:
@@ -487,8 +490,9 @@ class DriverTerminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
-    """While the run is active, turn SIGTERM (a scheduler's preemption notice) into an
-    interruption with the same orderly shutdown as Ctrl-C. Only possible on the main thread."""
+    """While active, turn SIGTERM into an interruption with the same orderly shutdown as Ctrl-C
+    (on the main thread only). ``Trainer.fit`` no longer uses it: SIGTERM to the driver is a
+    preemption notice (:class:`ringtrain.preemption.SignalNotice`); kept for callers of it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -3,7 +3,8 @@
 :func:`cmd_run` reads top to bottom: check the arguments (or load the saved run of
 ``--resume``), build the configs, name the run, start the dashboard if asked, run the workers,
 and turn the outcome into an exit status (0 done, 1 the run failed, 2 a usage or configuration
-error, 128 + signal when stopped).
+error, 75 (``EX_TEMPFAIL``, :data:`EXIT_PREEMPTED`) when a preemption notice ended the run: it
+saved its state and resumes with ``--resume``, 128 + signal when stopped).
 """
 
 from __future__ import annotations
@@ -343,7 +344,22 @@ def _run(
     if result.error is not None:
         print(f"ringtrain: run failed: {result.error}", file=sys.stderr)
         return 1
+    if result.status == "PREEMPTED":
+        where = os.path.join(run_config.storage_path, target.name)
+        where = where if "://" in where else os.path.normpath(where)
+        print(
+            f"ringtrain: run preempted (its state is saved); resume with "
+            f"`ringtrain run --resume {where}` (exit status {EXIT_PREEMPTED}: retry)",
+            file=sys.stderr,
+        )
+        return EXIT_PREEMPTED
     return 0
+
+
+EXIT_PREEMPTED = 75
+"""``ringtrain run``'s exit status when a preemption notice ended the run (``EX_TEMPFAIL`` of
+sysexits.h: what schedulers and retry wrappers read as "try again"); the run resumes with
+``--resume``."""
 
 
 def _refuse_misplaced_options(

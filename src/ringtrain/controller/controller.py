@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ringtrain.channel import Event
+from ringtrain.channel import Event, PreemptSaved, WorkerNotice
 from ringtrain.checkpoint.manager import CheckpointManager, TrackedCheckpoint
 from ringtrain.controller.attempt import root_cause
 from ringtrain.controller.elastic import ElasticCoordinator
@@ -37,13 +37,13 @@ from ringtrain.controller.events import GroupEvents
 from ringtrain.controller.generation import Generation
 from ringtrain.controller.outputs import build_result, write_result
 from ringtrain.controller.policy import Decision, FailurePolicy
+from ringtrain.controller.preempting import Preemption
 from ringtrain.controller.rounds import Publisher
 from ringtrain.controller.states import (
     Aborted,
     Errored,
     Finished,
     Growing,
-    Preempted,
     Preempting,
     PreemptionNotice,
     Resizing,
@@ -59,6 +59,7 @@ from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
 from ringtrain.launch.base import Launcher, WorkerGroup, WorkerSpec
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.monitor.straggler import StragglerDetector
+from ringtrain.preemption import NoticeSource
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure, follow_ons
 from ringtrain.rundir import RunDirectory
 from ringtrain.rundir.schema import (
@@ -109,6 +110,10 @@ class Controller:
         stop_event: set by another thread (or a callback) to end the run early: the group is
             stopped within one poll interval and the run ends ``STOPPED`` (used by
             ``ringtrain.tune`` to prune a trial).
+        notice_sources: preemption notice sources (:mod:`ringtrain.preemption`), started when
+            :meth:`run` starts and stopped when it ends.
+        preemption_grace_s: seconds the workers get to save after a notice
+            (``FailureConfig.preemption_grace_s``).
     """
 
     def __init__(
@@ -130,6 +135,8 @@ class Controller:
         stragglers: StragglerDetector | None = None,
         elastic: ElasticPolicy | None = None,
         stop_event: threading.Event | None = None,
+        notice_sources: Sequence[NoticeSource] = (),
+        preemption_grace_s: float = 30.0,
     ) -> None:
         self.launcher = launcher
         self.make_spec = make_spec
@@ -150,6 +157,7 @@ class Controller:
         self.coordinator = ElasticCoordinator(self, elastic)
         self.publisher = Publisher(checkpoints, run_dir, progress, self.callback)
         self.events = GroupEvents(self)
+        self.preemption = Preemption(notice_sources, preemption_grace_s)
 
         self.current: State = Starting(0)
         self.group: WorkerGroup | None = None
@@ -178,9 +186,10 @@ class Controller:
         """Step until the job finishes or the FailurePolicy says stop."""
         self.progress.start(self.run_dir.name, self.world_size, self.run_dir.uri)
         self._write_result()
+        self.preemption.start()
         try:
             while not self.state.terminal:
-                self.step()
+                self.step(self._due_notice())
         except BaseException as exc:
             # _enter sets the state first: a run directory that cannot be written (the error
             # itself, perhaps) must not hide the original exception.
@@ -188,6 +197,7 @@ class Controller:
                 self._enter(Transition(self.current, Aborted(type(exc).__name__), repr(exc)))
             raise
         finally:
+            self.preemption.stop()
             if self.group is not None:
                 self.group.stop(grace_s=self.stop_grace_s)
                 self.group = None
@@ -225,7 +235,7 @@ class Controller:
         elif isinstance(state, Restarting):
             transition = self._step_restarting(state, event)
         elif isinstance(state, Preempting):
-            transition = self._step_preempting(state)
+            transition = self._step_preempting(state, event)
         else:
             transition = Transition(state, state)  # terminal
         if transition.changed:
@@ -351,17 +361,24 @@ class Controller:
             return since >= self.checkpoint_grace_s
         return gen.all_failed_or_exited or since > self.failure_grace_s
 
+    def _due_notice(self) -> PreemptionNotice | None:
+        """A queued preemption notice to handle now: only in a live state (one received while
+        the group starts waits for it to run); more notices while ``Preempting`` are dropped."""
+        if isinstance(self.current, Preempting):
+            self.preemption.queue.clear()
+            return None
+        return self.preemption.take() if isinstance(self.current, _Live) else None
+
     def _preempt(self, state: State, notice: PreemptionNotice) -> Transition:
         if not isinstance(state, _Live):
             return Transition(state, state)
-        reason = f"preemption notice: the workers go in {notice.deadline_s:g} s"
-        if notice.reason:
-            reason += f" ({notice.reason})"
-        return Transition(state, Preempting(state.generation, notice), reason)
+        group = self.group if isinstance(state, Running | Growing) else None  # else: failing
+        return self.preemption.enter(self, state, state.generation, group, notice)
 
-    def _step_preempting(self, state: Preempting) -> Transition:
-        self._stop_group(state.generation)
-        return Transition(state, Preempted(), "the group was stopped before the deadline")
+    def _step_preempting(self, state: Preempting, event: Event | None) -> Transition:
+        if self.preemption.asked and self.group is not None:
+            self._take(state.generation, event)
+        return self.preemption.step(self, state)
 
     def _stop(self, state: State) -> Transition:
         self.run_dir.write(StopRequestedEvent(round=self.next_round - 1))
@@ -407,6 +424,10 @@ class Controller:
         assert self.group is not None
         events = [event] if event is not None else self.group.poll(self.poll_interval_s)
         for ev in events:
+            if isinstance(ev, WorkerNotice):
+                self.preemption.from_worker(ev)
+            elif isinstance(ev, PreemptSaved):
+                self.preemption.saved[ev.rank] = ev
             self.events.handle(gen, ev)
             if self._stop_requested():
                 break

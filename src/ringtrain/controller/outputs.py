@@ -28,6 +28,8 @@ def build_result(ctl: Controller) -> Result:
         failures=list(ctl.failures),
         follow_on_failures=list(ctl.follow_on_failures),
         metrics_history=[ctl.history[r] for r in sorted(ctl.history)],
+        status=ctl.state.value if ctl.state.terminal else "RUNNING",
+        preemptions=len(ctl.preemption.handled),
     )
 
 
@@ -54,5 +56,6 @@ def write_result(ctl: Controller) -> None:
             error=str(ctl.error) if ctl.error else None,
             failures=[f.to_dict() for f in ctl.failures],
             follow_on_failures=[f.to_dict() for f in ctl.follow_on_failures],
+            preemptions=result.preemptions,
         )
     )

@@ -34,6 +34,7 @@ import time
 import traceback
 from typing import Any
 
+from ringtrain import preempt_worker
 from ringtrain.channel import Done, Hello, Start, WorkerChannel, WorkerError
 from ringtrain.distributed import destroy_process_group, init_process_group
 from ringtrain.env import RingtrainEnvironment
@@ -67,6 +68,8 @@ def die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Before any thread starts: SIGTERM from anyone but the driver becomes a preemption notice.
+    preempt_worker.watch_worker_signals()
     die_with_parent()
 
     from ringtrain import session as session_mod
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     _setup_timing(sess, config)
     session_mod.install_session(sess)
+    preempt_worker.register(sess)  # stops at an agreed step on a preemption notice
     sess.start_heartbeat(heartbeat_interval(config.worker_timeout_s))
     sess.hooks.on_worker_start(sess)
 

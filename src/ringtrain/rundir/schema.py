@@ -42,6 +42,9 @@ __all__ = [
     "FailureEvent",
     "GrowFailedEvent",
     "GrowStartEvent",
+    "PreemptionEvent",
+    "PreemptionIncompleteEvent",
+    "PreemptionSavedEvent",
     "Record",
     "ReportEvent",
     "ResizeEvent",
@@ -324,6 +327,42 @@ class GrowFailedEvent(EventRecord):
     retry_s: float | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class PreemptionEvent(EventRecord):
+    """A preemption notice was received: from ``source`` (``signal``, ``callable``, ``file``,
+    ``worker-signal``...) for ``reason``; the workers get ``grace_s`` seconds; ``ranks`` it
+    covers (None: all)."""
+
+    KIND: ClassVar[str] = "preemption"
+    source: str | None = None
+    reason: str | None = None
+    grace_s: float | None = None
+    ranks: list[int] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptionSavedEvent(EventRecord):
+    """Every worker stopped after TrainState step ``step`` and saved its state as round
+    ``round``'s checkpoint (``round`` None: no TrainState to save; the previous checkpoint
+    stays the one to resume from); ``saved_s``: seconds from the notice to the last exit."""
+
+    KIND: ClassVar[str] = "preemption_saved"
+    step: int | None = None
+    round: int | None = None
+    saved_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptionIncompleteEvent(EventRecord):
+    """The preemption deadline passed (or the group could not be asked) before every worker
+    saved: ``reason`` says what was not written; the group was killed and the previous
+    checkpoint (``checkpoint``, None: none) is what a resume uses."""
+
+    KIND: ClassVar[str] = "preemption_incomplete"
+    reason: str | None = None
+    checkpoint: str | None = None
+
+
 EVENT_TYPES: dict[str, type[EventRecord]] = {
     cls.KIND: cls
     for cls in (
@@ -345,6 +384,9 @@ EVENT_TYPES: dict[str, type[EventRecord]] = {
         ResizeFallbackEvent,
         TransitionEvent,
         StopRequestedEvent,
+        PreemptionEvent,
+        PreemptionSavedEvent,
+        PreemptionIncompleteEvent,
         RunEndEvent,
     )
 }
@@ -421,4 +463,5 @@ class ResultRecord(Record):
     error: Any = None
     failures: list[Any] = field(default_factory=list)
     follow_on_failures: list[Any] = field(default_factory=list)
+    preemptions: int = 0
     hostname: str | None = field(default=None, metadata={"omit_none": True})

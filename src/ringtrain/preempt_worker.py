@@ -1,0 +1,231 @@
+"""The worker side of preemption: stop at one agreed step, save the ``TrainState`` there, exit.
+
+:class:`PreemptionPlugin` is a worker plug-in (:mod:`ringtrain.hooks`) the worker bootstrap
+registers in every ringtrain-launched worker. At each ``TrainState.step`` boundary (``on_step``)
+it reads the driver's messages waiting on the channel (:meth:`Session.poll_driver
+<ringtrain.session.Session.poll_driver>`, the one reader of driver messages on a worker) and
+every rank allreduces (MAX) a one-int "stop requested" flag: 1 once a
+:class:`~ringtrain.channel.PreemptRequest` arrived, or this process itself received SIGTERM from
+someone other than the driver. Ranks see the request at different steps, but the first boundary
+where the MAX is 1 is the same on every rank: the **stop step**. Each rank then lets the rest of
+that iteration run (the user's own ``report()`` of that step included) and, when a prepared data
+loader is asked for the next batch (``on_batch_start``; in a loop without one, at the next step
+boundary), saves its ``TrainState`` through the normal checkpoint path (one more ``report()``
+round with the last metrics, verified and published by the driver like any other), says
+:class:`~ringtrain.channel.PreemptSaved` and leaves the train function with
+:class:`PreemptStop`, which the bootstrap treats as a clean finish (it waits for the background
+write, then says ``Done``).
+
+The TrainState saved is the one whose ``step`` setter ran the hook; a train function without a
+``TrainState`` has nothing to save: it stops at the agreed step and the run resumes from its
+last own checkpoint.
+
+**SIGTERM to a worker** (a node going away with the whole process tree, or someone signalling
+the workers' process groups): :func:`watch_worker_signals` blocks SIGTERM in every thread of the
+worker (called first thing in the bootstrap, before any thread starts) and waits for it on a
+thread with ``sigwaitinfo``, which says who sent it. From the driver (the worker's parent:
+stopping the group, as on every restart) it terminates the process as before; from anyone else
+it is a notice: the rank tells the driver (:class:`~ringtrain.channel.WorkerNotice`), raises its
+flag and keeps training until the stop step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ringtrain.channel import PreemptRequest, PreemptSaved, WorkerNotice
+from ringtrain.hooks import StepState, WorkerPlugin
+from ringtrain.monitor.timing import StepLimitReached
+from ringtrain.session import Session
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("ringtrain")
+
+WATCHED = frozenset({signal.SIGTERM})
+"""The signals a worker treats as a preemption notice when they do not come from its driver."""
+
+
+class PreemptStop(StepLimitReached):
+    """Raised out of the train function after the stop step's state was saved (internal). A
+    :class:`~ringtrain.monitor.timing.StepLimitReached`, so the bootstrap ends the worker
+    cleanly; a BaseException, so a train function's ``except Exception`` lets it pass."""
+
+
+class PreemptionPlugin(WorkerPlugin):
+    """One worker's part in stopping for a preemption (see the module docs).
+
+    Args:
+        session: the worker's :class:`~ringtrain.session.Session` (with a channel).
+    """
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.reason: str | None = None  # why this rank wants to stop (None: it does not)
+        self.stop_after: int | None = None  # the agreed stop step, once agreed
+        self.state: StepState | None = None  # the TrainState to save at the stop
+        self._box: torch.Tensor | None = None  # the flag, reused every step
+        self._lock = threading.Lock()
+        self.allreduces = 0  # steps agreed on (for tests and the overhead benchmark)
+
+    # ------------------------------------------------------------------ notices
+    def request(self, reason: str) -> None:
+        """Raise this rank's stop flag (thread-safe; the first reason wins)."""
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+
+    def signalled(self, signum: int, sender: int) -> None:
+        """This process received ``signum`` from process ``sender`` (not the driver): tell the
+        driver, and stop at the next agreed step even before its answer comes."""
+        reason = f"{signal.Signals(signum).name} to rank {self.session.context.world_rank}"
+        if sender > 0:
+            reason += f" from pid {sender}"
+        self.request(reason)
+        channel = self.session.channel
+        if channel is None:
+            return
+        try:
+            channel.send(WorkerNotice(self.session.context.world_rank, time.time(), reason))
+        except (OSError, ValueError):
+            pass
+
+    # ------------------------------------------------------------------ hooks
+    def on_step(self, state: StepState) -> None:
+        """Agree, with one allreduce, whether any rank must stop (see the module docs).
+
+        Raises:
+            PreemptStop: the stop step was agreed at the previous boundary and no batch was
+                fetched from a prepared loader since (a loop without one): saved here first.
+        """
+        if self.stop_after is not None:
+            self._stop(state)
+        self.session.poll_driver()
+        for message in self.session.take_messages(PreemptRequest):
+            self.request(message.reason or "preemption notice from the driver")
+        if self._agreed():
+            self.stop_after = int(state.step)
+            self.state = state
+            logger.info(
+                "rank %d: stopping for a preemption after step %d (%s)",
+                self.session.context.world_rank,
+                self.stop_after,
+                self.reason or "another rank was asked",
+            )
+
+    def on_batch_start(self) -> None:
+        """Before the next batch after the stop step: save and leave the train function."""
+        if self.stop_after is not None and self.state is not None:
+            self._stop(self.state)
+
+    # ------------------------------------------------------------------ the stop
+    def _agreed(self) -> bool:
+        """The allreduce (MAX) of the flag over the group (the local flag alone at world size
+        1 or without a process group)."""
+        flag = int(self.reason is not None)
+        ctx = self.session.context
+        if ctx.world_size <= 1:
+            return bool(flag)
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return bool(flag)
+        box = self._box
+        if box is None:
+            device = ctx.device if ctx.use_gpu else torch.device("cpu")
+            box = self._box = torch.zeros(1, dtype=torch.int32, device=device)
+        box.fill_(flag)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        self.allreduces += 1
+        return bool(box.item())
+
+    def _stop(self, state: StepState) -> None:
+        """Save ``state`` (a TrainState) as one more report round, say PreemptSaved, leave."""
+        from ringtrain.session import report
+        from ringtrain.state import TrainState
+
+        session = self.session
+        round_: int | None = None
+        step = int(state.step)
+        self.stop_after = None
+        if isinstance(state, TrainState):
+            round_ = session.next_round
+            metrics: dict[str, Any] = {**session.last_metrics, "preempted_step": step}
+            report(metrics, checkpoint=state)
+        if session.channel is not None:
+            rank = session.context.world_rank
+            session.channel.send(PreemptSaved(rank, time.time(), step, round_))
+        raise PreemptStop(f"stopped for a preemption after step {step}")
+
+
+def register(session: Session) -> PreemptionPlugin | None:
+    """Register a :class:`PreemptionPlugin` in ``session`` (a worker with a driver channel) and
+    route :func:`watch_worker_signals`' notices to it. Returns it (None without a channel)."""
+    if session.channel is None:
+        return None
+    plugin = PreemptionPlugin(session)
+    session.hooks.register(plugin)
+    _set_listener(plugin.signalled)
+    return plugin
+
+
+# ---------------------------------------------------------------- SIGTERM to a worker
+
+_listener: Callable[[int, int], None] | None = None
+_pending: list[tuple[int, int]] = []  # signals that came before a listener was set
+_listener_lock = threading.Lock()
+
+
+def _set_listener(listener: Callable[[int, int], None]) -> None:
+    global _listener
+    with _listener_lock:
+        _listener = listener
+        pending = list(_pending)
+        _pending.clear()
+    for signum, sender in pending:
+        listener(signum, sender)
+
+
+def watch_worker_signals(driver_pid: int | None = None) -> bool:
+    """Block :data:`WATCHED` signals in this thread (and so in every thread started after) and
+    wait for them on a daemon thread: one from ``driver_pid`` (default: the parent process)
+    terminates the process as the default action would; one from anyone else goes to the
+    registered :class:`PreemptionPlugin` as a notice. Call it before any other thread starts.
+    Returns False (nothing changed) where ``sigwaitinfo`` does not exist (not Linux)."""
+    if not hasattr(signal, "sigwaitinfo") or not hasattr(signal, "pthread_sigmask"):
+        return False
+    driver = os.getppid() if driver_pid is None else driver_pid
+    signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
+
+    def wait() -> None:
+        while True:
+            info = signal.sigwaitinfo(WATCHED)
+            if info.si_pid == driver or os.getppid() != driver:
+                _die(info.si_signo)
+            with _listener_lock:
+                listener = _listener
+                if listener is None:
+                    _pending.append((info.si_signo, info.si_pid))
+            if listener is not None:
+                listener(info.si_signo, info.si_pid)
+
+    threading.Thread(target=wait, name="ringtrain-signal-watch", daemon=True).start()
+    return True
+
+
+def _die(signum: int) -> None:
+    """End the process by ``signum``'s default action (what it did before it was watched)."""
+    # The disposition is the default one (SIG_DFL) unless the train function installed a
+    # handler, which then runs as it would have without the watch.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    os.kill(os.getpid(), signum)
+    time.sleep(5.0)  # delivered to this thread at once; never reached in practice
+    os._exit(128 + signum)
