@@ -236,6 +236,7 @@ def exact_fn(config):
             optimizer.step()
             scheduler.step()
             state.step += 1
+            state.extras["loss"] = loss.item()
             if kill and kill == ("step", state.step):
                 _kill_self()
             if kill and kill == ("hang", state.step):
@@ -243,10 +244,13 @@ def exact_fn(config):
             if kill and kill == ("freeze", state.step):
                 os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops answering
             if state.step % every == 0:
-                rt.report({"loss": loss.item(), "step": state.step}, checkpoint=state)
+                rt.report({"loss": state.extras["loss"], "step": state.step}, checkpoint=state)
                 reports += 1
                 _hold_once(kill, reports)
-        rt.report({"loss": loss.item(), "step": state.step, "epoch_end": epoch}, checkpoint=state)
+        # Resumed from the checkpoint of an epoch's last batch, the loop above runs no batch:
+        # the loss comes from the checkpoint (state.extras), not from this attempt's loop.
+        end = {"loss": state.extras["loss"], "step": state.step, "epoch_end": epoch}
+        rt.report(end, checkpoint=state)
         reports += 1
         _hold_once(kill, reports)
     if ctx.world_rank == 0:
@@ -431,6 +435,8 @@ def elastic_fn(config):
             kills = config.get("kill_ranks", ())
             if first_world and ctx.world_rank in kills and state.step == config["kill_step"]:
                 _kill_self()
+            if first_world and state.step == config.get("notice_step"):
+                _partial_notice(config, ctx.world_rank)
             _elastic_grow_hooks(config, state.step)
             if state.step % every == 0:
                 rt.report({"loss": loss.item(), "step": state.step}, checkpoint=state)
@@ -444,6 +450,30 @@ def elastic_fn(config):
     if config.get("save_every_rank"):
         out = f"{config['out']}.rank{rt.get_context().world_rank}"
         torch.save({"model": module.state_dict(), "step": state.step}, out)
+
+
+def _partial_notice(config, rank: int) -> None:
+    """A preemption notice for some ranks (tests/multiprocess/test_elastic_leave.py): the ranks
+    in ``sigterm_ranks`` SIGTERM themselves (a notice from outside the driver), rank 0 creates
+    ``notice_file`` (a driver-side source watches it); then every rank waits (up to 120 s) for
+    the driver's answer, a GrowRequest (leave in place) or a PreemptRequest (stop), so that the
+    step where the ranks agree to pause or stop is the next one however loaded the machine."""
+    from ringtrain.channel import PreemptRequest
+    from ringtrain.elastic.worker import current_runtime
+    from ringtrain.session import installed_session
+
+    if rank in config.get("sigterm_ranks", ()):
+        os.kill(os.getpid(), signal.SIGTERM)
+    if rank == 0 and config.get("notice_file"):
+        with open(config["notice_file"], "w") as f:
+            f.write("a partial notice\n")
+    elastic, session = current_runtime(), installed_session()
+    deadline = time.monotonic() + 120
+    while elastic is not None and session is not None and time.monotonic() < deadline:
+        elastic._poll_driver()
+        if elastic.grow_requested or any(isinstance(m, PreemptRequest) for m in session.inbox):
+            return
+        time.sleep(0.05)
 
 
 def _elastic_grow_hooks(config, step: int) -> None:
