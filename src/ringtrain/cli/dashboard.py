@@ -4,7 +4,9 @@ the runs (:mod:`ringtrain.monitor.dashboard`)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ringtrain.cli.common import DASHBOARD_PORT, port_number
@@ -106,7 +108,13 @@ def stop_run_dashboard(server: DashboardServer) -> None:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    """``ringtrain dashboard``: serve the page until Ctrl-C."""
+    """``ringtrain dashboard``: serve the page until Ctrl-C (SIGINT) or SIGTERM; exits 0 then.
+
+    The signal handlers are installed before the server starts and only set a flag: a Ctrl-C
+    that arrives while the server starts, while the URL is printed or while the main thread
+    waits never raises ``KeyboardInterrupt`` in the middle of that code (which could leave the
+    server thread running, or a lock taken, at exit). A second Ctrl-C raises it.
+    """
     from fsspec.core import url_to_fs
 
     try:
@@ -115,19 +123,52 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     except (ImportError, ValueError, OSError) as exc:
         print(f"ringtrain dashboard: cannot open {args.path!r}: {exc}", file=sys.stderr)
         return 2
-    server = start_dashboard(
-        "ringtrain dashboard", args.path, host=args.host, port=args.port, token=args.token
-    )
-    if server is None:
-        return 2
-    if missing:
-        print(f"note: {args.path} does not exist yet; runs appear as they start", file=sys.stderr)
-    print(f"ringtrain dashboard: {args.path} (read-only) at {server.url}", flush=True)
-    print("Ctrl-C to stop", file=sys.stderr, flush=True)
-    try:
-        server.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+    with _StopSignals() as stop:
+        server = start_dashboard(
+            "ringtrain dashboard", args.path, host=args.host, port=args.port, token=args.token
+        )
+        if server is None:
+            return 2
+        try:
+            if missing:
+                print(
+                    f"note: {args.path} does not exist yet; runs appear as they start",
+                    file=sys.stderr,
+                )
+            print(f"ringtrain dashboard: {args.path} (read-only) at {server.url}", flush=True)
+            print("Ctrl-C to stop", file=sys.stderr, flush=True)
+            while server.running and not stop.wait(0.5):
+                pass
+        finally:
+            server.stop()
     return 0
+
+
+class _StopSignals:
+    """While entered, SIGINT and SIGTERM set :attr:`event` instead of raising; a second SIGINT
+    raises ``KeyboardInterrupt`` (a way out if stopping hangs). The previous handlers come back
+    on exit. Outside the main thread (where Python cannot set handlers) it does nothing."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a stop signal arrived, waiting up to ``timeout_s`` seconds for one."""
+        return self.event.wait(timeout_s)
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()

@@ -379,6 +379,11 @@ class DashboardServer:
         """Unix time of the last request (0.0 before any)."""
         return self._last_request
 
+    @property
+    def running(self) -> bool:
+        """Whether the server thread is alive (started and not stopped or crashed)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Blocks until the server stops (Ctrl-C in the caller's thread interrupts the wait)."""
         while self._thread is not None and self._thread.is_alive():
