@@ -173,3 +173,26 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {n: getattr(self, n) for n in ("dp_replicate", "dp_shard", "tp", "pp")}
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelConfig:
+        """``"dp_shard=2,tp=2"`` (``ringtrain run --parallel``) as a ``ParallelConfig``; the
+        fields not named keep their defaults.
+
+        Raises:
+            ValueError: an item is not ``NAME=INT`` or names no field (the fields are listed).
+        """
+        sizes: dict[str, int] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, eq, value = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if not eq or name not in MESH_DIMS:
+                raise ValueError(
+                    f"{item!r} is not NAME=SIZE with NAME one of {', '.join(MESH_DIMS)} "
+                    "(e.g. dp_shard=2,tp=2)"
+                )
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"{item!r}: the size must be an integer (-1: the rest)") from None
+        return cls(**sizes)

@@ -79,3 +79,20 @@ def test_the_resolved_shape_travels_in_worker_config_and_config_json() -> None:
     assert as_json["parallel"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
     assert rt.ScalingConfig(**as_json) == scaling  # config.json round trip
     assert tuple(MESH_DIMS) == ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def test_the_cli_flag_parses_and_refuses_a_bad_mesh_before_starting(tmp_path, capsys) -> None:
+    from ringtrain.cli import main as cli_main
+
+    assert rt.ParallelConfig.parse("dp_shard=2, tp=2") == rt.ParallelConfig(dp_shard=2, tp=2)
+    assert rt.ParallelConfig.parse("dp-replicate=2,dp_shard=-1").dp_replicate == 2
+    with pytest.raises(ValueError, match=r"'tp2' is not NAME=SIZE"):
+        rt.ParallelConfig.parse("tp2")
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    argv = ["run", "-n", "4", "--parallel", "dp_shard=2,tp=3", "--storage-path", str(tmp_path)]
+    with pytest.raises(SystemExit) as exc:
+        cli_main([*argv, str(script)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "= 6 must equal -n/--num-workers 4" in err and not (tmp_path / "train").exists()

@@ -61,6 +61,16 @@ Examples:
 """
 
 
+def _parallel_config(text: str) -> Any:
+    """``--parallel dp_shard=2,tp=2`` as a :class:`ringtrain.ParallelConfig`."""
+    from ringtrain.parallel_config import ParallelConfig
+
+    try:
+        return ParallelConfig.parse(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_run_parser(sub: Any) -> None:
     """Add the ``run`` subcommand to ``sub`` (an ``add_subparsers()`` result)."""
     run = sub.add_parser(
@@ -103,6 +113,14 @@ def add_run_parser(sub: Any) -> None:
         "--storage-path", default="./runs", help="where run directories go (default: ./runs)"
     )
     run.add_argument("--gpu", action="store_true", help="one CUDA device per worker (NCCL)")
+    run.add_argument(
+        "--parallel",
+        type=_parallel_config,
+        default=None,
+        metavar="DIMS",
+        help="the device mesh, e.g. dp_shard=2,tp=2 (sizes of pp, dp_replicate, dp_shard, tp; "
+        "-1: the rest of the world size; docs/parallelism.md)",
+    )
     run.add_argument(
         "--backend",
         choices=("local", "ray"),
@@ -266,6 +284,8 @@ def _configs(args: argparse.Namespace, saved: SavedRun | None) -> tuple[ScalingC
                 checkpoint_score_order=args.checkpoint_score_order,
             )
         scaling = _with_backend(scaling, args)
+        if args.parallel is not None:
+            scaling = dataclasses.replace(scaling, parallel=args.parallel)
         if args.max_failures is not None:
             failure = dataclasses.replace(failure, max_failures=args.max_failures)
         if args.worker_timeout is not None:
