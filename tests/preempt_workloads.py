@@ -1,0 +1,72 @@
+"""Train functions for the preemption tests (tests/multiprocess/test_preemption.py): the exact
+resume workload (``workloads.exact_fn``) with a preemption notice raised from inside the run at a
+chosen step, once (a marker file keeps the resumed run from raising it again)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import ringtrain as rt
+import workloads
+from ringtrain.hooks import WorkerPlugin
+
+
+class NoticeAt(WorkerPlugin):
+    """At ``TrainState.step == step`` (or at report round ``round_``), once per marker: send
+    the notice ``how``: ``"driver-SIGTERM"``, ``"driver-SIGUSR1"`` (to the driver, this worker's
+    parent), ``"workers-SIGTERM"`` (SIGTERM to every worker's process group, sent by a ``kill``
+    process: a node going away) or ``"file"`` (create ``config["notice_file"]``). With
+    ``slow_s``, every later step sleeps that long (a save that cannot finish in time)."""
+
+    def __init__(self, config: dict) -> None:
+        self.config = config
+        self.step = config.get("notice_step")
+        self.round = config.get("notice_round")
+        self.sent = False
+
+    def on_step(self, state) -> None:
+        if self.sent and self.config.get("slow_s"):
+            time.sleep(self.config["slow_s"])
+        if self.step is not None and state.step == self.step:
+            self._send()
+
+    def on_report(self, metrics, round_) -> None:
+        if self.round is not None and round_ == self.round:
+            self._send()  # the round's checkpoint is being written in the background now
+
+    def _send(self) -> None:
+        marker = self.config["marker"]
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        self.sent = True
+        how = self.config["how"]
+        if how.startswith("driver-"):
+            os.kill(os.getppid(), getattr(signal, how.split("-", 1)[1]))
+        elif how == "workers-SIGTERM":
+            pids = _worker_pids(self.config["pid_dir"])
+            subprocess.run(["kill", "-TERM", "--", *[f"-{p}" for p in pids]], check=True)
+        elif how == "file":
+            with open(self.config["notice_file"], "w") as f:
+                f.write("the file says so\n")
+        else:
+            raise ValueError(how)
+
+
+def _worker_pids(pid_dir: str) -> list[int]:
+    return [int(open(os.path.join(pid_dir, n)).read()) for n in sorted(os.listdir(pid_dir))]
+
+
+def preempt_fn(config):
+    """``workloads.exact_fn``, with :class:`NoticeAt` on rank ``config["notice_rank"]`` (0)."""
+    ctx = rt.get_context()
+    if config.get("pid_dir"):
+        with open(os.path.join(config["pid_dir"], f"rank{ctx.world_rank}"), "w") as f:
+            f.write(str(os.getpid()))
+    if config.get("how") and ctx.world_rank == config.get("notice_rank", 0):
+        rt.session.current_session().hooks.register(NoticeAt(config))
+    workloads.exact_fn(config)
