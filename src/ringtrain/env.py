@@ -97,6 +97,10 @@ class DistributedContext:
             config=config,
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The cached mesh holds process groups of this process: never pickled with the context.
+        return {**self.__dict__, "_cache": {}}
+
     @property
     def mesh(self) -> Any:
         """This worker's ``DeviceMesh`` over the default process group (initialised here if it

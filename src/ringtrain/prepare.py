@@ -1,13 +1,15 @@
 """Inside the train function: put the model and the data where they belong.
 
-``prepare_model`` applies one strategy (:mod:`ringtrain.parallel`: DDP, FSDP2, or none), in this
-order: device placement, precision (the precision plug-in's autocast hooks, :mod:`ringtrain.amp`)
-and the other ``before_wrap`` hooks, the wrapping (DDP with its communication hook,
-:mod:`ringtrain.comm.ddp`, or FSDP2, :mod:`ringtrain.fsdp`), then the ``after_wrap`` hooks (step
-timing). Each step is a plain function of the module.
-``prepare_data_loader`` gives each rank a disjoint shard of the data, moves batches to the
-device, advances the shuffle each epoch and keeps its position (epoch, batch) as resumable
-state; the loader hooks (:mod:`ringtrain.hooks`) let elastic training and step timing see it.
+``prepare_model`` applies one strategy (:mod:`ringtrain.parallel`: DDP, FSDP2, TP and FSDP2/HSDP
+on the device mesh, or none), in this order: device placement, precision (the precision plug-in's
+autocast hooks, :mod:`ringtrain.amp`) and the other ``before_wrap`` hooks, the wrapping (DDP with
+its communication hook, :mod:`ringtrain.comm.ddp`, FSDP2, :mod:`ringtrain.fsdp`, or the mesh,
+:mod:`ringtrain.parallel.tensor`), then the ``after_wrap`` hooks (step timing). Each step is a
+plain function of the module.
+``prepare_data_loader`` gives each data-parallel rank a disjoint shard of the data (on a device
+mesh, tensor- and pipeline-parallel peers share theirs), moves batches to the device, advances
+the shuffle each epoch and keeps its position (epoch, batch) as resumable state; the loader hooks
+(:mod:`ringtrain.hooks`) let elastic training and step timing see it.
 """
 
 from __future__ import annotations
