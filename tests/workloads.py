@@ -469,9 +469,13 @@ def _partial_notice(config, rank: int) -> None:
             f.write("a partial notice\n")
     elastic, session = current_runtime(), installed_session()
     deadline = time.monotonic() + 120
-    while elastic is not None and session is not None and time.monotonic() < deadline:
-        elastic._poll_driver()
-        if elastic.grow_requested or any(isinstance(m, PreemptRequest) for m in session.inbox):
+    while session is not None and time.monotonic() < deadline:
+        if elastic is not None:
+            elastic._poll_driver()  # takes GrowRequests, keeps the rest in the inbox
+        session.poll_driver()
+        if elastic is not None and elastic.grow_requested:
+            return
+        if any(isinstance(m, PreemptRequest) for m in session.inbox):
             return
         time.sleep(0.05)
 

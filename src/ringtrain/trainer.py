@@ -25,7 +25,7 @@ from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
 from ringtrain.env import detect_source
 from ringtrain.launch.backends import backend_for
-from ringtrain.launch.base import Launcher, WorkerSpec
+from ringtrain.launch.base import Launcher, NoticeProvider, WorkerSpec
 from ringtrain.monitor.progress import make_progress
 from ringtrain.monitor.sinks import default_sinks
 from ringtrain.monitor.straggler import StragglerDetector
@@ -456,7 +456,12 @@ def run_workers(
         elastic=elastic,
         stop_event=stop_event,
         # SIGTERM/SIGUSR1 to the driver are preemption notices (docs/fault-tolerance.md).
-        notice_sources=[SignalNotice(), *run_config.failure_config.notice_sources],
+        notice_sources=[
+            SignalNotice(),
+            *run_config.failure_config.notice_sources,
+            # The backend's own: a Ray node drain (launch.ray_drain).
+            *(launcher.notice_sources() if isinstance(launcher, NoticeProvider) else ()),
+        ],
         preemption_grace_s=run_config.failure_config.preemption_grace_s,
     )
     try:

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ringtrain.channel import Event, Hello, Start
 from ringtrain.handshake import listen_backlog, listen_socket
+from ringtrain.preemption import NoticeSource
 from ringtrain.worker_config import WorkerConfig
 
 
@@ -153,6 +154,14 @@ class GrowableGroup(WorkerGroup, Protocol):
 
 class Launcher(Protocol):
     def start(self, spec: WorkerSpec) -> WorkerGroup: ...
+
+
+@runtime_checkable
+class NoticeProvider(Protocol):
+    """A launcher whose cluster announces preemptions (the Ray backend: a node drain); the
+    driver adds its sources to the run's (:mod:`ringtrain.preemption`)."""
+
+    def notice_sources(self) -> list[NoticeSource]: ...
 
 
 class ChannelGroup:

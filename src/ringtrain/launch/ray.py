@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ringtrain.launch.base import WorkerSpec
+from ringtrain.launch.ray_drain import RayDrainNotice
 from ringtrain.launch.ray_elastic import ElasticRayWorkerGroup
 from ringtrain.launch.ray_group import (
     ENV_RAY_NODE_ID,
@@ -56,6 +57,7 @@ from ringtrain.launch.ray_worker import RayWorker, remote_worker_class
 
 if TYPE_CHECKING:
     from ringtrain.config import ScalingConfig
+    from ringtrain.preemption import NoticeSource
 
 __all__ = [
     "ENV_RAY_NODE_ID",
@@ -104,6 +106,7 @@ class RayLauncher:
         self.placement_timeout_s = placement_timeout_s
         self._started_ray = False
         self._actor_class: Any = None  # ray.remote(RayWorker), exported once per launcher
+        self._group: RayWorkerGroup | None = None  # the latest group started (node drains)
 
     @classmethod
     def from_scaling_config(cls, scaling: ScalingConfig) -> RayLauncher:
@@ -141,13 +144,24 @@ class RayLauncher:
         """A worker group for ``spec``: an :class:`ElasticRayWorkerGroup` for an elastic run."""
         self.connect()
         group = ElasticRayWorkerGroup if spec.elastic else RayWorkerGroup
-        return group(
+        self._group = group(
             spec,
             actor_class=self._actor_class,
             bundle=self.bundle(spec.use_gpu),
             strategy=self.placement_strategy,
             placement_timeout_s=self.placement_timeout_s,
         )
+        return self._group
+
+    def node_ranks(self) -> dict[str, list[int]]:
+        """Where the current group's ranks run: Ray node id -> ranks (empty: no group)."""
+        group = self._group
+        return group.node_ranks() if group is not None else {}
+
+    def notice_sources(self) -> list[NoticeSource]:
+        """The preemption notice sources of this backend: a node drain
+        (:class:`~ringtrain.launch.ray_drain.RayDrainNotice`) covering the ranks on that node."""
+        return [RayDrainNotice(self.node_ranks)]
 
     def close(self) -> None:
         """Shut down the Ray instance this launcher started, if any (a cluster it joined, or

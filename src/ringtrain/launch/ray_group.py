@@ -448,6 +448,19 @@ class RayWorkerGroup(ChannelGroup):
         with self._lock:
             return {r: w.pid for r, w in self._members.items() if w.pid is not None}
 
+    def node_ranks(self) -> dict[str, list[int]]:
+        """Ray node id (hex) -> the ranks of the current members running there (empty once the
+        group is stopped): what a node drain takes away (:mod:`ringtrain.launch.ray_drain`)."""
+        with self._lock:
+            if self._stopped:
+                return {}
+            out: dict[str, list[int]] = {}
+            for rank, worker in sorted(self._members.items()):
+                node = worker.info.get("node_id")
+                if node and rank not in self._joining:
+                    out.setdefault(str(node), []).append(rank)
+            return out
+
     def actors(self) -> dict[int, Any]:
         """rank -> the Ray actor handle running it."""
         with self._lock:
