@@ -71,7 +71,9 @@ class PreemptionPlugin(WorkerPlugin):
         self.reason: str | None = None  # why this rank wants to stop (None: it does not)
         self.stop_after: int | None = None  # the agreed stop step, once agreed
         self.state: StepState | None = None  # the TrainState to save at the stop
-        self._box: torch.Tensor | None = None  # the flag, reused every step
+        # The flag's allreduce in flight (started at the previous boundary), its buffer, and the
+        # process group it runs on (an elastic resize replaces the group: then it is dropped).
+        self._pending: tuple[Any, torch.Tensor, object] | None = None
         self._lock = threading.Lock()
         self.allreduces = 0  # steps agreed on (for tests and the overhead benchmark)
 
@@ -88,7 +90,9 @@ class PreemptionPlugin(WorkerPlugin):
         reason = f"{signal.Signals(signum).name} to rank {self.session.context.world_rank}"
         if sender > 0:
             reason += f" from pid {sender}"
-        self.request(reason)
+        if self.session.context.config.elastic is None:
+            # An elastic run's driver decides: this rank leaves in place, or every rank stops.
+            self.request(reason)
         channel = self.session.channel
         if channel is None:
             return
@@ -127,8 +131,14 @@ class PreemptionPlugin(WorkerPlugin):
 
     # ------------------------------------------------------------------ the stop
     def _agreed(self) -> bool:
-        """The allreduce (MAX) of the flag over the group (the local flag alone at world size
-        1 or without a process group)."""
+        """Whether any rank raised its flag, agreed over the group with a MAX allreduce (the
+        local flag alone at world size 1 or without a process group).
+
+        Pipelined so that it costs no wait: each boundary starts the allreduce of this rank's
+        flag asynchronously and reads the one started at the previous boundary (done by now:
+        the step's compute ran meanwhile). Every rank reads the same result at the same
+        boundary, so the stop step is the same everywhere, one step after the flag was raised.
+        """
         flag = int(self.reason is not None)
         ctx = self.session.context
         if ctx.world_size <= 1:
@@ -138,14 +148,32 @@ class PreemptionPlugin(WorkerPlugin):
 
         if not (dist.is_available() and dist.is_initialized()):
             return bool(flag)
-        box = self._box
-        if box is None:
-            device = ctx.device if ctx.use_gpu else torch.device("cpu")
-            box = self._box = torch.zeros(1, dtype=torch.int32, device=device)
-        box.fill_(flag)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        group = dist.group.WORLD
+        agreed = False
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[2] is group:
+            work, box, _ = pending
+            work.wait()
+            agreed = bool(box.item())
+        device = ctx.device if ctx.use_gpu else torch.device("cpu")
+        box = torch.full((1,), flag, dtype=torch.int32, device=device)
+        work = dist.all_reduce(box, op=dist.ReduceOp.MAX, async_op=True)
+        self._pending = (work, box, group)
         self.allreduces += 1
-        return bool(box.item())
+        return agreed
+
+    def on_worker_stop(self, error: BaseException | None) -> None:
+        """Finish the last flag allreduce (every rank started it) before the group goes."""
+        pending, self._pending = self._pending, None
+        if pending is None or error is not None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized() and pending[2] is dist.group.WORLD:
+            try:
+                pending[0].wait()
+            except RuntimeError:
+                pass  # a peer is gone: nothing left to agree on
 
     def _stop(self, state: StepState) -> None:
         """Save ``state`` (a TrainState) as one more report round, say PreemptSaved, leave."""

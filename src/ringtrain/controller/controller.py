@@ -372,6 +372,14 @@ class Controller:
     def _preempt(self, state: State, notice: PreemptionNotice) -> Transition:
         if not isinstance(state, _Live):
             return Transition(state, state)
+        if notice.ranks is not None and self.elastic is not None and isinstance(state, Running):
+            # Some ranks of an elastic run: they leave in place while min_workers holds.
+            why_not = self.coordinator.leave_refusal(state.generation, notice)
+            if why_not is None:
+                return Transition(
+                    state, state, self.coordinator.start_leave(state.generation, notice)
+                )
+            logger.warning("preemption notice for ranks %s: %s", list(notice.ranks), why_not)
         group = self.group if isinstance(state, Running | Growing) else None  # else: failing
         return self.preemption.enter(self, state, state.generation, group, notice)
 

@@ -3,7 +3,13 @@ resize the group in place instead of restarting it (the ``Resizing`` state), and
 ``max`` when capacity returns (the ``Growing`` state). A collaborator of
 :class:`ringtrain.controller.controller.Controller`: its handlers of those two states call it; it
 returns the next :class:`~ringtrain.controller.generation.Generation` instead of changing the
-controller's state. The protocol is in docs/elastic.md and :mod:`ringtrain.elastic.worker`."""
+controller's state. The protocol is in docs/elastic.md and :mod:`ringtrain.elastic.worker`.
+
+A preemption notice that covers only some ranks (a Ray node drain, SIGTERM to one worker) makes
+them *leave* in place when ``min_workers`` still holds without them (:meth:`leave_refusal`,
+:meth:`start_leave`): every member is asked to pause at the next step boundary they all reach, as
+for a grow, and the group re-forms from the others (no disk round trip; the global batch kept by
+the elastic batch policy); the leaving processes are stopped."""
 
 from __future__ import annotations
 
@@ -19,10 +25,12 @@ from ringtrain.controller.health import HELLO_TIMEOUT_S
 from ringtrain.controller.policy import Decision
 from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
 from ringtrain.launch.base import GrowableGroup
+from ringtrain.preemption import PreemptionNotice
 from ringtrain.result import WorkerFailure
 from ringtrain.rundir.schema import (
     GrowFailedEvent,
     GrowStartEvent,
+    PreemptionEvent,
     ResizeEvent,
     ResizeFallbackEvent,
 )
@@ -55,12 +63,14 @@ class ElasticCoordinator:
         self.grow: Grow | None = None
         self.grow_failures = 0
         self.grow_idle_since: float | None = None
+        self.leave: PreemptionNotice | None = None  # a partial notice whose ranks are leaving
 
     def reset(self) -> None:
         """A fresh worker group (a start or restart) has ``max`` workers at generation 0."""
         self.generation = 0
         self.grow, self.grow_idle_since = None, None
         self.grow_failures = 0
+        self.leave = None
 
     def _growable(self) -> GrowableGroup | None:
         """The worker group, when its launcher can resize and grow it in place (it implements
@@ -115,6 +125,7 @@ class ElasticCoordinator:
         ctl = self.ctl
         group = self._growable()
         assert group is not None and decision.snapshot_step is not None
+        self.leave = None  # a leave in progress: the lost rank's failure decides instead
         ctl.failures.append(failure)
         ctl.callback("on_failure", failure)
         self.generation += 1
@@ -223,6 +234,8 @@ class ElasticCoordinator:
         assert self.policy is not None and self.ctl.group is not None
         grow = self.grow
         paused = [r for r, i in gen.interrupted.items() if i.grow and r < gen.world_size]
+        if self.leave is not None:
+            return self._leave_tick(gen, paused)
         if grow is None:
             if paused:  # a stale request paused the members: re-form them as they were
                 if len(paused) == gen.world_size:
@@ -271,6 +284,7 @@ class ElasticCoordinator:
         assert self.policy is not None and ctl.group is not None
         if (
             self.grow_idle_since is None
+            or self.leave is not None
             or gen.resize is not None  # the last resize has not resumed yet
             or gen.done
             or gen.exited
@@ -345,26 +359,33 @@ class ElasticCoordinator:
         self.ctl.run_dir.write(GrowFailedEvent(reason=reason, ranks=ranks, retry_s=delay))
 
     def _grow_resize(
-        self, gen: Generation, joiners: list[int], grow: Grow | None, cause: str
+        self,
+        gen: Generation,
+        joiners: list[int],
+        grow: Grow | None,
+        cause: str,
+        members: list[int] | None = None,
+        since: float | None = None,
     ) -> Generation:
-        """Make the paused members (ranks kept) and ``joiners`` (numbered after them) the next
-        generation: each member is sent a Resize, the joiners get the newest snapshot by
-        broadcast from a member."""
+        """Make the paused ``members`` (default: all, ranks kept; else renumbered in order) and
+        ``joiners`` (numbered after them) the next generation: each is sent a Resize, the
+        joiners get the newest snapshot by broadcast from a member; the paused ranks not in
+        ``members`` are stopped (a leave). ``since``: when the cause arose (Unix seconds)."""
         ctl = self.ctl
         group = self._growable()
         assert group is not None
         old_world = gen.world_size
-        members = list(range(old_world))
+        members = list(range(old_world)) if members is None else members
         steps = {r: gen.interrupted[r].snapshot_step for r in members}
         held = [s for s in steps.values() if s is not None]
         newest = max(held) if held else None
+        order = members + joiners
         source = None
         if newest is not None and (joiners or len(set(steps.values())) > 1):
-            source = min(r for r in members if steps[r] == newest)
+            source = order.index(min(r for r in members if steps[r] == newest))
         self.generation += 1
         for round_ in gen.rounds.open_rounds():
             ctl.checkpoints.discard_staging(round_)
-        order = members + joiners
         new_world = len(order)
         assignment, orders = self._resize_orders(
             gen, order, source, ctl.next_round, newest if newest is not None else -1
@@ -379,7 +400,7 @@ class ElasticCoordinator:
             "generation": self.generation,
             "snapshot_step": newest,
             "steps_rolled_back": rolled_back,
-            "failure_time": grow.capacity_time if grow is not None else time.time(),
+            "failure_time": since or (grow.capacity_time if grow is not None else time.time()),
             "pause_time": min(pauses, default=time.time()),
         }
         new = self.next_generation(gen, new_world, info)
@@ -406,3 +427,69 @@ class ElasticCoordinator:
         for rank in range(new_world):
             ctl.progress.worker_state(rank, "running")
         return new
+
+    # ------------------------------------------------------------------ leaving (partial notice)
+    def leave_refusal(self, gen: Generation, notice: PreemptionNotice) -> str | None:
+        """Why the ranks of the partial ``notice`` cannot leave ``gen`` in place (``None``: they
+        can; otherwise the caller preempts the whole run)."""
+        if self.policy is None or notice.ranks is None:
+            return "the notice covers every rank" if self.policy else "the run is not elastic"
+        leaving = set(notice.ranks) & set(range(gen.world_size))
+        stay = gen.world_size - len(leaving)
+        if not leaving:
+            return f"the notice names ranks {list(notice.ranks)}, none of the group's"
+        if stay < self.policy.min_workers:
+            return (
+                f"without ranks {sorted(leaving)} {stay} workers would be left, fewer than "
+                f"min_workers={self.policy.min_workers}"
+            )
+        if self._growable() is None:
+            return "this launcher cannot resize a worker group"
+        if self.grow is not None or self.leave is not None or gen.interrupted:
+            return "the group is re-forming"
+        if gen.first_failure_at is not None or gen.done or gen.exited:
+            return "the group is failing or finishing"
+        return None
+
+    def start_leave(self, gen: Generation, notice: PreemptionNotice) -> str:
+        """Ask every member of ``gen`` to pause at the next step boundary they all reach (a
+        GrowRequest); once all paused, :meth:`grow_tick` re-forms the group without the ranks of
+        ``notice``. Returns the reason, for the log. Call it when :meth:`leave_refusal` is None."""
+        group = self._growable()
+        assert group is not None and self.policy is not None and notice.ranks is not None
+        ranks = sorted(set(notice.ranks) & set(range(gen.world_size)))
+        self.leave = notice
+        for rank in range(gen.world_size):
+            try:
+                group.send(rank, GrowRequest(self.generation))
+            except OSError:
+                pass  # that member is gone: its failure follows and ends the leave
+        self.ctl.run_dir.write(
+            PreemptionEvent(
+                source=notice.source or None,
+                reason=notice.reason or None,
+                grace_s=notice.grace_s(self.ctl.preemption.grace_s),
+                ranks=ranks,
+            )
+        )
+        self.ctl.preemption.handled.append(notice)
+        message = (
+            f"preemption notice for ranks {ranks} ({notice.reason or notice.source}): they leave "
+            f"in place at the next step boundary; {gen.world_size - len(ranks)} workers go on "
+            f"(min_workers={self.policy.min_workers})"
+        )
+        logger.warning(message)
+        self.ctl.progress.message(message)
+        return message
+
+    def _leave_tick(self, gen: Generation, paused: list[int]) -> Generation | None:
+        """Once every member paused, the group without the leaving ranks (renumbered)."""
+        notice = self.leave
+        assert notice is not None
+        if len(paused) < gen.world_size:
+            return None  # at the deadline the cluster kills them: a failure ends the leave
+        self.leave = None
+        leaving = set(notice.ranks or ())
+        members = [r for r in range(gen.world_size) if r not in leaving]
+        cause = f"preemption notice for ranks {sorted(leaving)}"
+        return self._grow_resize(gen, [], None, cause, members=members, since=notice.time)

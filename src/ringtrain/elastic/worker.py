@@ -14,10 +14,11 @@ the same process, with the newest in-memory snapshot as what ``get_checkpoint()`
 (horovod/common/elastic.py); unlike Horovod, the state rolled back to is also held by a peer.
 
 Growing back works the same way in the other direction. When workers wait to join, the driver
-sends each member a :class:`~ringtrain.channel.GrowRequest`. At every snapshot boundary of a
-group below ``max``, the members allreduce (MAX) a "grow requested" flag, as Horovod elastic's
-``state.commit()`` checks for host updates, so they all agree on the same step; the next batch
-fetch from a prepared loader (or, in a loop without one, the next step boundary) raises
+sends each member a :class:`~ringtrain.channel.GrowRequest` (it sends one too when a preemption
+notice covers only some ranks, which then leave in place: :mod:`ringtrain.controller.elastic`).
+At every snapshot boundary the members allreduce (MAX) a "pause requested" flag, as Horovod
+elastic's ``state.commit()`` checks for host updates, so they all agree on the same step; the
+next batch fetch from a prepared loader (or, in a loop without one, the next step boundary) raises
 :class:`GrowPause` out of the train function, and each member says ``Interrupted(grow=True)``
 and waits for its Resize exactly as after a lost peer, but without rolling back. A joining
 worker (its ``Start`` says ``WorkerConfig.elastic.joining``: the driver's channel group marks it)
@@ -107,7 +108,6 @@ class ElasticRuntime(WorkerPlugin):
         self.resume_pending = False
         self.grow_requested = False  # a GrowRequest of this generation arrived
         self.pause_at: int | None = None  # the step every member agreed to pause after
-        self._inbox: list[Any] = []  # driver messages read while polling for a GrowRequest
         self._warned_sharded = False
         self._store: Any = None
         self.group_sockets = GroupSockets()  # the current gloo group's connections
@@ -242,9 +242,9 @@ class ElasticRuntime(WorkerPlugin):
 
     def _grow_agreed(self, ctx: DistributedContext) -> bool:
         """Whether any member has a GrowRequest (an allreduce MAX of the flag, so that every
-        member pauses after the same step). Only while the group is below ``max``."""
-        if not self.settings.grow or ctx.world_size >= self.settings.max_workers:
-            return False
+        member pauses after the same step). The driver sends one to grow the group back, and to
+        let the ranks of a partial preemption notice leave in place (at any size: so the flag
+        is agreed on at every snapshot boundary, one 4-byte allreduce)."""
         self._poll_driver()
         flag = self.grow_requested
         if ctx.world_size > 1:
@@ -255,34 +255,31 @@ class ElasticRuntime(WorkerPlugin):
         return flag
 
     def _poll_driver(self) -> None:
-        """Read the driver messages waiting on the channel without blocking."""
-        channel = self.session.channel
-        if channel is None:
-            return
-        while channel.conn.poll(0):
-            message = channel.recv()
-            if isinstance(message, GrowRequest):
-                if message.generation == self.generation:
-                    self.grow_requested = True
-            else:
-                self._inbox.append(message)
+        """Take the GrowRequests of this generation among the driver messages waiting (read
+        without blocking by the session, which keeps the other kinds for other plug-ins)."""
+        self.session.poll_driver()
+        for message in self.session.take_messages(GrowRequest):
+            if message.generation == self.generation:
+                self.grow_requested = True
 
     def next_resize(self) -> Resize:
-        """Wait for the driver's next :class:`~ringtrain.channel.Resize` (GrowRequests that
-        arrive meanwhile are stale and skipped).
-
-        Raises:
-            RuntimeError: if the driver sends something else.
-        """
-        channel = self.session.channel
+        """Wait for the driver's next :class:`~ringtrain.channel.Resize`. GrowRequests that
+        arrive meanwhile are stale and skipped; other messages (a preemption request) stay in
+        the session's inbox for the plug-in they are meant for, after the group re-formed."""
+        session = self.session
+        channel = session.channel
         assert channel is not None
+        session.take_messages(GrowRequest)
+        waiting = session.take_messages(Resize)
+        if waiting:
+            return waiting[0]
         while True:
             # The driver stops this process instead if it restarts the group.
-            message = self._inbox.pop(0) if self._inbox else channel.recv()
+            message = channel.recv()
             if isinstance(message, Resize):
                 return message
             if not isinstance(message, GrowRequest):
-                raise RuntimeError(f"elastic: expected a Resize from the driver, got {message!r}")
+                session.inbox.append(message)
 
     # ------------------------------------------------------------------ resizing
     def recover(
