@@ -85,13 +85,14 @@ def test_draining_a_node_preempts_the_run_at_one_step(cluster, tmp_path):
     assert notice["source"] == "ray-drain" and len(notice["ranks"]) == 1
     assert "Ray is draining node" in notice["reason"]
     assert 0 < notice["grace_s"] <= 120
+    # The first boundaries after the notice (the flag's agreement may take one more step).
     (saved,) = _events(result.path, "preemption_saved")
-    assert saved["step"] == STOP_STEP
+    assert saved["step"] in (STOP_STEP, STOP_STEP + 1)
     # The checkpoint is the stop step's: a resume loses no step.
     assert result.checkpoint is not None
     records = _records(log)
-    assert max(r["step"] for r in records) == STOP_STEP
-    assert result.metrics["preempted_step"] == STOP_STEP
+    assert max(r["step"] for r in records) == saved["step"]
+    assert result.metrics["preempted_step"] == saved["step"]
 
 
 def test_the_drain_source_covers_the_ranks_of_the_draining_node_once():
