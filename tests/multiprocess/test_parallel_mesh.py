@@ -78,6 +78,7 @@ def _check_batches(per_rank, groups):
 def test_fsdp_x_tp_matches_one_process_and_tp_peers_share_the_batch(runs):
     _assert_matches_reference(runs, "tp")
     per_rank = runs["tp"][0].metrics_per_rank
+    assert list(per_rank[0]["coords"]) == ["pp", "dp_replicate", "dp_shard", "tp"]  # ctx.mesh
     assert [per_rank[r]["coords"]["tp"] for r in range(4)] == [0, 1, 0, 1]  # TP: adjacent ranks
     assert [per_rank[r]["coords"]["dp_shard"] for r in range(4)] == [0, 0, 1, 1]
     _check_batches(per_rank, [(0, 1), (2, 3)])
