@@ -18,7 +18,6 @@ import torch
 import comm_workloads
 import ringtrain as rt
 from ringtrain.comm.ddp import wire_bytes
-from ringtrain.env import worker_environment
 
 STEPS = 12
 
@@ -135,30 +134,6 @@ def test_bad_options_fail_before_any_process_group(tmp_path):
         assert message in str(info.value)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"), rt.accumulate(model, 0):
         pass
-
-
-def test_worker_environment_has_horovods_variables():
-    env = worker_environment(
-        rank=5,
-        world_size=8,
-        local_rank=1,
-        local_world_size=4,
-        node_rank=1,
-        master_addr="10.0.0.1",
-        master_port=29500,
-        threads=1,
-        driver_addr="127.0.0.1:1",
-        authkey_hex="00",
-    )
-    assert {k: v for k, v in env.items() if k.startswith("HOROVOD_")} == {
-        "HOROVOD_RANK": "5",
-        "HOROVOD_SIZE": "8",
-        "HOROVOD_LOCAL_RANK": "1",
-        "HOROVOD_LOCAL_SIZE": "4",
-        "HOROVOD_CROSS_RANK": "1",
-        "HOROVOD_CROSS_SIZE": "2",
-    }
-    assert env["RANK"] == "5" and env["LOCAL_RANK"] == "1"
 
 
 HOROVOD_SCRIPT = textwrap.dedent(

@@ -1,6 +1,6 @@
 import pytest
 
-from ringtrain.env import context_from_env, detect_source
+from ringtrain.env import context_from_env, detect_source, worker_environment
 
 
 def test_single_process_without_launcher():
@@ -63,3 +63,27 @@ def test_bad_values_are_named():
         context_from_env({"RANK": "x", "WORLD_SIZE": "2"})
     with pytest.raises(ValueError, match="outside"):
         context_from_env({"RANK": "2", "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_worker_environment_has_horovods_variables():
+    env = worker_environment(
+        rank=5,
+        world_size=8,
+        local_rank=1,
+        local_world_size=4,
+        node_rank=1,
+        master_addr="10.0.0.1",
+        master_port=29500,
+        threads=1,
+        driver_addr="127.0.0.1:1",
+        authkey_hex="00",
+    )
+    assert {k: v for k, v in env.items() if k.startswith("HOROVOD_")} == {
+        "HOROVOD_RANK": "5",
+        "HOROVOD_SIZE": "8",
+        "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_LOCAL_SIZE": "4",
+        "HOROVOD_CROSS_RANK": "1",
+        "HOROVOD_CROSS_SIZE": "2",
+    }
+    assert env["RANK"] == "5" and env["LOCAL_RANK"] == "1"
