@@ -73,14 +73,25 @@ class Health:
         elif silent or idle:
             # Data-parallel ranks progress in lockstep: the one stuck first has counted the
             # fewest batches and steps (its peers fetched the next batch, then blocked on it).
+            # Peers idle for half the timeout are stuck with it and weighed too: on a loaded
+            # machine the culprit's last progress (its step) can come after a peer's (the next
+            # batch), so a blocked peer may cross the timeout first; the culprit is then failed
+            # when it crosses too, a scheduling skew later.
+            stalled = [
+                r
+                for r in live
+                if r in self.last_progress and now - self.last_progress[r] > timeout_s / 2
+            ]
             rank = min(
-                silent + idle,
+                set(silent + idle + stalled),
                 key=lambda r: (
                     self.progress_count.get(r, 0),
                     self.last_progress.get(r, self.last_seen[r]),
                     r,
                 ),
             )
+            if rank not in silent and rank not in idle:
+                return None
             if rank in silent:
                 how = (
                     f"stopped answering for {now - self.last_seen[rank]:.1f} s "

@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     # Before any thread starts: SIGTERM from anyone but the driver becomes a preemption notice.
     preempt_worker.watch_worker_signals()
     die_with_parent()
+    # Before the Hello: loading torch's libraries holds the GIL for long stretches (a 0.4 s
+    # heartbeat thread saw 1.5 s gaps at load 18 on 2 cores), which after the Hello reads as
+    # "stopped answering" beyond a short worker_timeout_s. Before it, the time counts against
+    # the driver's connect allowance (controller/health.HELLO_TIMEOUT_S) instead.
+    import torch
 
     from ringtrain import session as session_mod
 

@@ -1,0 +1,48 @@
+"""The hang check's blame on a loaded machine (controller/health.py), with times given
+explicitly: no processes, no clock."""
+
+from __future__ import annotations
+
+from ringtrain.channel import Heartbeat
+from ringtrain.controller.health import Health
+
+
+def _beat(health: Health, rank: int, now: float, age: float, count: int, step: int) -> None:
+    health.seen(rank, now)
+    health.heartbeat(
+        Heartbeat(rank=rank, time=now, progress_age_s=age, step=step, progress_count=count), now
+    )
+
+
+def test_the_peer_that_crossed_first_is_not_blamed_for_the_stuck_rank() -> None:
+    # Rank 1 hangs right after its step (progress at t=10.2, 26 progress events); rank 0 had
+    # fetched the next batch before (t=10.1, 27 events; on a loaded machine rank 1 ran late)
+    # and blocks in the collective, heartbeating. Rank 0 crosses the 2 s timeout first.
+    health = Health(2, check_interval_s=0.0)
+    for now in (11.0, 12.0, 12.15):
+        _beat(health, 0, now, now - 10.1, 27, 13)
+        _beat(health, 1, now, now - 10.2, 26, 13)
+    assert health.hung(2.0, {}, 12.15) is None  # rank 0 is past it, the culprit is not yet
+    _beat(health, 0, 12.25, 12.25 - 10.1, 27, 13)
+    _beat(health, 1, 12.25, 12.25 - 10.2, 26, 13)
+    found = health.hung(2.0, {}, 12.25)
+    assert found is not None
+    rank, how = found
+    assert rank == 1 and how.startswith("made no progress for ")
+    assert "ranks [0] are stuck too" in how
+
+
+def test_a_rank_stuck_alone_is_failed_while_its_peers_progress() -> None:
+    health = Health(3, check_interval_s=0.0)
+    _beat(health, 0, 20.0, 0.1, 500, 90)
+    _beat(health, 1, 20.0, 0.1, 500, 90)
+    _beat(health, 2, 20.0, 2.5, 40, 12)  # far fewer events, but alone: the others progress
+    found = health.hung(2.0, {}, 20.0)
+    assert found is not None and found[0] == 2 and "stuck too" not in found[1]
+
+
+def test_exited_ranks_and_fresh_progress_are_not_hangs() -> None:
+    health = Health(2, check_interval_s=0.0)
+    _beat(health, 0, 5.0, 0.2, 10, 3)
+    _beat(health, 1, 5.0, 30.0, 1, 0)
+    assert health.hung(2.0, {1: 0}, 5.0) is None
