@@ -257,8 +257,11 @@ def sharded_objects(objects: dict[str, Any]) -> tuple[set[str], list[str]]:
 
     names: set[str] = set()
     problems: list[str] = []
+    # A pipelined model (ringtrain.parallel.pipeline): each rank holds other stages.
+    pipelined = getattr(objects.get("model"), "saves_with_dcp", False) is True
     for name, obj in objects.items():
         sharded = is_sharded_module(obj) or is_sharded_optimizer(obj)
+        sharded = sharded or (pipelined and name in ("model", "optimizer"))
         if name in ("model", "optimizer") and sharded:
             names.add(name)
         elif sharded:
@@ -292,8 +295,18 @@ def state_dict_of(model: Any, optimizer: Any = None) -> dict[str, Any]:
 
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_options(model))
     return state
+
+
+def _options(model: Any) -> Any:
+    """A pipelined model's optimizer state is keyed by parameter name throughout (its
+    param_groups too): each pp rank's groups hold other parameters, which DCP would otherwise
+    save once under the same key (torchtitan's choice for pipelines)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    pipelined = getattr(model, "saves_with_dcp", False) is True
+    return StateDictOptions(flatten_optimizer_state_dict=pipelined)
 
 
 def restore_objects(model: Any, optimizer: Any, location: str, filesystem: Any = None) -> None:
@@ -308,4 +321,4 @@ def restore_objects(model: Any, optimizer: Any, location: str, filesystem: Any =
     load_into(state, location, filesystem)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_options(model))

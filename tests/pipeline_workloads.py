@@ -1,0 +1,175 @@
+"""Train functions for tests/multiprocess/test_pipeline.py (issue 22): a tiny GPT written as a
+chain (embedding, blocks, norm, head: what ``rt.prepare_pipeline`` splits), with the output head
+optionally tied to the token embedding across stages; and the single-process reference."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+import ringtrain as rt
+from parallel_workloads import GLOBAL_BATCH, TP_PLAN, VOCAB, Block, D, T, Tokens
+from ringtrain.data import ResumableDistributedSampler
+
+N_BLOCKS = 4
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D)
+        self.pos = nn.Embedding(T, D)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class ChainGPT(nn.Module):
+    """``embed -> blocks.0 .. blocks.3 -> ln -> head``; ``tied``: the head's weight is the token
+    embedding's."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = Embed()
+        self.blocks = nn.Sequential(*(Block() for _ in range(N_BLOCKS)))
+        self.ln = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.blocks(self.embed(idx))))
+
+
+def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum (state to checkpoint): Adam would turn the rounding noise of gradients
+    that are zero in exact arithmetic (a key projection's component along the LayerNorm bias)
+    into lr-sized differences between equally correct runs."""
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def reference(steps: int, tied: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the global batch: the losses per step and the final parameters."""
+    torch.manual_seed(0)
+    model = ChainGPT(tied)
+    opt = optimizer_for(model)
+    sampler = ResumableDistributedSampler(Tokens(), num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    loader = DataLoader(Tokens(), batch_size=GLOBAL_BATCH, sampler=sampler)
+    losses = []
+    for (x, y, _), _step in zip(loader, range(steps), strict=False):
+        loss = lm_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+SPLITS = {2: ["blocks.2"], 4: ["blocks.1", "blocks.2", "blocks.3"]}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _gather_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every stage's parameters, on every rank (a collective over the world)."""
+    mine = {k: _local(v).detach().clone() for k, v in model.state_dict().items()}
+    everything: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, mine)
+    out: dict[str, torch.Tensor] = {}
+    for part in everything:
+        out.update(part or {})
+    return out
+
+
+def _wait_for_checkpoint(run_dir: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not glob.glob(os.path.join(run_dir, "checkpoint_*", "manifest.json")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no checkpoint under {run_dir} after {timeout_s} s")
+        time.sleep(0.05)
+
+
+def pipeline_fn(config: dict) -> None:
+    """SGD on ChainGPT through ``rt.prepare_pipeline`` for ``config["steps"]`` steps of the
+    global batch (config: schedule, microbatches, tied, data_parallel, tp, stages_per_rank,
+    ckpt_at, crash, loss_file, out). The last stage's rank with dp coordinate 0 appends the
+    step's loss (mean over the dp ranks) to ``loss_file``; rank 0 saves all parameters to
+    ``out``. With ``crash`` rank 1 SIGKILLs itself two steps after the checkpoint (attempt 0)."""
+    ctx = rt.get_context()
+    torch.manual_seed(ctx.world_rank + 100)  # rank 0's model is broadcast
+    if ctx.world_rank == 0:
+        torch.manual_seed(0)
+    mesh = ctx.mesh
+    pp = mesh["pp"].size()
+    per_rank = config.get("stages_per_rank")
+    model = rt.prepare_pipeline(
+        ChainGPT(config.get("tied", False)),
+        split_points=SPLITS[pp * (per_rank or 1)],
+        microbatches=config["microbatches"],
+        schedule=config["schedule"],
+        stages_per_rank=per_rank,
+        data_parallel=config.get("data_parallel", "ddp"),
+        tp_plan=TP_PLAN if config.get("tp") else None,
+    )
+    optimizer = optimizer_for(model)
+    dp_group = mesh["dp_replicate", "dp_shard"]._flatten().get_group()
+    dp = dist.get_world_size(dp_group)
+    loader = rt.prepare_data_loader(
+        DataLoader(Tokens(), batch_size=GLOBAL_BATCH // dp, shuffle=True)
+    )
+    state = rt.TrainState(model=model, optimizer=optimizer, data_loader=loader)
+    state.restore()
+    resumed_at, batches = state.step, []
+    writer = model.is_last and mesh["dp_replicate"].get_local_rank() == 0
+    writer = writer and mesh["dp_shard"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    for _ in state.epochs(1):
+        for x, y, idx in loader:
+            optimizer.zero_grad()
+            losses = model.step(x, target=y, loss_fn=lm_loss)
+            optimizer.step()
+            state.step += 1
+            batches.append(sorted(idx.tolist()))
+            mean = losses.mean() if losses is not None else torch.zeros(())
+            if model.is_last:
+                dist.all_reduce(mean, group=dp_group)
+                mean /= dp
+            if writer:
+                with open(config["loss_file"], "a") as f:
+                    f.write(json.dumps({"step": state.step, "loss": mean.item()}) + "\n")
+            if state.step == config.get("ckpt_at"):
+                rt.report({"step": state.step}, checkpoint=state)
+            crash_now = config.get("crash") and ctx.attempt == 0 and ctx.world_rank == 1
+            if crash_now and state.step == config["ckpt_at"] + 2:
+                _wait_for_checkpoint(str(ctx.run_dir))
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state.step == config["steps"]:
+                break
+    full = _gather_params(model)
+    if ctx.world_rank == 0:
+        torch.save(full, config["out"])
+    rt.report(
+        {
+            "batches": batches,
+            "resumed_at": resumed_at,
+            "stages": model.stage_indices,
+            "attempt": ctx.attempt,
+        }
+    )
