@@ -386,6 +386,7 @@ class Controller:
     def _step_preempting(self, state: Preempting, event: Event | None) -> Transition:
         if self.preemption.asked and self.group is not None:
             self._take(state.generation, event)
+            self.preemption.resend(self.group)
         return self.preemption.step(self, state)
 
     def _stop(self, state: State) -> Transition:

@@ -66,6 +66,8 @@ class Preemption:
         self.handled: list[PreemptionNotice] = []
         self.saved: dict[int, PreemptSaved] = {}
         self.asked = False
+        self._request: PreemptRequest | None = None
+        self._unreached: set[int] = set()
         self._started: list[NoticeSource] = []
 
     # ------------------------------------------------------------------ sources
@@ -159,23 +161,38 @@ class Preemption:
         return Transition(state, Preempted(), message)
 
     def ask(self, group: WorkerGroup | None, notice: PreemptionNotice) -> str | None:
-        """Send every worker of ``group`` a PreemptRequest. Returns None, or why they could not
-        be asked (then the group is stopped at once)."""
+        """Send every worker of ``group`` a PreemptRequest. Returns None, or why they cannot be
+        asked (then the group is stopped at once). A rank that cannot be sent to now (not yet
+        connected, or already gone: workers that got SIGTERM themselves may have saved and
+        exited before the driver took their notice) is sent again at each step
+        (:meth:`resend`)."""
         self.handled.append(notice)
-        self.saved.clear()
         self.asked = False
         send = getattr(group, "send", None)
         if group is None or not callable(send):
             return "the worker group cannot be sent messages"
         deadline = notice.time + notice.grace_s(self.grace_s)
-        request = PreemptRequest(time=notice.time, deadline=deadline, reason=notice.reason)
-        for rank in range(group.world_size):
-            try:
-                send(rank, request)
-            except OSError as exc:
-                return f"rank {rank} could not be asked to save ({exc})"
+        self._request = PreemptRequest(time=notice.time, deadline=deadline, reason=notice.reason)
+        self._unreached = set(range(group.world_size))
         self.asked = True
+        self.resend(group)
         return None
+
+    def resend(self, group: WorkerGroup | None) -> None:
+        """Send the PreemptRequest to the ranks it has not reached yet."""
+        send = getattr(group, "send", None)
+        if self._request is None or not callable(send):
+            return
+        for rank in sorted(self._unreached):
+            if rank in self.saved:
+                self._unreached.discard(rank)
+                continue
+            try:
+                send(rank, self._request)
+            except OSError as exc:
+                logger.debug("preemption: rank %d not reached yet (%s)", rank, exc)
+                continue
+            self._unreached.discard(rank)
 
     def outcome(self, gen: Generation, deadline: float) -> Outcome | None:
         """What ended ``Preempting`` for ``gen``, or None while it goes on."""

@@ -28,6 +28,7 @@ _STATUS_STYLES = {
     "ERRORED": "bold red",
     "ABORTED": "yellow",
     "STOPPED": "magenta",
+    "PREEMPTED": "bold blue",
     "UNKNOWN": "dim",
 }
 
@@ -147,7 +148,9 @@ def format_timestamp(t: float | None, seconds: bool = True) -> str:
 
 
 def status_text(status: str) -> Text:
-    return Text(status, style=_STATUS_STYLES.get(status, ""))
+    """``status`` styled; ``PREEMPTED`` says it is resumable (running it again continues it)."""
+    shown = "PREEMPTED (resumable)" if status == "PREEMPTED" else status
+    return Text(shown, style=_STATUS_STYLES.get(status, ""))
 
 
 def truncate_middle(text: str, width: int) -> str:

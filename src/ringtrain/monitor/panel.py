@@ -43,6 +43,7 @@ _STATUS_STYLES = {
     "ERRORED": "red",
     "ABORTED": "yellow",
     "STOPPED": "magenta",
+    "PREEMPTED": "blue",
 }
 _FIRST_KEYS = ("epoch",)
 

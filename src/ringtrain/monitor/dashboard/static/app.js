@@ -15,7 +15,8 @@
     ["optimizer_s", "optimizer", "#b07aa1"],
     ["other_s", "other", "#a0a0a0"],
   ];
-  const TERMINAL = new Set(["FINISHED", "ERRORED", "ABORTED", "STOPPED"]);
+  const TERMINAL = new Set(["FINISHED", "ERRORED", "ABORTED", "STOPPED", "PREEMPTED"]);
+  const RESUMABLE = "resumable: its state was saved at the stop step; run it again with the same name (or ringtrain run --resume) to continue";
 
   // ------------------------------------------------------------------ helpers
 
@@ -104,6 +105,9 @@
   }
 
   function badge(status) {
+    if (status === "PREEMPTED") {
+      return el("span", { class: `badge ${status}`, text: "PREEMPTED (resumable)", title: RESUMABLE });
+    }
     return el("span", { class: `badge ${status}`, text: status });
   }
 
@@ -366,7 +370,8 @@
     $("root-path").textContent = d.path;
     $("run-name").textContent = d.name;
     $("run-status").className = "badge " + s.status;
-    $("run-status").textContent = s.status;
+    $("run-status").textContent = s.status === "PREEMPTED" ? "PREEMPTED (resumable)" : s.status;
+    $("run-status").title = s.status === "PREEMPTED" ? RESUMABLE : "";
     const facts = [
       ["Started", fmtClock(s.start_time)],
       ["Duration", fmtDuration(s.duration_s)],
@@ -668,6 +673,12 @@
         (isNum(e.steps_rolled_back)
           ? `, ${e.steps_rolled_back} step${e.steps_rolled_back === 1 ? "" : "s"} rolled back` : "");
       case "resize_fallback": return `restart from the disk checkpoint: ${e.reason || ""}`;
+      case "preemption": return `notice from ${e.source || "?"}: ${e.reason || ""}` +
+        (isNum(e.grace_s) ? ` (${e.grace_s} s to save)` : "");
+      case "preemption_saved": return `every worker saved at step ${e.step ?? "?"}` +
+        (e.round != null ? ` (round ${e.round})` : "") +
+        (isNum(e.saved_s) ? ` ${e.saved_s.toFixed(2)} s after the notice` : "");
+      case "preemption_incomplete": return `${e.reason || "not saved"}; resumes from ${e.checkpoint || "the start"}`;
       case "run_end": return `${e.status || "ended"} after ${fmtDuration(e.duration_s)}`;
       default: return "";
     }
