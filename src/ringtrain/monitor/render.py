@@ -116,7 +116,7 @@ def render_runs(
         rows = [(n, st, [c[1], c[2], c[3]], last) for n, st, c, last in rows]
     widths = [len(h) for h in headers]
     for _, status, cells, _ in rows:
-        for i, cell in enumerate([status, *cells]):
+        for i, cell in enumerate([status_text(status).plain, *cells]):
             widths[i] = max(widths[i], len(cell))
     last_header = (
         ("Metrics / reason" if narrow else "Last metrics / reason")
