@@ -34,6 +34,13 @@ Run it::
     python examples/gpt.py --export runs/gpt/model.safetensors
     python examples/gpt.py --tp 2 --dp-shard 2 --name gpt-tp   # 4 workers: FSDP x TP
     python examples/gpt.py --dp-replicate 2 --dp-shard 2 --name gpt-hsdp
+    python examples/gpt.py --pp 2 --name gpt-pp    # 2 pipeline stages (1F1B, --microbatches 4)
+
+With ``--pp P`` the model is cut into ``P`` pipeline stages (``rt.prepare_pipeline``) at even
+block boundaries, trained with the 1F1B schedule; it runs as the chain
+:func:`pipeline_chain` (``embed`` (token + position), the blocks, ``ln_f``, ``head``), so its
+checkpoints name the embeddings ``embed.tok`` / ``embed.pos``; the tied head's gradient is summed
+between the first and the last stage. No sample is generated with ``--pp``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import argparse
 import math
 import os
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -51,6 +59,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import ringtrain as rt
+from ringtrain.parallel.pipeline_model import PipelineModel
 
 VOCAB = 256  # bytes
 VAL_FRACTION = 0.1
@@ -190,6 +199,25 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class Embed(nn.Module):
+    """Token plus position embedding: the first unit of :func:`pipeline_chain`."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding) -> None:
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        T = idx_BT.shape[1]
+        return self.tok(idx_BT) + self.pos(torch.arange(T, device=idx_BT.device))
+
+
+def pipeline_chain(gpt: GPT) -> nn.Sequential:
+    """``gpt`` as a chain for ``rt.prepare_pipeline`` (the same modules and parameters):
+    ``embed -> blocks.0 .. blocks.{n-1} -> ln_f -> head``."""
+    units = {"embed": Embed(gpt.tok, gpt.pos), "blocks": gpt.blocks, "ln_f": gpt.ln_f}
+    return nn.Sequential(OrderedDict({**units, "head": gpt.head}))
+
+
 def lm_loss(logits_BTV: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_BTV.reshape(-1, VOCAB).float(), y_BT.reshape(-1))
 
@@ -207,6 +235,14 @@ def evaluate(model: nn.Module, val: Windows, batch_size: int, device: torch.devi
     for i in range(0, len(mine), batch_size):
         xs, ys = zip(*(val[j] for j in mine[i : i + batch_size]), strict=True)
         x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
+        if isinstance(model, PipelineModel):  # the last stage holds the losses
+            if len(xs) % model.microbatches:
+                continue  # a last partial batch the microbatches do not divide
+            losses = model.eval_step(x, target=y, loss_fn=lm_loss)
+            if losses is not None:
+                total[0] += losses.double().mean() * y.numel()
+                total[1] += y.numel()
+            continue
         total[0] += lm_loss(model(x), y).double() * y.numel()
         total[1] += y.numel()
     model.train()
@@ -261,7 +297,17 @@ def train_fn(config: dict) -> None:
         mixed_precision="bf16" if config["bf16"] else None,
         activation_checkpointing=config["activation_checkpointing"],
     )
-    if ctx.config.mesh is not None:  # --tp / --dp-shard / --dp-replicate: TP, then FSDP2/HSDP
+    pp = ctx.config.mesh.pp if ctx.config.mesh is not None else 1
+    if pp > 1:  # --pp: pipeline stages at even block boundaries, TP inside with --tp
+        splits = [f"blocks.{k * config['n_layer'] // pp}" for k in range(1, pp)]
+        model = rt.prepare_pipeline(
+            pipeline_chain(net),
+            split_points=splits,
+            microbatches=config["microbatches"],
+            schedule="1F1B",
+            tp_plan=TP_PLAN if ctx.config.mesh.tp > 1 else None,
+        )
+    elif ctx.config.mesh is not None:  # --tp / --dp-shard / --dp-replicate: TP, then FSDP2/HSDP
         model = rt.prepare_model(net, tp_plan=TP_PLAN, fsdp_config=fsdp_config)
     elif config["strategy"] == "fsdp":
         model = rt.prepare_model(net, parallel_strategy="fsdp", fsdp_config=fsdp_config)
@@ -311,9 +357,8 @@ def train_fn(config: dict) -> None:
         start = time.perf_counter()
         loss_sum, steps = 0.0, 0
         for x, y in loader:
-            loss = lm_loss(model(x), y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = train_step(model, x, y)
             # Under FSDP the gradients are DTensor shards: the global norm is reduced across ranks.
             clip_grad_norm(model, 1.0)
             optimizer.step()
@@ -338,10 +383,23 @@ def train_fn(config: dict) -> None:
                 flush=True,
             )
         rt.report(metrics, checkpoint=state)
-    if config["sample"]:
+    if config["sample"] and pp == 1:
         text = sample(model, b"def ", config["sample"], device)
         if ctx.world_rank == 0:
             print("sample:\n" + text, flush=True)
+
+
+def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of one batch; the loss (with ``--pp``: the last stage's, sent to
+    every rank, so that rank 0 can print it)."""
+    if not isinstance(model, PipelineModel):
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        return loss.detach()
+    losses = model.step(x, target=y, loss_fn=lm_loss)
+    loss = losses.mean() if losses is not None else torch.zeros((), device=x.device)
+    dist.all_reduce(loss)  # the last stage's ranks hold the losses: their mean
+    return loss / (dist.get_world_size() // rt.get_context().mesh["pp"].size())
 
 
 def strategy_name(config: dict) -> str:
@@ -361,6 +419,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> None:
     norms = [torch.linalg.vector_norm(g) for g in grads]
     norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
     total = torch.linalg.vector_norm(torch.stack(norms))
+    if isinstance(model, PipelineModel):  # each stage holds its own parameters' gradients
+        squared = total.square()  # (the tied head/embedding counts twice)
+        dist.all_reduce(squared, group=rt.get_context().mesh["pp"].get_group())
+        total = squared.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(scale)
@@ -384,6 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (adjacent)")
     p.add_argument("--dp-shard", type=int, default=None, help="FSDP2 ranks per replica group")
     p.add_argument("--dp-replicate", type=int, default=None, help="replica groups (HSDP)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (1F1B schedule)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per batch (--pp)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument(
         "--batch-size", type=int, default=16, help="windows per data-parallel rank per step"
@@ -411,6 +475,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def mesh_from_args(args: argparse.Namespace) -> tuple[int, rt.ParallelConfig | None]:
     """``(num_workers, ParallelConfig or None)`` from ``--workers`` and the mesh flags."""
     sizes = {"tp": args.tp, "dp_shard": args.dp_shard, "dp_replicate": args.dp_replicate}
+    sizes["pp"] = args.pp
     given = {k: v for k, v in sizes.items() if v is not None}
     if not given:
         return args.workers or 2, None
@@ -436,6 +501,7 @@ def main(argv: list[str] | None = None) -> None:
         "activation_checkpointing": args.activation_checkpointing,
         "sample": args.sample,
         "seed": args.seed,
+        "microbatches": args.microbatches,
     }
     start = time.perf_counter()
     result = rt.Trainer(

@@ -2,12 +2,13 @@
 
 The model is read as a **chain**: its top-level children in registration order, each called on
 the previous one's output (``nn.Sequential`` and models written like it). A child that is an
-``nn.Sequential`` / ``nn.ModuleList`` is expanded into its items when a split point names one of
-them (``"blocks.4"``), recursively. ``split_points`` are the names of the chain units where a new
-stage starts; ``len(split_points) + 1`` stages, no tracing. Each stage keeps its modules under
-their original names, so a stage's ``state_dict`` keys are the model's own (checkpoints and the
-single-process model share names), and a parameter shared by two stages (a tied embedding and
-output head) has its gradient summed between the ranks that hold it after every step.
+``nn.ModuleList`` is always expanded into its items (it is not callable), an ``nn.Sequential``
+when a split point names one of its items (``"blocks.4"``), recursively. ``split_points`` are
+the names of the chain units where a new stage starts; ``len(split_points) + 1`` stages, no
+tracing. Each stage keeps its modules under their original names, so a stage's ``state_dict``
+keys are the model's own (checkpoints and the single-process model share names), and a
+parameter shared by two stages (a tied embedding and output head) has its gradient summed
+between the ranks that hold it after every step.
 
 Stages are placed on the ``pp`` ranks in order; with ``schedule="Interleaved1F1B"`` each rank holds
 ``stages_per_rank`` of them (rank ``r`` holds stages ``r, r + pp, r + 2 pp, ...``: Narayanan et
@@ -47,23 +48,20 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 DATA_PARALLEL = ("ddp", "fsdp")
 
 
-_CONTAINERS = (nn.Sequential, nn.ModuleList)
-
-
 # ------------------------------------------------------------------------------ splitting
 
 
 def chain_units(model: nn.Module, split_points: Sequence[str]) -> list[Unit]:
-    """The model's chain: ``(name, module)`` of its top-level children in order, a container
-    (``nn.Sequential``/``nn.ModuleList``) expanded into its items when a split point lies inside
-    it (recursively)."""
+    """The model's chain: ``(name, module)`` of its top-level children in order, an
+    ``nn.ModuleList`` expanded into its items, an ``nn.Sequential`` too when a split point lies
+    inside it (recursively)."""
     units: list[Unit] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for child_name, child in module.named_children():
             name = f"{prefix}{child_name}"
             inside = any(p.startswith(name + ".") for p in split_points)
-            if inside and isinstance(child, _CONTAINERS):
+            if isinstance(child, nn.ModuleList) or (inside and isinstance(child, nn.Sequential)):
                 visit(name + ".", child)
             else:
                 units.append((name, child))

@@ -155,6 +155,24 @@ class PipelineModel(nn.Module):
             return None
         return torch.stack([loss.detach() for loss in losses])
 
+    @torch.no_grad()
+    def eval_step(
+        self, *inputs: torch.Tensor, target: torch.Tensor | None = None, loss_fn: LossFn
+    ) -> torch.Tensor | None:
+        """The forwards of :meth:`step` only (evaluation): no gradients, no backward.
+
+        Returns:
+            On the last stage's rank the loss of each microbatch, shape ``(microbatches,)``;
+            ``None`` on the other ranks.
+        """
+        self._check_batch(inputs, target)
+        losses: list[torch.Tensor] = []
+        args = inputs if self.is_first else ()
+        self._schedule_for(loss_fn).eval(
+            *args, target=target if self.is_last else None, losses=losses
+        )
+        return torch.stack(losses) if self.is_last else None
+
     def _check_batch(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
         if self.is_first and not inputs:
             raise ValueError("PipelineModel.step: the first stage needs the inputs: step(x, ...)")
