@@ -24,7 +24,9 @@ from support import run_job
 STEPS, CKPT_AT = 20, 13  # 2 epochs of 10 steps; the checkpoint is mid-epoch (epoch 1, batch 3)
 
 
-def _fit(root, name, strategy="fsdp", workers=2, **config):
+def _fit(root, name, strategy="fsdp", workers=2, storage=None, **config):
+    """Run ``name`` (its files named after it) in ``root/runs``, or, with ``storage``, as the
+    run ``stop`` copied to ``storage`` (a checkpoint's manifest is bound to its run's name)."""
     files = {
         "loss_file": str(root / f"{name}.losses.jsonl"),
         "probe_file": str(root / f"{name}.probe.pt"),
@@ -32,7 +34,11 @@ def _fit(root, name, strategy="fsdp", workers=2, **config):
     }
     cfg = {"strategy": strategy, "steps": STEPS, "ckpt_at": CKPT_AT, **files, **config}
     result = run_job(
-        fw.fsdp_fn, workers, storage_path=root / "runs", name=name, train_loop_config=cfg
+        fw.fsdp_fn,
+        workers,
+        storage_path=storage or root / "runs",
+        name="stop" if storage else name,
+        train_loop_config=cfg,
     )
     assert result.error is None, result.error
     return result, files
@@ -54,11 +60,17 @@ def runs(tmp_path_factory):
 
 
 def _resume_copy(runs, name, workers):
-    """Copy the stopped run under a new name and finish it with ``workers`` ranks."""
+    """Copy the stopped run (under its own name: a copy renamed would be refused and start
+    afresh) and finish it with ``workers`` ranks."""
     root = runs["root"]
-    shutil.copytree(root / "runs" / "stop", root / "runs" / name)
+    shutil.copytree(root / "runs" / "stop", root / "copies" / name / "stop")
     shutil.copy(runs["stop"][1]["loss_file"], root / f"{name}.losses.jsonl")
-    return _fit(root, name, workers=workers)
+    return _fit(root, name, workers=workers, storage=root / "copies" / name)
+
+
+def _lines(path) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
 
 
 def test_fsdp_matches_ddp_and_holds_a_shard_of_the_state(runs):
@@ -125,6 +137,7 @@ def test_resume_at_the_same_world_size_is_bit_exact(runs):
         for name, value in clean["optimizer"][key].items():
             assert torch.equal(resumed["optimizer"][key][name], value), (key, name)
     assert _losses(files["loss_file"]) == _losses(runs["fsdp"][1]["loss_file"])
+    assert _lines(files["loss_file"]) == STEPS  # resumed at CKPT_AT + 1: no step ran twice
 
 
 @pytest.mark.parametrize("workers", [1, 3])
@@ -135,6 +148,7 @@ def test_resume_at_another_world_size_reshards(runs, workers):
     assert resumed["step"] == STEPS
     got, want = _losses(files["loss_file"]), _losses(runs["fsdp"][1]["loss_file"])
     assert sorted(got) == list(range(1, STEPS + 1))  # continues at step 14, nothing replayed
+    assert _lines(files["loss_file"]) == STEPS
     for step in range(CKPT_AT + 1, STEPS + 1):  # the same samples: the same losses, up to
         assert abs(got[step] - want[step]) <= 1e-4 * abs(want[step]), step  # summation order
     for key in clean["model"]:
