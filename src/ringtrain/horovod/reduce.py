@@ -59,6 +59,56 @@ def _launch_allreduce(
     return work.is_completed, work.wait
 
 
+def _submit_allreduce(
+    kind: str,
+    tensors: Sequence[torch.Tensor],
+    rop: ReduceOp,
+    name: str | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    view: SetView,
+    result: Callable[[], Any],
+    outputs: Sequence[torch.Tensor] | None = None,
+) -> int:
+    """Register a fused allreduce of ``tensors`` into ``outputs`` (default: in place) under
+    ``name``; ``synchronize`` waits for it, then returns ``result()``. The one submit path of
+    every allreduce and reducescatter form."""
+    into = tensors if outputs is None else outputs
+
+    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
+        done, wait = _launch_allreduce(
+            kind, tensors, into, rop, name, prescale_factor, postscale_factor, view
+        )
+
+        def finish() -> Any:
+            wait()
+            return result()
+
+        return done, finish
+
+    return _submit(name, kind, launch)
+
+
+def _forward_reduction(
+    ctx: Any,
+    launch_async: Callable[..., int],
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    pre: float,
+    post: float,
+    name: Any,
+    ps: Any,
+) -> Any:
+    """The forward of a differentiable reduction (allreduce, reducescatter): keeps the
+    arguments for the backward and reduces ``tensor`` with ``launch_async``."""
+    ctx.args = (op, pre, post, ps)
+    return synchronize(
+        launch_async(
+            tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
+        )
+    )
+
+
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -86,13 +136,9 @@ def allreduce_async_(
     view = _view(process_set, "allreduce")
     rop = _resolve_op(average, op)
 
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        done, wait = _launch_allreduce(
-            "allreduce", [tensor], [tensor], rop, name, prescale_factor, postscale_factor, view
-        )
-        return done, lambda: (wait(), tensor)[1]
-
-    return _submit(name, "allreduce", launch)
+    return _submit_allreduce(
+        "allreduce", [tensor], rop, name, prescale_factor, postscale_factor, view, lambda: tensor
+    )
 
 
 def allreduce_async(
@@ -108,14 +154,9 @@ def allreduce_async(
     view = _view(process_set, "allreduce")
     rop = _resolve_op(average, op)
     output = tensor.detach().clone()
-
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        done, wait = _launch_allreduce(
-            "allreduce", [output], [output], rop, name, prescale_factor, postscale_factor, view
-        )
-        return done, lambda: (wait(), output)[1]
-
-    return _submit(name, "allreduce", launch)
+    return _submit_allreduce(
+        "allreduce", [output], rop, name, prescale_factor, postscale_factor, view, lambda: output
+    )
 
 
 class _AllreduceFn(torch.autograd.Function):
@@ -123,12 +164,7 @@ class _AllreduceFn(torch.autograd.Function):
     def forward(
         ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name: Any, ps: Any
     ) -> Any:
-        ctx.args = (op, pre, post, ps)
-        return synchronize(
-            allreduce_async(
-                tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
-            )
-        )
+        return _forward_reduction(ctx, allreduce_async, tensor, op, pre, post, name, ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -251,20 +287,16 @@ def grouped_allreduce_async_(
     if not tensors:
         raise ValueError("grouped_allreduce: the list of tensors is empty")
 
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        done, wait = _launch_allreduce(
-            "grouped_allreduce",
-            tensors,
-            tensors,
-            rop,
-            name,
-            prescale_factor,
-            postscale_factor,
-            view,
-        )
-        return done, lambda: (wait(), tensors)[1]
-
-    return _submit(name, "grouped_allreduce", launch)
+    return _submit_allreduce(
+        "grouped_allreduce",
+        tensors,
+        rop,
+        name,
+        prescale_factor,
+        postscale_factor,
+        view,
+        lambda: tensors,
+    )
 
 
 def grouped_allreduce_async(
@@ -284,13 +316,17 @@ def grouped_allreduce_async(
         raise ValueError("grouped_allreduce: the list of tensors is empty")
     outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
 
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        done, wait = _launch_allreduce(
-            "grouped_allreduce", inputs, outputs, rop, name, prescale_factor, postscale_factor, view
-        )
-        return done, lambda: (wait(), outputs)[1]
-
-    return _submit(name, "grouped_allreduce", launch)
+    return _submit_allreduce(
+        "grouped_allreduce",
+        inputs,
+        rop,
+        name,
+        prescale_factor,
+        postscale_factor,
+        view,
+        lambda: outputs,
+        outputs,
+    )
 
 
 class _GroupedAllreduceFn(torch.autograd.Function):

@@ -25,7 +25,7 @@ from ringtrain.horovod.handles import (
     synchronize,
 )
 from ringtrain.horovod.process_sets import ProcessSet, global_process_set
-from ringtrain.horovod.reduce import _launch_allreduce, _reduce_compressed
+from ringtrain.horovod.reduce import _forward_reduction, _reduce_compressed, _submit_allreduce
 from ringtrain.horovod.runtime import negotiate
 
 
@@ -174,27 +174,15 @@ def reducescatter_async(
     rop = _parse_op(op)
     work_tensor = _as_1d(tensor.detach()).clone(memory_format=torch.contiguous_format)
 
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        done, wait = _launch_allreduce(
-            "reducescatter",
-            [work_tensor],
-            [work_tensor],
-            rop,
-            name,
-            prescale_factor,
-            postscale_factor,
-            view,
-        )
-        counts = _scatter_counts(work_tensor.shape[0], view.size)
-        offset = sum(counts[: view.rank])
+    counts = _scatter_counts(work_tensor.shape[0], view.size)
+    offset = sum(counts[: view.rank])
 
-        def finish() -> torch.Tensor:
-            wait()
-            return work_tensor.narrow(0, offset, counts[view.rank]).clone()
+    def mine() -> torch.Tensor:
+        return work_tensor.narrow(0, offset, counts[view.rank]).clone()
 
-        return done, finish
-
-    return _submit(name, "reducescatter", launch)
+    return _submit_allreduce(
+        "reducescatter", [work_tensor], rop, name, prescale_factor, postscale_factor, view, mine
+    )
 
 
 class _ReducescatterFn(torch.autograd.Function):
@@ -202,12 +190,7 @@ class _ReducescatterFn(torch.autograd.Function):
     def forward(
         ctx: Any, tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name: Any, ps: Any
     ) -> Any:
-        ctx.args = (op, pre, post, ps)
-        return synchronize(
-            reducescatter_async(
-                tensor, name=name, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
-            )
-        )
+        return _forward_reduction(ctx, reducescatter_async, tensor, op, pre, post, name, ps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -265,29 +248,16 @@ def grouped_reducescatter_async(
     if not works:
         raise ValueError("grouped_reducescatter: the list of tensors is empty")
 
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        done, wait = _launch_allreduce(
-            "grouped_reducescatter",
-            works,
-            works,
-            rop,
-            name,
-            prescale_factor,
-            postscale_factor,
-            view,
-        )
+    def mine() -> list[torch.Tensor]:
+        out = []
+        for w in works:
+            counts = _scatter_counts(w.shape[0], view.size)
+            out.append(w.narrow(0, sum(counts[: view.rank]), counts[view.rank]).clone())
+        return out
 
-        def finish() -> list[torch.Tensor]:
-            wait()
-            out = []
-            for w in works:
-                counts = _scatter_counts(w.shape[0], view.size)
-                out.append(w.narrow(0, sum(counts[: view.rank]), counts[view.rank]).clone())
-            return out
-
-        return done, finish
-
-    return _submit(name, "grouped_reducescatter", launch)
+    return _submit_allreduce(
+        "grouped_reducescatter", works, rop, name, prescale_factor, postscale_factor, view, mine
+    )
 
 
 def grouped_reducescatter(
