@@ -24,13 +24,20 @@ pl = pytest.importorskip(
     "lightning.pytorch", reason="needs the extra: pip install 'ringtrain[lightning]'"
 )
 
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+
+import lightning_shard_workloads as shard  # noqa: E402
 import lightning_workloads  # noqa: E402
 from ringtrain.integrations.lightning import (  # noqa: E402
     RingtrainCallback,
     RingtrainEnvironment,
+    RingtrainFSDPStrategy,
     get_ckpt_path,
+    own_files,
     prepare_trainer,
 )
+from ringtrain.parallel_config import MeshShape  # noqa: E402
+from ringtrain.worker_config import WorkerConfig  # noqa: E402
 
 EPOCHS = 2  # 5 batches of 4 per rank and epoch: 10 optimizer steps
 _runs: dict[str, dict] = {}
@@ -278,3 +285,178 @@ def test_a_resumed_lightning_checkpoint_is_loaded_weights_only_even_when_torch_i
     with pytest.raises(Exception, match=r"[Ww]eights.only|Unsupported global"):
         strategy.load_checkpoint(str(poisoned), weights_only=False)
     assert not marker.exists()
+
+
+# ------------------------------------------- sharded strategies: FSDP, ModelParallel, DeepSpeed
+
+
+def _mesh_context(world_size: int, mesh: MeshShape | None) -> None:
+    ctx = DistributedContext(
+        world_rank=0,
+        world_size=world_size,
+        local_world_size=world_size,
+        source="ringtrain",
+        config=WorkerConfig(mesh=mesh),
+    )
+    session_mod._install_session(session_mod.Session(context=ctx))
+
+
+def test_lightning_itself_refuses_fsdp_on_cpu_and_ringtrains_subclass_passes():
+    """The evidence for RingtrainFSDPStrategy: Lightning's accelerator connector refuses
+    ``strategy="fsdp"`` (and an exact FSDPStrategy) without a GPU, before prepare_trainer runs."""
+    _context(world_size=2, local_world_size=2)
+    for strategy in ("fsdp", FSDPStrategy()):
+        with pytest.raises(ValueError, match="requires a GPU accelerator"):
+            _trainer(strategy=strategy)
+    trainer = prepare_trainer(_trainer(strategy=RingtrainFSDPStrategy()))
+    assert (trainer.strategy.num_nodes, trainer.strategy.num_processes) == (1, 2)
+
+
+class _OtherFSDP(FSDPStrategy):
+    pass
+
+
+@pytest.mark.parametrize(
+    "world_size, mesh, strategy, message",
+    [
+        (2, None, _OtherFSDP, r"_OtherFSDP on a CPU worker.*RingtrainFSDPStrategy"),
+        (
+            2,
+            None,
+            lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+            r"data_parallel_size=1, tensor_parallel_size=2\) contradicts ringtrain's 2 workers"
+            r".*ScalingConfig\(parallel=rt.ParallelConfig",
+        ),
+        (
+            4,
+            MeshShape(dp_shard=2, tp=2),
+            lambda: ModelParallelStrategy(tensor_parallel_size=4),
+            r"tensor_parallel_size=4\) contradicts ScalingConfig.parallel \(dp_replicate=1 x "
+            r"dp_shard=2, tp=2\).*tensor_parallel_size=2",
+        ),
+        (
+            4,
+            MeshShape(pp=2, dp_shard=2),
+            ModelParallelStrategy,
+            r"pp=2.*no pipeline dimension.*rt.prepare_pipeline",
+        ),
+    ],
+)
+def test_prepare_trainer_refuses_sharded_strategies_that_cannot_run(
+    world_size, mesh, strategy, message
+):
+    _mesh_context(world_size, mesh)
+    with pytest.raises(ValueError, match=message):
+        prepare_trainer(_trainer(strategy=strategy()))
+
+
+@pytest.mark.parametrize(
+    "world_size, mesh, sizes",
+    [
+        (2, None, (2, 1)),  # no ParallelConfig: all data-parallel
+        (4, MeshShape(dp_shard=2, tp=2), (2, 2)),
+        (4, MeshShape(dp_replicate=2, dp_shard=2), (4, 1)),  # Lightning's one dp dimension
+    ],
+)
+def test_model_parallel_sizes_come_from_ringtrains_mesh(world_size, mesh, sizes):
+    _mesh_context(world_size, mesh)
+    strategy = prepare_trainer(_trainer(strategy=ModelParallelStrategy())).strategy
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == sizes
+    assert strategy.num_nodes * strategy.num_processes == world_size
+
+
+def test_deepspeed_on_cpu_is_refused_with_the_way_out():
+    deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeedStrategy needs deepspeed")
+    assert deepspeed
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    _context(world_size=2, local_world_size=2)
+    with pytest.raises(ValueError, match=r"only supported on CUDA GPUs.*rt.prepare_deepspeed"):
+        prepare_trainer(_trainer(strategy=DeepSpeedStrategy(stage=2)))
+
+
+def test_own_files_split_a_sharded_checkpoint_between_ranks(tmp_path):
+    names = [
+        "lightning.ckpt/.metadata",
+        "lightning.ckpt/meta.pt",
+        "lightning.ckpt/__0_0.distcp",
+        "lightning.ckpt/__1_0.distcp",
+        "lightning.ckpt/__12_0.distcp",
+        "ds/checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "ds/checkpoint/mp_rank_00_model_states.pt",
+    ]
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    assert own_files(str(tmp_path), 0) == sorted(
+        [
+            "ds/checkpoint/mp_rank_00_model_states.pt",
+            "lightning.ckpt/.metadata",
+            "lightning.ckpt/__0_0.distcp",
+            "lightning.ckpt/meta.pt",
+        ]
+    )
+    assert own_files(str(tmp_path), 1) == [
+        "ds/checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "lightning.ckpt/__1_0.distcp",
+    ]
+    assert own_files(str(tmp_path), 12) == ["lightning.ckpt/__12_0.distcp"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "strategy, kwargs, workers, parallel, dp",
+    [
+        # RingtrainFSDPStrategy (FSDP1): sharded checkpoints at W=3 (uneven shards), and
+        # Lightning's default full state dict (one file, gathered on rank 0)
+        ("fsdp", {"state_dict_type": "sharded"}, 3, None, 3),
+        ("fsdp", {}, 2, None, 2),
+        ("model_parallel", {}, 2, None, 2),  # FSDP2 over data_parallel
+        ("model_parallel", {}, 2, (1, 2), 1),  # TP over tensor_parallel: both ranks, one batch
+    ],
+)
+def test_sharded_strategy_matches_one_process_and_resumes_from_its_checkpoint(
+    tmp_path, strategy, kwargs, workers, parallel, dp
+):
+    """Rank 1 is SIGKILLed after step 7; the restarted group resumes from the checkpoint of
+    step 5 (every rank's shards, from the run directory, verified) and every step's loss (the
+    mean over the ranks) matches one process on the global batch."""
+    import ringtrain as rt
+
+    losses = str(tmp_path / "losses")
+    extra = {}
+    if parallel is not None:
+        extra["parallel"] = rt.ParallelConfig(dp_shard=parallel[0], tp=parallel[1])
+    config = {"strategy": strategy, "strategy_kwargs": kwargs, "losses": losses, "kill": [1, 7]}
+    result = run_job(
+        shard.train_fn,
+        workers,
+        storage_path=tmp_path / "runs",
+        name=strategy,
+        max_failures=1,
+        train_loop_config=config,
+        **extra,
+    )
+    assert result.error is None, result.error
+    assert [(f.rank, f.kind) for f in result.failures] == [(1, "signal")]
+    ckpt = result.checkpoint
+    assert ckpt is not None
+    listed = set(ckpt.verified_files())
+    if strategy == "fsdp" and not kwargs:
+        assert "lightning.ckpt" in listed
+    else:
+        assert {"lightning.ckpt/.metadata", "lightning.ckpt/meta.pt"} <= listed
+        assert {f"lightning.ckpt/__{r}_0.distcp" for r in range(workers)} <= listed
+
+    starts: dict[int, int] = {}
+    with open(f"{losses}.rank0") as f:
+        for line in f:
+            entry = json.loads(line)
+            starts.setdefault(entry["attempt"], entry["step"])
+    assert starts == {0: 1, 1: 6}, starts  # attempt 1 resumed after the step-5 checkpoint
+    got = shard.run_losses(losses, workers)
+    reference = shard.reference_losses(dp)
+    steps = shard.EPOCHS * shard.BATCHES
+    for step in range(1, steps + 1):
+        mean = sum(got[r][step] for r in range(workers)) / workers
+        assert mean == pytest.approx(reference[step - 1], abs=1e-4), (strategy, step)

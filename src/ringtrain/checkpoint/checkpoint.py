@@ -174,23 +174,30 @@ class Checkpoint:
         return fd
 
     def verified_copy(self, name: str) -> str:
-        """A private local copy of file ``name``, verified as copied (cached per checkpoint
-        handle): for readers that want a path, such as Lightning.
+        """A private local copy of file ``name``, or of every listed file under directory
+        ``name`` (``dir/``: a sharded Lightning checkpoint), verified as copied (cached per
+        checkpoint handle): for readers that want a path, such as Lightning.
 
         Raises:
             CheckpointLoadError: see :meth:`read_file`; ``name`` is not listed.
         """
         if name not in self._copies:
-            data = self.read_file(name)
-            if data is None:
+            prefix = name.rstrip("/") + "/"
+            members = [name]
+            if name.endswith("/"):
+                members = [n for n in self.verified_files() if n.startswith(prefix)]
+            blobs = {m: self.read_file(m) for m in members}
+            if not blobs or any(data is None for data in blobs.values()):
                 raise CheckpointLoadError(self.uri, f"{name} is not listed in its manifest")
             root = tempfile.mkdtemp(prefix="ringtrain_verified_")
             # .../checkpoint_NNNNNN/<name>: logs still say which checkpoint it came from.
             label = self.path.rstrip("/").rsplit("/", 1)[-1] or "checkpoint"
-            target = os.path.join(root, label, name.replace("/", "_"))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "wb") as f:
-                f.write(data)
+            target = os.path.join(root, label, prefix[:-1].replace("/", "_"))
+            for member, data in blobs.items():
+                path = target if member == name else os.path.join(target, member[len(prefix) :])
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(data or b"")
             self._copies[name] = target
         return self._copies[name]
 

@@ -31,7 +31,11 @@ by rank 0: model, optimizers, LR schedulers, loop progress, callbacks, and the s
 data loaders) and one ``lightning_rng_rank_NNNNN.pt`` per rank (its Python, NumPy, torch and CUDA
 RNG states, which Lightning's checkpoint does not hold). Lightning, not this module, restores the
 first; the callback restores the second in its ``setup`` hook, before Lightning builds the data
-loaders.
+loaders. Sharded strategies (FSDP, ModelParallel) write ``lightning.ckpt/`` instead, a directory
+of every rank's shards (:func:`~ringtrain.integrations.lightning_callback.own_files`).
+
+The sharded strategies, what Lightning and torch refuse on CPU and the work-arounds, are in
+:mod:`ringtrain.integrations.lightning_strategies` (:class:`RingtrainFSDPStrategy`).
 
 This module imports ``lightning``; ``import ringtrain`` never imports it.
 """
@@ -39,12 +43,18 @@ This module imports ``lightning``; ``import ringtrain`` never imports it.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol, cast
+
+import torch
 
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.environments import ClusterEnvironment
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import (
+        ModelParallelStrategy,
+        ParallelStrategy,
+        SingleDeviceStrategy,
+    )
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "ringtrain.integrations.lightning needs PyTorch Lightning 2.x (the `lightning` package): "
@@ -56,7 +66,14 @@ from ringtrain.integrations.lightning_callback import (
     CHECKPOINT_FILE,
     RingtrainCallback,
     get_ckpt_path,
+    own_files,
     rng_file,
+)
+from ringtrain.integrations.lightning_strategies import (
+    RingtrainFSDPStrategy,
+    reconcile_model_parallel,
+    safe_loading,
+    strategy_problems,
 )
 from ringtrain.session import get_context
 
@@ -64,12 +81,28 @@ __all__ = [
     "CHECKPOINT_FILE",
     "RingtrainCallback",
     "RingtrainEnvironment",
+    "RingtrainFSDPStrategy",
     "get_ckpt_path",
+    "own_files",
     "prepare_trainer",
     "rng_file",
 ]
 
 logger = logging.getLogger("ringtrain")
+
+
+class _Placed(Protocol):
+    """What :func:`prepare_trainer` sets on a strategy: every Lightning ``ParallelStrategy``
+    (DDP, FSDP, DeepSpeed, ModelParallel) has these, though the base class does not declare
+    ``num_nodes`` and ``set_world_ranks``."""
+
+    parallel_devices: list[torch.device] | None
+    num_nodes: int
+
+    def set_world_ranks(self) -> None: ...
+
+    def _configure_launcher(self) -> None: ...
+
 
 # ------------------------------------------------------------------------------------ environment
 
@@ -172,7 +205,10 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
 
     1. checks the strategy: Lightning's ``DDPStrategy`` started as a script (``strategy="ddp"``),
        not one that spawns its own processes (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``);
-       a single-device strategy is accepted only for a world size of 1;
+       ``FSDPStrategy`` (on CPU: :class:`RingtrainFSDPStrategy`), ``ModelParallelStrategy``
+       (its sizes must agree with ``ScalingConfig.parallel``), ``DeepSpeedStrategy`` on GPU
+       workers only (:mod:`ringtrain.integrations.lightning_strategies` says why); a
+       single-device strategy is accepted only for a world size of 1;
     2. checks that the cluster environment is a :class:`RingtrainEnvironment`;
     3. checks the device type against ``ScalingConfig.use_gpu`` and the ``devices`` and
        ``num_nodes`` the Trainer was given against the worker group (``devices`` may be 1, the
@@ -183,6 +219,9 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
        world size: Lightning's ``DistributedSampler`` then shards the data into exactly
        ``world_size`` parts, and each rank computes on the device ringtrain gave it. (When the
        workers are spread unevenly over nodes, it uses one "node" of ``world_size`` devices.)
+       A ``ModelParallelStrategy`` gets its ``data_parallel_size`` and
+       ``tensor_parallel_size`` from ringtrain's mesh (its sampler shards over
+       ``data_parallel`` only);
     5. on a restarted attempt (or a run started again with the same name), sets
        ``trainer.ckpt_path`` to the latest checkpoint (:func:`get_ckpt_path`), unless a path is
        already set: ``trainer.fit(...)`` then resumes from it without a ``ckpt_path`` argument.
@@ -206,8 +245,8 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
     ctx = get_context()
     strategy = trainer.strategy
     problems = _check_strategy(strategy, ctx)
-    if not problems and isinstance(strategy, DDPStrategy):
-        problems = _check_devices(trainer, strategy, ctx)
+    if not problems and isinstance(strategy, ParallelStrategy):
+        problems = _check_devices(trainer, cast(_Placed, strategy), ctx)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
@@ -215,8 +254,8 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
             f"{ctx.world_rank} of world size {ctx.world_size}, {ctx.local_world_size} worker(s) "
             f"on this node):\n{lines}"
         )
-    if isinstance(strategy, DDPStrategy):
-        _reconcile(strategy, ctx)
+    if isinstance(strategy, ParallelStrategy):
+        _reconcile(cast(_Placed, strategy), ctx)
     if trainer.ckpt_path is None:
         path = get_ckpt_path()
         if path is not None:
@@ -242,32 +281,10 @@ def _check_strategy(strategy: Any, ctx: DistributedContext) -> list[str]:
             f"average gradients across ringtrain's {ctx.world_size} workers: pass "
             "pl.Trainer(strategy='ddp')"
         ]
-    if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy):
-        return [
-            f"the Trainer runs {name}; the ringtrain integration supports Lightning's "
-            "DDPStrategy: pass pl.Trainer(strategy='ddp')"
-        ]
-    problems = []
-    start_method = getattr(strategy, "_start_method", "popen")
-    if start_method != "popen":
-        problems.append(
-            f"the Trainer's DDP strategy starts its own processes (start_method={start_method!r}, "
-            "as strategy='ddp_spawn', 'ddp_fork' or 'ddp_notebook' do), but ringtrain already "
-            "started one process per worker: pass pl.Trainer(strategy='ddp')"
-        )
-    env = strategy.cluster_environment
-    if not isinstance(env, RingtrainEnvironment):
-        problems.append(
-            f"the Trainer's cluster environment is {type(env).__name__}, which does not know "
-            "ringtrain's ranks and world size: pass pl.Trainer(..., "
-            "plugins=[RingtrainEnvironment()])"
-        )
-    return problems
+    return strategy_problems(strategy, ctx, RingtrainEnvironment)
 
 
-def _check_devices(
-    trainer: pl.Trainer, strategy: DDPStrategy, ctx: DistributedContext
-) -> list[str]:
+def _check_devices(trainer: pl.Trainer, strategy: _Placed, ctx: DistributedContext) -> list[str]:
     problems = []
     devices = list(strategy.parallel_devices or [])
     wanted = ctx.device
@@ -308,7 +325,7 @@ def _check_devices(
     return problems
 
 
-def _reconcile(strategy: DDPStrategy, ctx: DistributedContext) -> None:
+def _reconcile(strategy: _Placed, ctx: DistributedContext) -> None:
     lws, world = ctx.local_world_size, ctx.world_size
     if world % lws == 0:
         per_node, nodes = lws, world // lws
@@ -321,6 +338,8 @@ def _reconcile(strategy: DDPStrategy, ctx: DistributedContext) -> None:
     strategy.num_nodes = nodes
     strategy.set_world_ranks()
     strategy._configure_launcher()  # its launcher captured the old counts
+    if isinstance(strategy, ModelParallelStrategy):
+        reconcile_model_parallel(strategy, ctx)
     if before != (per_node, nodes):
         logger.debug(
             "prepare_trainer: Lightning devices x num_nodes %d x %d -> %d x %d (world size %d)",
@@ -339,10 +358,21 @@ def _force_weights_only(strategy: Any) -> None:
     """Make ``strategy`` load checkpoints with ``torch.load(weights_only=True)`` whatever the
     caller or the environment asks: Lightning passes ``weights_only=None``, which
     ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns into an unrestricted (code-running) load, and a
-    checkpoint from the run directory must never run code (docs/security.md)."""
+    checkpoint from the run directory must never run code (docs/security.md). Sharded
+    strategies' other readers (DCP's ``.metadata``, FSDP's ``_lazy_load``) are made safe by
+    :func:`~ringtrain.integrations.lightning_strategies.safe_loading` around the load."""
     original = strategy.load_checkpoint
 
     def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        return original(checkpoint_path, weights_only=True)
+        # Sharded strategies broadcast rank 0's path before loading; each rank has its own
+        # verified copy (rank 0's may be on another node, or deleted once rank 0 has loaded):
+        # every rank loads its own.
+        broadcast = strategy.broadcast
+        strategy.broadcast = lambda obj, src=0: obj
+        try:
+            with safe_loading():  # sharded checkpoints: DCP's .metadata and values, meta.pt
+                return original(checkpoint_path, weights_only=True)
+        finally:
+            strategy.broadcast = broadcast
 
     strategy.load_checkpoint = load_checkpoint

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -18,11 +19,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from ringtrain.checkpoint.checkpoint import Checkpoint
+from ringtrain.checkpoint.checkpoint import Checkpoint, CheckpointLoadError
 from ringtrain.session import get_checkpoint, get_context, report
 from ringtrain.state import capture_rng, load_file, restore_rng
 
-__all__ = ["CHECKPOINT_FILE", "RingtrainCallback", "get_ckpt_path", "rng_file"]
+__all__ = ["CHECKPOINT_FILE", "RingtrainCallback", "get_ckpt_path", "own_files", "rng_file"]
 
 logger = logging.getLogger("ringtrain")
 
@@ -55,6 +56,10 @@ def get_ckpt_path(checkpoint: Checkpoint | None = None) -> str | None:
     ckpt = checkpoint if checkpoint is not None else get_checkpoint()
     if ckpt is None:
         return None
+    if _is_directory(ckpt):
+        # A sharded strategy's directory (FSDP, ModelParallel, DeepSpeed): every rank gets a
+        # private verified copy of all of it (DCP reads other ranks' shards too).
+        return ckpt.verified_copy(CHECKPOINT_FILE + "/")
     if not ckpt.has_file(CHECKPOINT_FILE):
         raise FileNotFoundError(
             f"{ckpt.uri} has no {CHECKPOINT_FILE}: it was not written by RingtrainCallback, so a "
@@ -64,6 +69,15 @@ def get_ckpt_path(checkpoint: Checkpoint | None = None) -> str | None:
     # Lightning reads a path: it gets a private copy, checked against the manifest's SHA-256
     # as it was copied (the same path for every call on this checkpoint handle).
     return ckpt.verified_copy(CHECKPOINT_FILE)
+
+
+def _is_directory(ckpt: Checkpoint) -> bool:
+    """Whether ``lightning.ckpt`` is a directory of listed files in ``ckpt``."""
+    try:
+        listed = ckpt.verified_files()
+    except CheckpointLoadError:
+        return False  # a checkpoint of local files (Checkpoint.from_directory): no manifest
+    return any(name.startswith(CHECKPOINT_FILE + "/") for name in listed)
 
 
 def _load_rng(ckpt: Checkpoint, rank: int) -> dict[str, Any] | None:
@@ -178,21 +192,62 @@ class RingtrainCallback(pl.Callback):
         if not self.checkpoint or get_context().run_dir is None:
             report(metrics)
             return
-        tmp = tempfile.mkdtemp(prefix="ringtrain_lightning_")
+        strategy = trainer.strategy
+        # One directory name on every rank (rank 0's): sharded strategies write their parts
+        # into the path rank 0 gives (they broadcast it), on each node's own disk; each rank
+        # then reports only the files it owns (own_files), so that a node's shards reach the
+        # run's storage from that node and no file is reported twice.
+        shared = strategy.broadcast(
+            tempfile.mkdtemp(prefix="ringtrain_lightning_") if trainer.global_rank == 0 else ""
+        )
+        mine = tempfile.mkdtemp(prefix="ringtrain_lightning_rank_")
         try:
+            os.makedirs(shared, exist_ok=True)
             # Every rank calls save_checkpoint: it is collective (a barrier; sharded strategies
             # write a part on every rank). Under DDP only global rank 0 writes the file.
-            trainer.save_checkpoint(os.path.join(tmp, CHECKPOINT_FILE), weights_only=False)
-            torch.save(capture_rng(), os.path.join(tmp, rng_file(trainer.global_rank)))
-            report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+            trainer.save_checkpoint(os.path.join(shared, CHECKPOINT_FILE), weights_only=False)
+            torch.save(capture_rng(), os.path.join(mine, rng_file(trainer.global_rank)))
+            for name in own_files(shared, trainer.global_rank):
+                os.makedirs(os.path.dirname(os.path.join(mine, name)), exist_ok=True)
+                _link_or_copy(os.path.join(shared, name), os.path.join(mine, name))
+            report(metrics, checkpoint=Checkpoint.from_directory(mine))
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(mine, ignore_errors=True)
+            strategy.barrier("ringtrain_lightning_checkpoint")  # all copied: remove the parts
+            shutil.rmtree(shared, ignore_errors=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_step_reported": self._last_step_reported}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_step_reported = state_dict.get("last_step_reported")
+
+
+_RANK_FILE = re.compile(r"(?:^|/)(?:__(\d+)_\d+\.distcp|zero_pp_rank_(\d+)_[^/]*)$")
+"""Files that name the rank that writes them: DCP's ``__{rank}_{n}.distcp`` (FSDP and
+ModelParallel sharded checkpoints) and DeepSpeed's ``zero_pp_rank_{rank}_...``."""
+
+
+def own_files(directory: str, rank: int) -> list[str]:
+    """The ``/``-separated paths under ``directory`` that ``rank`` reports: those whose name
+    carries its rank (:data:`_RANK_FILE`), and on rank 0 every file that names no rank
+    (Lightning's single-file checkpoint, DCP's ``.metadata``, Lightning's ``meta.pt``)."""
+    out = []
+    for root, _dirs, names in os.walk(directory):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), directory).replace(os.sep, "/")
+            match = _RANK_FILE.search(rel)
+            owner = int(match.group(1) or match.group(2)) if match else 0
+            if owner == rank:
+                out.append(rel)
+    return sorted(out)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system
+        shutil.copyfile(source, target)
 
 
 def _to_python(metrics: Any) -> dict[str, Any]:
