@@ -13,12 +13,14 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ringtrain.channel import Event, Hello, Start
 from ringtrain.handshake import listen_backlog, listen_socket
 from ringtrain.preemption import NoticeSource
 from ringtrain.worker_config import WorkerConfig
+
+_W = TypeVar("_W")  # a group's worker: a process (local) or a GroupWorker (Ray)
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,26 @@ class ChannelGroup:
         finally:
             with contextlib.suppress(OSError):
                 conn.close()
+
+    def _reassign(
+        self, assignment: dict[int, int], members: dict[int, _W]
+    ) -> tuple[dict[int, _W], dict[int, Connection], list[_W]]:
+        """An elastic resize's new numbering (``assignment``: old rank -> new rank) applied to
+        ``members`` (the subclass's rank -> worker map) and the channel connections: returns
+        ``(members, connections)`` by new rank and the workers left out. Nothing is changed;
+        call with ``_lock`` held.
+
+        Raises:
+            OSError: if a rank of ``assignment`` has no channel connection (the caller
+                restarts the group instead).
+        """
+        missing = [old for old in assignment if old not in self._conns]
+        if missing:
+            raise OSError(f"ranks {missing} have no channel connection")
+        kept = {new: members[old] for old, new in assignment.items()}
+        conns = {new: self._conns[old] for old, new in assignment.items()}
+        left = [w for r, w in members.items() if r not in assignment]
+        return kept, conns, left
 
     def _pop_joiners(self, ranks: list[int], members: dict[int, Any]) -> list[Any]:
         """Forget the joining workers among ``ranks`` (an elastic grow's, never made members):

@@ -165,12 +165,7 @@ class LocalWorkerGroup(ChannelGroup):
             OSError: if a worker's connection is gone (the caller restarts the group instead).
         """
         with self._lock:
-            missing = [old for old in assignment if old not in self._conns]
-            if missing:
-                raise OSError(f"ranks {missing} have no channel connection")
-            procs = {new: self._procs[old] for old, new in assignment.items()}
-            conns = {new: self._conns[old] for old, new in assignment.items()}
-            left = [p for r, p in self._procs.items() if r not in assignment]
+            procs, conns, left = self._reassign(assignment, self._procs)
             self._retired += left
             self._procs, self._conns = procs, conns
             self._rank_of = {p.pid: r for r, p in procs.items()}

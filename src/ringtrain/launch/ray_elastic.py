@@ -67,12 +67,7 @@ class ElasticRayWorkerGroup(RayWorkerGroup):
             OSError: if a worker's connection is gone (the caller restarts the group instead).
         """
         with self._lock:
-            missing = [old for old in assignment if old not in self._conns]
-            if missing:
-                raise OSError(f"ranks {missing} have no channel connection")
-            members = {new: self._members[old] for old, new in assignment.items()}
-            conns = {new: self._conns[old] for old, new in assignment.items()}
-            left = [w for r, w in self._members.items() if r not in assignment]
+            members, conns, left = self._reassign(assignment, self._members)
             stale = [c for r, c in self._conns.items() if r not in assignment]
             for worker in left:
                 worker.retired = True
