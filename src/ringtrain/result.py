@@ -163,7 +163,8 @@ class Result:
             ``fit(raise_on_error=False)``), ``"STOPPED"`` (stopped early on request) or
             ``"PREEMPTED"`` (a preemption notice: every worker saved its state at one agreed
             step; running it again with the same name resumes from there);
-            ``"RUNNING"`` while the run goes on.
+            ``"RUNNING"`` while the run goes on (a sweep trial read back from a run directory
+            without ``result.json``: ``"UNKNOWN"``).
         preemptions: the preemption notices this run handled (never counted in ``failures``
             nor against ``FailureConfig.max_failures``).
     """

@@ -171,4 +171,6 @@ def _result_from_dir(sweep: RunDirectory, dir_name: str, config: dict[str, Any])
         failures=failures,
         metrics_history=[history[r] for r in sorted(history)],
         config=config,
+        status=str(info.get("status") or "UNKNOWN"),
+        preemptions=int(info.get("preemptions") or 0),
     )
