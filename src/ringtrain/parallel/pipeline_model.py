@@ -188,10 +188,17 @@ class PipelineModel(nn.Module):
                 )
 
     def _schedule_for(self, loss_fn: LossFn) -> Any:
-        if self._schedule is None or loss_fn is not self._loss_fn:
-            self._schedule = _build_schedule(self, loss_fn)
-            self._loss_fn = loss_fn
+        """The schedule, built once (its first step exchanges the stages' shapes); the loss
+        function of each call is looked up through ``self._loss_fn``, so a new one (a lambda
+        made every step) costs nothing."""
+        self._loss_fn = loss_fn
+        if self._schedule is None:
+            self._schedule = _build_schedule(self, self._current_loss)
         return self._schedule
+
+    def _current_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target)
 
     def _sync_ties(self) -> None:
         import torch.distributed as dist
