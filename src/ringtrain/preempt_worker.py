@@ -23,8 +23,9 @@ last own checkpoint.
 **SIGTERM to a worker** (a node going away with the whole process tree, or someone signalling
 the workers' process groups): :func:`watch_worker_signals` blocks SIGTERM in every thread of the
 worker (called first thing in the bootstrap, before any thread starts) and waits for it on a
-thread with ``sigwaitinfo``, which says who sent it. From the driver (the worker's parent:
-stopping the group, as on every restart) it terminates the process as before; from anyone else
+thread with ``sigwaitinfo``, which says who sent it. From the driver (the worker's parent, or its
+grandparent when the parent is a ringtrain fork server: :func:`launchers`; stopping the group,
+as on every restart) it terminates the process as before; from anyone else
 it is a notice: the rank tells the driver (:class:`~ringtrain.channel.WorkerNotice`), raises its
 flag and keeps training until the stop step.
 """
@@ -222,21 +223,40 @@ def _set_listener(listener: Callable[[int, int], None]) -> None:
         listener(signum, sender)
 
 
-def watch_worker_signals(driver_pid: int | None = None) -> bool:
+def launchers(parent: int | None = None, proc: str = "/proc") -> frozenset[int]:
+    """The processes whose SIGTERM means "stop now" to this worker: its parent (the driver, or a
+    Ray actor), and, when the parent is a ringtrain launcher process (its command line names a
+    ``ringtrain.launch`` module: a fork server that forked this worker), the parent's parent."""
+    parent = os.getppid() if parent is None else parent
+    found = {parent}
+    try:
+        with open(f"{proc}/{parent}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if b"ringtrain.launch" in cmdline:
+            with open(f"{proc}/{parent}/stat", "rb") as f:
+                stat = f.read()
+            found.add(int(stat.rsplit(b")", 1)[1].split()[1]))  # field 4: ppid
+    except (OSError, ValueError, IndexError):
+        pass
+    return frozenset(found)
+
+
+def watch_worker_signals(driver_pids: frozenset[int] | None = None) -> bool:
     """Block :data:`WATCHED` signals in this thread (and so in every thread started after) and
-    wait for them on a daemon thread: one from ``driver_pid`` (default: the parent process)
+    wait for them on a daemon thread: one from ``driver_pids`` (default: :func:`launchers`)
     terminates the process as the default action would; one from anyone else goes to the
     registered :class:`PreemptionPlugin` as a notice. Call it before any other thread starts.
     Returns False (nothing changed) where ``sigwaitinfo`` does not exist (not Linux)."""
     if not hasattr(signal, "sigwaitinfo") or not hasattr(signal, "pthread_sigmask"):
         return False
-    driver = os.getppid() if driver_pid is None else driver_pid
+    parent = os.getppid()
+    stoppers = launchers(parent) if driver_pids is None else driver_pids
     signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
 
     def wait() -> None:
         while True:
             info = signal.sigwaitinfo(WATCHED)
-            if info.si_pid == driver or os.getppid() != driver:
+            if info.si_pid in stoppers or os.getppid() != parent:
                 _die(info.si_signo)
             with _listener_lock:
                 listener = _listener

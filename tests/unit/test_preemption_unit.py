@@ -191,3 +191,21 @@ def test_failure_config_validates_the_preemption_fields():
         rt.FailureConfig(notice_sources=FileNotice("/x"))
     out = rt.FailureConfig(notice_sources=[FileNotice("/x")]).to_dict()
     assert out["notice_sources_repr"] == ["FileNotice('/x')"] and "notice_sources" not in out
+
+
+def test_a_worker_forked_by_a_ringtrain_launcher_is_stopped_by_its_grandparent_too(tmp_path):
+    """The SIGTERM that stops a worker at once comes from its parent, or from the parent's parent
+    when the parent is a ringtrain launcher process (a fork server); anyone else's is a notice."""
+    from ringtrain.preempt_worker import launchers
+
+    for pid, cmdline, stat in (
+        (10, b"python\0train.py\0", b"10 (python) S 7 10 10"),
+        (20, b"python\0-m\0ringtrain.launch.pool\0", b"20 (python (pool)) S 7 20 20"),
+    ):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmdline)
+        (tmp_path / str(pid) / "stat").write_bytes(stat)
+    assert launchers(10, proc=str(tmp_path)) == {10}
+    assert launchers(20, proc=str(tmp_path)) == {20, 7}
+    assert launchers(30, proc=str(tmp_path)) == {30}  # gone: the parent alone
+    assert launchers() == {os.getppid()}
