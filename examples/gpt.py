@@ -236,8 +236,8 @@ def evaluate(model: nn.Module, val: Windows, batch_size: int, device: torch.devi
         xs, ys = zip(*(val[j] for j in mine[i : i + batch_size]), strict=True)
         x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
         if isinstance(model, PipelineModel):  # the last stage holds the losses
-            if len(xs) % model.microbatches:
-                continue  # a last partial batch the microbatches do not divide
+            if len(xs) != batch_size:
+                continue  # a last partial batch: the stages run batches of one shape
             losses = model.eval_step(x, target=y, loss_fn=lm_loss)
             if losses is not None:
                 total[0] += losses.double().mean() * y.numel()

@@ -82,6 +82,9 @@ def test_a_batch_that_microbatches_do_not_divide_is_refused_at_step():
     model = PipelineModel([(0, first, first)], 2, 3, "1F1B", None, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"batch size 4 of the inputs is not a multiple of micro"):
         model.step(torch.zeros(4, 4), loss_fn=nn.functional.mse_loss)
+    model._check_batch([torch.zeros(3, 4)], None)  # the first batch sets the shape
+    with pytest.raises(ValueError, match=r"shape \[\(6, 4\)\], but the stages were set up for"):
+        model.step(torch.zeros(6, 4), loss_fn=nn.functional.mse_loss)
     with pytest.raises(ValueError, match=r"first stage needs the inputs"):
         model.step(loss_fn=nn.functional.mse_loss)
     with pytest.raises(TypeError, match=r"model.step\(x, target=y, loss_fn=...\)"):

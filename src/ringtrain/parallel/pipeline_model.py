@@ -98,6 +98,7 @@ class PipelineModel(nn.Module):
         self._ties: list[_Tie] = []  # set by prepare_pipeline (tie_groups)
         self._schedule: Any = None
         self._loss_fn: LossFn | None = None
+        self._shapes: list[tuple[int, ...]] | None = None  # of the first batch
 
     saves_with_dcp = True
     """:class:`ringtrain.TrainState` saves this model and its optimizer with DCP (each rank holds
@@ -129,7 +130,8 @@ class PipelineModel(nn.Module):
 
         Args:
             inputs: the model's inputs, batch first (``B`` must be a multiple of
-                ``microbatches``); cut into ``microbatches`` along dimension 0.
+                ``microbatches``); cut into ``microbatches`` along dimension 0. Every call must
+                pass batches of the shape of the first (the stages set up their buffers then).
             target: the loss target, batch first, cut the same way.
             loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the microbatch: the
                 gradients are divided by ``microbatches``, so they equal those of the mean loss
@@ -186,6 +188,15 @@ class PipelineModel(nn.Module):
                     f"{self.microbatches} x k, or prepare_pipeline(microbatches=...) dividing "
                     f"{t.shape[0]})"
                 )
+        shapes = [tuple(t.shape) for t in [*inputs, target] if t is not None]
+        if self._shapes is None:
+            self._shapes = shapes
+        elif shapes != self._shapes:
+            raise ValueError(
+                f"PipelineModel.step: batches of shape {shapes}, but the stages were set up for "
+                f"{self._shapes} at the first step (the stages exchange activation shapes once): "
+                "give every step and eval_step batches of one shape (DataLoader(drop_last=True))"
+            )
 
     def _schedule_for(self, loss_fn: LossFn) -> Any:
         """The schedule, built once (its first step exchanges the stages' shapes); the loss
