@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from ringtrain.monitor.integrations import MLflowCallback, WandbCallback
     from ringtrain.monitor.sinks import CSVCallback, TensorBoardCallback
     from ringtrain.parallel import DDPStrategy, FSDPStrategy, ParallelStrategy
+    from ringtrain.parallel.deepspeed import prepare_deepspeed
     from ringtrain.parallel.pipeline import prepare_pipeline
     from ringtrain.prepare import get_device, prepare_data_loader, prepare_model
     from ringtrain.state import TrainState
@@ -62,6 +63,7 @@ _LAZY = {
     "FSDPStrategy": "ringtrain.parallel",
     "ParallelStrategy": "ringtrain.parallel",
     "prepare_pipeline": "ringtrain.parallel.pipeline",
+    "prepare_deepspeed": "ringtrain.parallel.deepspeed",
     "export_model": "ringtrain.export",
     "accumulate": "ringtrain.accumulate",
     "backward": "ringtrain.amp",
@@ -102,6 +104,7 @@ __all__ = [
     "get_context",
     "get_device",
     "prepare_data_loader",
+    "prepare_deepspeed",
     "prepare_model",
     "prepare_optimizer",
     "prepare_pipeline",

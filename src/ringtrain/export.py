@@ -99,6 +99,11 @@ def load_model_state(checkpoint: str | os.PathLike[str] | Checkpoint) -> dict[st
             f"{ckpt.uri} holds no {STATE_FILE}: it was not saved from a ringtrain.TrainState, so "
             "there is no model to export (load your own files with Checkpoint.as_directory())"
         )
+    if isinstance(shared, dict) and "model" in (shared.get("deepspeed") or ()):
+        from ringtrain.checkpoint import deepspeed_io
+
+        with ckpt.verified_directory(deepspeed_io.is_deepspeed_file) as local:
+            return deepspeed_io.consolidate(local)
     model = shared.get("objects", {}).get("model") if isinstance(shared, dict) else None
     if model is None:
         raise ValueError(f"{ckpt.uri}: the TrainState was saved without a model")

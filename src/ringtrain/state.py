@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.checkpoint import deepspeed_io
 from ringtrain.checkpoint import sharded as sharded_io
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.session import (
@@ -156,8 +157,13 @@ class TrainState:
             grad_scaler=grad_scaler,
             data_loader=data_loader,
         )
+        # A DeepSpeed engine (and its optimizer, scheduler) is saved by DeepSpeed itself.
+        self._deepspeed = deepspeed_io.engine_names(named)
         for name, obj in [*named.items(), *extras.items()]:
             if obj is None and name in _NAMED:
+                continue
+            if name in self._deepspeed:
+                objects[name] = obj
                 continue
             problem = registration_problem(name, obj, _NAMED)
             if problem:
@@ -235,7 +241,7 @@ class TrainState:
     def _shared_payload(self) -> dict[str, Any]:
         objects = {}
         for name, obj in self._objects.items():
-            if name == "data_loader" or name in self._sharded:
+            if name == "data_loader" or name in self._sharded or name in self._deepspeed:
                 continue
             objects[name] = (unwrap(obj) if name == "model" else obj).state_dict()
         return {
@@ -244,6 +250,7 @@ class TrainState:
             "epoch": self.epoch,
             "world_size": get_context().world_size,
             "sharded": sorted(self._sharded),  # saved with torch.distributed.checkpoint
+            "deepspeed": sorted(self._deepspeed),  # in DeepSpeed's own files (deepspeed__*)
             "objects": objects,
             "extras": dict(self.extras),
         }
@@ -309,6 +316,9 @@ class TrainState:
         writers = {name: torch_writer(obj) for name, obj in payload.items()}
         if self._sharded:
             writers.update(self._sharded_writers(get_context().world_rank, staged))
+        if self._deepspeed:  # collective, synchronous: engine.save_checkpoint
+            model = self._objects["model"]
+            writers.update(deepspeed_io.save_writers(model, get_context().world_rank))
         return writers
 
     _checkpoint_writers = checkpoint_writers  # the name session.report and tests used
@@ -368,6 +378,11 @@ class TrainState:
         return True
 
     def _restore_sharded(self, ckpt: Checkpoint) -> None:
+        if self._deepspeed:  # DeepSpeed reads a private copy of the verified files
+            with ckpt.verified_directory(deepspeed_io.is_deepspeed_file) as local:
+                deepspeed_io.restore_engine(self._objects["model"], local)
+        if not self._sharded:
+            return
         optimizer = self._objects["optimizer"] if "optimizer" in self._sharded else None
         # DCP reads whichever files hold this rank's slices: it gets a private copy of the
         # verified files, never the storage itself.
@@ -406,7 +421,7 @@ class TrainState:
             )
         require_layout(source, STATE_FILE, shared, ("objects", "step", "epoch"))
         self._load_shared(shared, source)
-        if self._sharded:
+        if self._sharded or self._deepspeed:
             if sharded is None:  # pragma: no cover - elastic snapshots never hold sharded state
                 raise ValueError(f"{source}: the FSDP-sharded state is not in an in-memory payload")
             sharded()
@@ -430,7 +445,10 @@ class TrainState:
         missing = [
             n
             for n in self._objects
-            if n != "data_loader" and n not in saved and n not in saved_sharded
+            if n != "data_loader"
+            and n not in saved
+            and n not in saved_sharded
+            and n not in self._deepspeed
         ]
         if missing:
             raise ValueError(
@@ -438,7 +456,7 @@ class TrainState:
                 "TrainState, absent when the checkpoint was saved)"
             )
         for name, obj in self._objects.items():
-            if name == "data_loader" or name in self._sharded:
+            if name == "data_loader" or name in self._sharded or name in self._deepspeed:
                 continue
             (unwrap(obj) if name == "model" else obj).load_state_dict(saved[name])
         extra_saved = [n for n in saved if n not in self._objects]
