@@ -96,9 +96,9 @@ class RecordLosses(pl.Callback):
 
 
 def make_strategy(config: dict[str, Any]) -> Any:
-    from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from ringtrain.integrations.lightning import RingtrainFSDPStrategy
+    from ringtrain.integrations.lightning import RingtrainDeepSpeedStrategy, RingtrainFSDPStrategy
 
     kind = config["strategy"]
     if kind == "fsdp":
@@ -106,7 +106,7 @@ def make_strategy(config: dict[str, Any]) -> Any:
     if kind == "model_parallel":
         return ModelParallelStrategy(**config.get("strategy_kwargs", {}))
     if kind == "deepspeed":
-        return DeepSpeedStrategy(stage=2)
+        return RingtrainDeepSpeedStrategy(**config.get("strategy_kwargs", {}))
     return kind  # a string: "ddp", "fsdp", ...
 
 

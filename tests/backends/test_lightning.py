@@ -365,14 +365,20 @@ def test_model_parallel_sizes_come_from_ringtrains_mesh(world_size, mesh, sizes)
     assert strategy.num_nodes * strategy.num_processes == world_size
 
 
-def test_deepspeed_on_cpu_is_refused_with_the_way_out():
+def test_lightnings_deepspeed_on_cpu_is_refused_with_the_way_out():
     deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeedStrategy needs deepspeed")
     assert deepspeed
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
+    from ringtrain.integrations.lightning import RingtrainDeepSpeedStrategy
+
     _context(world_size=2, local_world_size=2)
-    with pytest.raises(ValueError, match=r"only supported on CUDA GPUs.*rt.prepare_deepspeed"):
+    with pytest.raises(
+        ValueError, match=r"only supported on CUDA GPUs.*RingtrainDeepSpeedStrategy\(stage=...\)"
+    ):
         prepare_trainer(_trainer(strategy=DeepSpeedStrategy(stage=2)))
+    trainer = prepare_trainer(_trainer(strategy=RingtrainDeepSpeedStrategy(stage=3)))
+    assert (trainer.strategy.num_nodes, trainer.strategy.num_processes) == (1, 2)
 
 
 def test_own_files_split_a_sharded_checkpoint_between_ranks(tmp_path):
@@ -413,6 +419,7 @@ def test_own_files_split_a_sharded_checkpoint_between_ranks(tmp_path):
         ("fsdp", {}, 2, None, 2),
         ("model_parallel", {}, 2, None, 2),  # FSDP2 over data_parallel
         ("model_parallel", {}, 2, (1, 2), 1),  # TP over tensor_parallel: both ranks, one batch
+        ("deepspeed", {"stage": 3}, 2, None, 2),  # RingtrainDeepSpeedStrategy, ZeRO-3
     ],
 )
 def test_sharded_strategy_matches_one_process_and_resumes_from_its_checkpoint(
@@ -425,6 +432,8 @@ def test_sharded_strategy_matches_one_process_and_resumes_from_its_checkpoint(
 
     losses = str(tmp_path / "losses")
     extra = {}
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed", reason="DeepSpeedStrategy needs deepspeed")
     if parallel is not None:
         extra["parallel"] = rt.ParallelConfig(dp_shard=parallel[0], tp=parallel[1])
     config = {"strategy": strategy, "strategy_kwargs": kwargs, "losses": losses, "kill": [1, 7]}
@@ -444,6 +453,10 @@ def test_sharded_strategy_matches_one_process_and_resumes_from_its_checkpoint(
     listed = set(ckpt.verified_files())
     if strategy == "fsdp" and not kwargs:
         assert "lightning.ckpt" in listed
+    elif strategy == "deepspeed":
+        files = {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(workers)}
+        assert {f"lightning.ckpt/checkpoint/{f}" for f in files} <= listed
+        assert "lightning.ckpt/latest" in listed
     else:
         assert {"lightning.ckpt/.metadata", "lightning.ckpt/meta.pt"} <= listed
         assert {f"lightning.ckpt/__{r}_0.distcp" for r in range(workers)} <= listed

@@ -70,6 +70,7 @@ from ringtrain.integrations.lightning_callback import (
     rng_file,
 )
 from ringtrain.integrations.lightning_strategies import (
+    RingtrainDeepSpeedStrategy,
     RingtrainFSDPStrategy,
     reconcile_model_parallel,
     safe_loading,
@@ -80,6 +81,7 @@ from ringtrain.session import get_context
 __all__ = [
     "CHECKPOINT_FILE",
     "RingtrainCallback",
+    "RingtrainDeepSpeedStrategy",
     "RingtrainEnvironment",
     "RingtrainFSDPStrategy",
     "get_ckpt_path",

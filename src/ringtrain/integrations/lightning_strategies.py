@@ -27,6 +27,7 @@ Lightning loads (ringtrain's allow-list reader, ``torch.load(weights_only=True)`
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +44,7 @@ from ringtrain.env import DistributedContext
 from ringtrain.parallel_config import MeshShape
 
 __all__ = [
+    "RingtrainDeepSpeedStrategy",
     "RingtrainFSDPStrategy",
     "model_parallel_sizes",
     "reconcile_model_parallel",
@@ -137,6 +139,56 @@ def _no_offload(active: bool) -> Iterator[None]:
         lightning_fsdp._get_full_state_dict_context = original
 
 
+class RingtrainDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's ``DeepSpeedStrategy`` (ZeRO stage 1, 2 or 3) that also runs on CPU workers
+    (DeepSpeed's CPU accelerator, gloo).
+
+    On a GPU worker it is Lightning's ``DeepSpeedStrategy`` unchanged. On a CPU worker it sets
+    ``DS_ACCELERATOR=cpu`` (unless set: DeepSpeed reads it once, when it first picks its
+    accelerator) and steps around Lightning's three CUDA-only assumptions:
+    ``setup_environment`` refuses a non-CUDA accelerator; ``setup_distributed`` checks that the
+    device indices are the local ranks (a CPU device has none); ``deepspeed.initialize`` gets
+    ``device_rank=root_device.index``, ``None`` on CPU, which DeepSpeed compares with 0. Arguments
+    are ``DeepSpeedStrategy``'s.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        super().__init__(*args, **kwargs)
+
+    def _on_cpu(self) -> bool:
+        return bool(self.parallel_devices) and self.root_device.type == "cpu"
+
+    def setup_environment(self) -> None:
+        if self._on_cpu():
+            DDPStrategy.setup_environment(self)  # without the "only on CUDA GPUs" refusal
+        else:
+            super().setup_environment()
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu():
+            super().setup_distributed()
+            return
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._on_cpu():
+            return super()._setup_model_and_optimizer(*args, **kwargs)
+        devices = self.parallel_devices
+        assert devices is not None
+        # DeepSpeed's CPU accelerator ignores the index; it only has to be the local rank.
+        self.parallel_devices = [torch.device("cpu", i) for i in range(len(devices))]
+        try:
+            return super()._setup_model_and_optimizer(*args, **kwargs)
+        finally:
+            self.parallel_devices = devices
+
+
 # ------------------------------------------------------------------------------------- checking
 
 
@@ -150,17 +202,15 @@ def strategy_problems(strategy: Any, ctx: DistributedContext, env_type: type) ->
             (``RingtrainEnvironment``).
     """
     name = type(strategy).__name__
-    if isinstance(strategy, DeepSpeedStrategy):
-        return (
-            [_deepspeed_problem(strategy, ctx)]
-            if not ctx.use_gpu
-            else _environment(strategy, env_type)
-        )
+    on_cpu = not ctx.use_gpu
+    if isinstance(strategy, DeepSpeedStrategy) and on_cpu:
+        ours = isinstance(strategy, RingtrainDeepSpeedStrategy)
+        return _environment(strategy, env_type) if ours else [_deepspeed_problem(strategy)]
     if not isinstance(strategy, (DDPStrategy, FSDPStrategy, ModelParallelStrategy)):
         return [
             f"the Trainer runs {name}; the ringtrain integration supports Lightning's "
             "DDPStrategy (strategy='ddp'), FSDPStrategy (RingtrainFSDPStrategy() on CPU), "
-            "ModelParallelStrategy and, on GPUs, DeepSpeedStrategy"
+            "ModelParallelStrategy and DeepSpeedStrategy (RingtrainDeepSpeedStrategy() on CPU)"
         ]
     problems = []
     start_method = getattr(strategy, "_start_method", "popen")
@@ -187,13 +237,13 @@ def _environment(strategy: ParallelStrategy, env_type: type) -> list[str]:
     ]
 
 
-def _deepspeed_problem(strategy: Any, ctx: DistributedContext) -> str:
+def _deepspeed_problem(strategy: Any) -> str:
     return (
         f"the Trainer runs {type(strategy).__name__} on CPU workers, which Lightning refuses "
         "(DeepSpeedStrategy.setup_environment: 'The DeepSpeed strategy is only supported on "
-        "CUDA GPUs'): give the workers GPUs (ScalingConfig(use_gpu=True)), or train DeepSpeed "
-        "on CPU in a plain loop with rt.prepare_deepspeed(model, config=...), or shard with "
-        "Lightning on CPU through RingtrainFSDPStrategy() or ModelParallelStrategy"
+        "CUDA GPUs'): use pl.Trainer(strategy=RingtrainDeepSpeedStrategy(stage=...)) (from "
+        "ringtrain.integrations.lightning), or give the workers GPUs "
+        "(ScalingConfig(use_gpu=True))"
     )
 
 
@@ -274,13 +324,29 @@ def reconcile_model_parallel(strategy: ModelParallelStrategy, ctx: DistributedCo
 # -------------------------------------------------------------------------------------- loading
 
 
+def _deepspeed_globals() -> list[Any]:
+    """DeepSpeed's data-only classes that its checkpoints pickle (loss scalers, the ZeRO stage
+    enum, ZeRO-1/2's ``fragment_address(numel, start)`` in ``param_slice_mappings``), allowed
+    beside ``weights_only``'s own when DeepSpeed is in use."""
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        return []
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
 @contextlib.contextmanager
 def safe_loading() -> Iterator[None]:
     """While it is open, loading a checkpoint cannot run code: ``torch.load`` always uses
     ``weights_only=True``, DCP's ``FileSystemReader.read_metadata`` parses ``.metadata`` with
     ringtrain's allow-list reader (:mod:`ringtrain.checkpoint.dcp_metadata`) instead of
     ``pickle``, and FSDPStrategy's full-checkpoint loader (``_lazy_load``, a plain
-    ``pickle.Unpickler``) is ``torch.load(weights_only=True)``. Lightning's sharded strategies
+    ``pickle.Unpickler``) is ``torch.load(weights_only=True)`` (allowing DeepSpeed's loss
+    scaler and ZeRO-stage classes, data only, when DeepSpeed is loaded). Lightning's strategies
     load through these (``torch.distributed.checkpoint.load`` with the default reader and
     planner, ``torch.load`` of ``meta.pt``). Process-wide while open: open it only around a
     load, in a worker."""
@@ -295,7 +361,8 @@ def safe_loading() -> Iterator[None]:
 
     def load(*args: Any, **kwargs: Any) -> Any:
         kwargs["weights_only"] = True
-        return original_load(*args, **kwargs)
+        with torch.serialization.safe_globals(_deepspeed_globals()):
+            return original_load(*args, **kwargs)
 
     def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
         safe = _safe_reader(str(self.path), fsspec_url=False)
