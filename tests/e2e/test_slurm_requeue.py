@@ -17,7 +17,9 @@ import pytest
 import ringtrain as rt
 import workloads
 from ringtrain import slurm
+from ringtrain.preemption import FileNotice
 from ringtrain.trainer import default_run_name
+from support import read_jsonl_dir
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0"}
 
@@ -124,3 +126,45 @@ def test_a_finished_run_inside_a_slurm_job_does_not_requeue(scontrol, tmp_path, 
     assert result.error is None
     assert Path(result.path).name == "metrics_fn_slurm4242"
     assert calls() == []
+
+
+@pytest.mark.timeout(300)
+def test_a_preempted_run_requeues_and_the_requeued_job_resumes_it(scontrol, tmp_path, monkeypatch):
+    """The whole chain: a notice ends the run PREEMPTED inside a SLURM job, the job is requeued
+    once, and the "requeued job" (the same script: same default name) resumes it to the end."""
+    install, calls = scontrol
+    install()
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    log, flag = tmp_path / "log", tmp_path / "notice"
+    log.mkdir()
+    loop = {"epochs": 1, "log": str(log), "out": str(tmp_path / "out.pt"), "batch_size": 6}
+    loop.update(first_world=2, notice_step=4, notice_file=str(flag))
+
+    def job(sources=()):  # the batch script: no run name, the default one
+        return rt.Trainer(
+            workloads.elastic_fn,
+            rt.ScalingConfig(num_workers=2),
+            rt.RunConfig(
+                storage_path=str(tmp_path / "runs"),
+                progress="off",
+                failure_config=rt.FailureConfig(notice_sources=list(sources)),
+            ),
+            train_loop_config={
+                **loop,
+                "first_world": 2,
+                "notice_step": 4,
+                "notice_file": str(flag),
+            },
+        ).fit()
+
+    first = job([FileNotice(flag, interval_s=0.1)])
+    assert first.status == "PREEMPTED" and calls() == ["requeue 4242"]
+    assert Path(first.path).name == "elastic_fn_slurm4242"
+    stopped = max(r["step"] for r in read_jsonl_dir(log))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    again = job()
+    assert again.status == "FINISHED" and again.path == first.path
+    assert calls() == ["requeue 4242"]  # a finished run does not requeue
+    steps = sorted(r["step"] for r in read_jsonl_dir(log) if r["rank"] == 0)
+    assert steps == list(range(1, 11))  # resumed after the stop step: none lost, none repeated
+    assert stopped < 10
