@@ -165,6 +165,11 @@ class RingtrainCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.on_train_start(trainer, pl_module)  # a fit that had nothing left to train
 
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self.on_train_start(trainer, pl_module)  # a load that failed leaves no private copy
+
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
