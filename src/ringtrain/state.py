@@ -380,7 +380,7 @@ class TrainState:
     def _restore_sharded(self, ckpt: Checkpoint) -> None:
         if self._deepspeed:  # DeepSpeed reads a private copy of the verified files
             with ckpt.verified_directory(deepspeed_io.is_deepspeed_file) as local:
-                deepspeed_io.restore_engine(self._objects["model"], local)
+                deepspeed_io.restore_engine(self._objects["model"], local, ckpt.uri)
         if not self._sharded:
             return
         optimizer = self._objects["optimizer"] if "optimizer" in self._sharded else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -153,14 +154,17 @@ def _layout(verified: str) -> str:
     return verified
 
 
-def restore_engine(engine: DeepSpeedEngineLike, verified: str) -> None:
+def restore_engine(engine: DeepSpeedEngineLike, verified: str, uri: str = "checkpoint") -> None:
     """Load ``engine`` (collective) from the verified copy ``verified`` of a checkpoint's
     DeepSpeed files: module, ZeRO optimizer partitions, LR scheduler, DeepSpeed's step counters.
 
     Raises:
         ValueError: DeepSpeed found no checkpoint in the files.
-        _pickle.UnpicklingError: a file names a global outside the allow-list.
+        CheckpointLoadError: a file names a global outside the allow-list (on a worker, the
+            driver then sets the checkpoint aside and resumes from the one before).
     """
+    from ringtrain.checkpoint.checkpoint import CheckpointLoadError
+
     directory = _layout(verified)
     checkpoint_engine = engine.checkpoint_engine
     original = checkpoint_engine.load
@@ -173,6 +177,10 @@ def restore_engine(engine: DeepSpeedEngineLike, verified: str) -> None:
             load_optimizer_states=True,
             load_lr_scheduler_states=True,
         )
+    except pickle.UnpicklingError as exc:
+        lines = str(exc).strip().splitlines() or [""]
+        why = next((ln.strip() for ln in lines if "WeightsUnpickler error" in ln), lines[0])
+        raise CheckpointLoadError(uri, f"a DeepSpeed file: {why}") from exc
     finally:
         checkpoint_engine.load = original
     if path is None:
