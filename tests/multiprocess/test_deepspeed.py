@@ -65,7 +65,10 @@ def test_zero_stages_match_single_process_at_w3(tmp_path) -> None:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# Stage 1 is left out of the kill test to keep the suite's time: its checkpoint is written and
+# loaded by the same code as stage 2's (deepspeed/runtime/zero/stage_1_and_2.py), and stage 1 is
+# compared with one process at W=2 and W=3 above.
+@pytest.mark.parametrize("stage", [2, 3])
 def test_kill_and_resume_is_bit_exact_and_exports(stage, reference, tmp_path) -> None:
     out = tmp_path / "final.pt"
     result = run_job(
