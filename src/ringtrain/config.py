@@ -82,6 +82,10 @@ class ScalingConfig:
             multiply to ``num_workers``. ``None`` (default): plain data parallelism, as before
             (``prepare_model`` uses DDP; ``get_context().mesh`` is the mesh with ``dp_shard``
             = the world size). Not with elastic ``num_workers=(min, max)``.
+        warm_start: ``backend="local"``: fork workers from a warm pool (one process per run
+            that imported torch once; restarts and elastic newcomers skip ``import torch``).
+            ``False``: a fresh interpreter per worker, for a train function whose module
+            mutates process-global state at import (docs/fault-tolerance.md). Ray: ignored.
     """
 
     num_workers: int | tuple[int, int] = 1
@@ -94,8 +98,13 @@ class ScalingConfig:
     elastic_batch_policy: str = "resize_batch"
     elastic_grow_after_s: float | None = 10.0
     parallel: ParallelConfig | None = None
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.warm_start, bool):
+            raise ValueError(
+                f"ScalingConfig.warm_start must be True or False, got {self.warm_start!r}"
+            )
         self._check_num_workers()
         self._check_parallel()
         self._check_elastic_batch_policy()

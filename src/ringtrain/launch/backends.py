@@ -219,10 +219,11 @@ class LocalBackend:
             )
 
     def launcher(self) -> Launcher:
-        """A :class:`~ringtrain.launch.local.LocalLauncher`."""
+        """A :class:`~ringtrain.launch.local.LocalLauncher`; with ``warm_start`` (default) it
+        starts the run's warm worker pool now, so its imports overlap the driver's set-up."""
         from ringtrain.launch.local import LocalLauncher  # config imports this module
 
-        return LocalLauncher()
+        return LocalLauncher(warm_start=self.scaling.warm_start)
 
     def capacity(self) -> Capacity:
         """This machine's cores (its CPU affinity) and CUDA devices."""

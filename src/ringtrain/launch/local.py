@@ -6,6 +6,11 @@ The driver hosts the rendezvous ``TCPStore`` itself on an OS-assigned loopback p
 agent does (``TORCHELASTIC_USE_AGENT_STORE``), so there is no race for a "free" port. Worker output
 is forwarded line by line with a ``(rank N)`` prefix (a traceback as one block).
 
+With a warm pool (:class:`~ringtrain.launch.pool.WorkerPool`, the default: the launcher starts
+one zygote per run, shared by every attempt and elastic newcomer) a worker is forked from a
+process that has imported torch already, instead of ``import torch`` anew; the worker does the
+same thing either way. If the zygote cannot start or dies, workers start cold (said once).
+
 Every socket a local run listens on is bound to loopback: the driver's channel, the store (bound
 by :func:`~ringtrain.launch.base.start_store`, since torch alone would bind the wildcard) and each
 worker's gloo listener (``GLOO_SOCKET_IFNAME``, :func:`~ringtrain.env.loopback_environment`).
@@ -22,14 +27,28 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from ringtrain.channel import DriverListener, Event, Exited, new_authkey
 from ringtrain.env import loopback_environment, worker_environment
 from ringtrain.launch.base import ChannelGroup, WorkerSpec, start_store
+from ringtrain.launch.pool import PooledProcess, PoolUnavailable, WorkerPool
 from ringtrain.launch.reaper import Reaper, wait_unreaped
 
 LOOPBACK = "127.0.0.1"
+
+
+class WorkerProcess(Protocol):
+    """What the group needs of a worker process: :class:`subprocess.Popen` or a
+    :class:`~ringtrain.launch.pool.PooledProcess`."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 class LocalLauncher:
@@ -38,13 +57,46 @@ class LocalLauncher:
     Args:
         forward_output: prefix and forward worker stdout/stderr to the driver's (default); when
             False workers inherit the driver's stdout/stderr directly.
+        warm_start: fork workers from a warm pool (a zygote that imported torch once); the
+            launcher starts it now, so its imports overlap the driver's set-up, and
+            :meth:`close` stops it. False: a fresh interpreter per worker.
+        pool: a pool to use instead (a sweep's, shared by its trials; the caller closes it).
+
+    Raises:
+        OSError: never for the pool: if the zygote cannot start, workers start cold.
     """
 
-    def __init__(self, forward_output: bool = True) -> None:
+    def __init__(
+        self, forward_output: bool = True, warm_start: bool = False, pool: WorkerPool | None = None
+    ) -> None:
         self.forward_output = forward_output
+        self._own_pool = pool is None and warm_start
+        self.pool = pool
+        if self._own_pool:
+            try:
+                self.pool = WorkerPool()
+            except OSError as exc:
+                _say_cold(f"the warm worker pool could not start ({exc})")
 
     def start(self, spec: WorkerSpec) -> LocalWorkerGroup:
-        return LocalWorkerGroup(spec, forward_output=self.forward_output)
+        return LocalWorkerGroup(spec, forward_output=self.forward_output, pool=self.pool)
+
+    def close(self) -> None:
+        """Stop the launcher's own pool (idempotent; a shared pool is left to its owner)."""
+        pool, self.pool = self.pool, None
+        if pool is not None and self._own_pool:
+            pool.close()
+
+
+_COLD_SAID: set[int] = set()
+
+
+def _say_cold(reason: str, key: int = 0) -> None:
+    """Say once (per pool) that workers start cold, and why."""
+    if key in _COLD_SAID:
+        return
+    _COLD_SAID.add(key)
+    sys.stderr.write(f"ringtrain: {reason}: starting workers cold (python -m ...)\n")
 
 
 class LocalWorkerGroup(ChannelGroup):
@@ -55,14 +107,17 @@ class LocalWorkerGroup(ChannelGroup):
     the queue that :meth:`poll` drains, so the controller handles events on one thread.
     """
 
-    def __init__(self, spec: WorkerSpec, forward_output: bool = True) -> None:
+    def __init__(
+        self, spec: WorkerSpec, forward_output: bool = True, pool: WorkerPool | None = None
+    ) -> None:
+        self._pool = pool
         self.world_size = spec.world_size
         self.spec = spec
         self._events: queue.Queue[Event] = queue.Queue()
         self._conns: dict[int, Connection] = {}
         self._threads: list[threading.Thread] = []
-        self._procs: dict[int, subprocess.Popen[bytes]] = {}
-        self._retired: list[subprocess.Popen[bytes]] = []  # lost in an elastic resize
+        self._procs: dict[int, WorkerProcess] = {}
+        self._retired: list[WorkerProcess] = []  # lost in an elastic resize
         self._rank_of: dict[int, int] = {}  # pid -> current rank (renumbered by resize)
         self._joining: set[int] = set()  # ranks started by grow, not members yet
         self._quiet: set[int] = set()  # pids stopped as joiners left out: no Exited event
@@ -89,9 +144,10 @@ class LocalWorkerGroup(ChannelGroup):
         self._reaper = Reaper(new_authkey().hex())
         base_env.update(self._reaper.environment())
         self._base_env = base_env
-        self._cmd = [sys.executable, "-m", "ringtrain.launch.worker"]
+        self._args: list[str] = []
         if spec.script is not None:
-            self._cmd += ["--script", spec.script, *spec.script_args]
+            self._args = ["--script", spec.script, *spec.script_args]
+        self._cmd = [sys.executable, "-m", "ringtrain.launch.worker", *self._args]
         try:
             for rank in range(spec.world_size):
                 self._start_worker(rank, spec.world_size, base_env)
@@ -116,10 +172,7 @@ class LocalWorkerGroup(ChannelGroup):
                 authkey_hex=self._authkey.hex(),
             )
         )
-        pipe = subprocess.PIPE if self._forward_output else None
-        proc = subprocess.Popen(
-            self._cmd, env=env, stdout=pipe, stderr=pipe, start_new_session=True
-        )
+        proc = self._launch(env)
         self._reaper.add(proc.pid)  # the worker leads its own process group
         with self._lock:
             self._procs[rank] = proc
@@ -130,6 +183,20 @@ class LocalWorkerGroup(ChannelGroup):
             self._spawn(_forward, rank, proc.stdout, "stdout")
             self._spawn(_forward, rank, proc.stderr, "stderr")
 
+    def _launch(self, env: dict[str, str]) -> WorkerProcess:
+        """Fork the worker from the warm pool, or start it cold (the pool is off or gone)."""
+        pool = self._pool
+        if pool is not None:
+            try:
+                return pool.spawn(self._args, env, capture_output=self._forward_output)
+            except PoolUnavailable as exc:
+                self._pool = None
+                _say_cold(str(exc), key=id(pool))
+        pipe = subprocess.PIPE if self._forward_output else None
+        return subprocess.Popen(
+            self._cmd, env=env, stdout=pipe, stderr=pipe, start_new_session=True
+        )
+
     # ------------------------------------------------------------------ threads
     def _spawn(self, target: Any, *args: Any) -> None:
         t = threading.Thread(
@@ -138,11 +205,13 @@ class LocalWorkerGroup(ChannelGroup):
         t.start()
         self._threads.append(t)
 
-    def _wait_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+    def _wait_exit(self, rank: int, proc: WorkerProcess) -> None:
         # Process hygiene: once the worker is dead (not yet reaped, so its pid cannot be reused)
         # its DataLoader workers and other children go too, before any next attempt starts.
-        wait_unreaped(proc.pid)
-        _signal_group(proc, signal.SIGKILL)
+        # (A pooled worker's zygote does both before it reaps the worker.)
+        if not isinstance(proc, PooledProcess):
+            wait_unreaped(proc.pid)
+            _signal_group(proc, signal.SIGKILL)
         code = proc.wait()
         self._reaper.discard(proc.pid)
         with self._lock:
@@ -214,7 +283,7 @@ class LocalWorkerGroup(ChannelGroup):
         """Stop joining workers that were never made members (SIGKILL) and forget them; their
         Exited events may still arrive. Idempotent; members and unknown ranks are ignored."""
         with self._lock:
-            gone: list[subprocess.Popen[bytes]] = self._pop_joiners(ranks, self._procs)
+            gone: list[WorkerProcess] = self._pop_joiners(ranks, self._procs)
             self._retired += gone
             self._quiet.update(proc.pid for proc in gone)
         for proc in gone:
@@ -257,7 +326,7 @@ class LocalWorkerGroup(ChannelGroup):
         del self._store
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: WorkerProcess, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 

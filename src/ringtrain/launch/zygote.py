@@ -1,0 +1,143 @@
+"""The warm pool's zygote: ``python -m ringtrain.launch.zygote FD [--no-preload]``.
+
+Started by :class:`ringtrain.launch.pool.WorkerPool` (the protocol is described there). It
+imports what a worker's first DDP step needs, then serves fork requests on the inherited socket
+``FD`` in one thread: no torch op, no thread, so a fork is safe. Nothing in ringtrain imports this
+module; it runs only as a program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+
+_MAX_MSG = 1 << 20
+
+
+def _preload() -> None:
+    """What a worker's first DDP step imports, imported once here (no op run, no thread)."""
+    import torch
+    import torch.distributed
+    import torch.nn.parallel
+
+    with contextlib.suppress(ImportError):
+        import torch._dynamo  # noqa: F401
+    import cloudpickle  # noqa: F401
+
+    import ringtrain.launch.worker
+    import ringtrain.session  # noqa: F401
+
+
+def _child(sock: socket.socket, request: dict[str, object], fds: list[int]) -> None:
+    """In the forked child: become the worker and never return."""
+    code = 1
+    try:
+        sock.close()
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        env = request["env"]
+        assert isinstance(env, dict)
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in env.items()})
+        os.chdir(str(request["cwd"]))
+        raw_argv = request["argv"]
+        assert isinstance(raw_argv, list)
+        argv = [str(a) for a in raw_argv]
+        sys.argv = [sys.argv[0], *argv]
+        from ringtrain.launch import worker
+
+        sys.stdout.flush()
+        code = worker.main(argv)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    """Report every ended child (after SIGKILLing its process group: DataLoader workers)."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(info.si_pid, signal.SIGKILL)
+        _, status = os.waitpid(info.si_pid, 0)
+        children.discard(info.si_pid)  # reaped: its number may be reused now
+        code = os.waitstatus_to_exitcode(status)
+        with contextlib.suppress(OSError):
+            sock.sendall(json.dumps({"exit": info.si_pid, "code": code}).encode() + b"\n")
+
+
+def _serve(sock: socket.socket) -> None:
+    buf = b""
+    children: set[int] = set()
+    pending: list[int] = []  # the descriptors of the request being read
+    while True:
+        ready, _, _ = select.select([sock], [], [], 0.05)
+        _reap(sock, children)
+        if not ready:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 4)
+        if not data:
+            break
+        buf += data
+        pending += fds
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            pid = os.fork()
+            if pid == 0:
+                _child(sock, json.loads(line), pending[:2])
+            children.add(pid)
+            for fd in pending[:2]:
+                os.close(fd)
+            pending = pending[2:]
+            sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    for pid in children:  # the driver closed the channel: the run is over
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+
+
+def _main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[0]))
+    _pdeathsig()
+    if "--no-preload" not in argv:
+        _preload()
+    _serve(sock)
+    return 0
+
+
+def _pdeathsig() -> None:
+    """Die with the driver (no watchdog thread: the zygote forks and must stay single-threaded;
+    the closed channel ends it too)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

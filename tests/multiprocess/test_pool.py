@@ -1,0 +1,145 @@
+"""The warm worker pool (launch/pool.py): workers forked from one zygote per run.
+
+A run and a restart after SIGKILL of a rank go through the pool and end bit-identical to a
+cold-start run; the workers are the zygote's children; script mode works; the zygote has no
+listening socket (only the driver's end of its socketpair reaches it); a killed zygote makes the
+launcher start workers cold, said once. That nothing outlives the driver on every exit path is
+tests/multiprocess/test_process_hygiene.py's job, which runs with the pool (the default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+
+import pytest
+import torch
+
+import pool_workloads
+import ringtrain as rt
+import workloads
+from ringtrain.launch.local import LocalLauncher
+from ringtrain.launch.pool import WorkerPool
+from ringtrain.trainer import run_workers
+from support import assert_bit_identical, job_configs, pid_alive, wait_until
+
+
+def _exact(tmp_path, name, workers, launcher=None, kill=None, **scaling):
+    out = tmp_path / f"{name}.pt"
+    pid_dir = tmp_path / f"{name}-pids"
+    pid_dir.mkdir()
+    cfg = {"epochs": 1, "out": str(out), "kill": kill, "kill_rank": workers - 1, "every": 2}
+    cfg["pid_dir"] = str(pid_dir)
+    s, r = job_configs(workers, name, str(tmp_path / "runs"), {"max_failures": 2, **scaling})
+    result = rt.Trainer(
+        pool_workloads.parent_fn, s, r, train_loop_config=cfg, launcher=launcher
+    ).fit()
+    records = [json.loads(p.read_text()) for p in sorted(pid_dir.iterdir())]
+    return result, torch.load(out, weights_only=True), records
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_restart_through_the_pool_is_bit_identical_to_cold(tmp_path, workers):
+    _, cold, _ = _exact(tmp_path, "cold", workers, warm_start=False)
+    with WorkerPool() as pool:
+        result, warm, records = _exact(
+            tmp_path, "warm", workers, LocalLauncher(pool=pool), kill=("step", 3)
+        )
+        assert len(result.failures) == 1, result.failures
+        assert len(records) == 2 * workers  # both attempts, every rank
+        assert {r["ppid"] for r in records} == {pool.zygote_pid}, (records, pool.zygote_pid)
+        assert pool.alive  # per-attempt cleanup leaves the zygote
+        zygote = pool.zygote_pid
+    assert_bit_identical(cold, warm)
+    assert wait_until(lambda: not pid_alive(zygote), timeout_s=30)
+    assert not any(pid_alive(r["pid"]) for r in records)
+
+
+def _listening_unix_inodes() -> set[str]:
+    found = set()
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if int(fields[3], 16) & 0x10000:  # __SO_ACCEPTCON: a listener
+                found.add(fields[6])
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(target[len("socket:[") : -1])
+    return found
+
+
+def _tcp_listen_inodes() -> set[str]:
+    found = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(name) as f:
+            next(f)
+            found |= {ln.split()[9] for ln in f if ln.split()[3] == "0A"}
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_script_mode_no_listener_and_cold_fallback(tmp_path, capfd):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, ringtrain as rt
+            ctx = rt.get_context()
+            with open(os.path.join(sys.argv[1], f"rank{ctx.world_rank}"), "w") as f:
+                f.write(f"{os.getppid()} {os.getcwd()} {' '.join(sys.argv[1:])}")
+            print("hello from", ctx.world_rank)
+            """
+        )
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    s, r = job_configs(2, "script", str(tmp_path / "runs"), {})
+    with WorkerPool() as pool:
+        # Nobody but the driver can talk to the zygote: it holds no listening socket.
+        sockets = _socket_inodes(pool.zygote_pid)
+        assert sockets and not sockets & (_listening_unix_inodes() | _tcp_listen_inodes())
+        result = run_workers(
+            name="script",
+            entrypoint="script",
+            scaling_config=s,
+            run_config=r,
+            script=str(script),
+            script_args=(str(out), "x"),
+            launcher=LocalLauncher(pool=pool),
+        )
+        assert result.status == "FINISHED"
+        for rank in (0, 1):
+            ppid, cwd, args = (out / f"rank{rank}").read_text().split(" ", 2)
+            assert int(ppid) == pool.zygote_pid and cwd == os.getcwd() and args == f"{out} x"
+        assert "(rank 1) hello from 1" in capfd.readouterr().out
+        # The zygote dies: the next run starts its workers cold, and says so once.
+        os.kill(pool.zygote_pid, signal.SIGKILL)
+        assert wait_until(lambda: not pool.alive, timeout_s=30)
+        s2, r2 = job_configs(2, "after", str(tmp_path / "runs"), {})
+        result = rt.Trainer(
+            workloads.metrics_fn,
+            s2,
+            r2,
+            train_loop_config={"rounds": 2, "scores": [1, 2]},
+            launcher=LocalLauncher(pool=pool),
+        ).fit()
+        assert result.status == "FINISHED"
+        assert capfd.readouterr().err.count("starting workers cold") == 1
+
+
+def test_warm_start_is_validated():
+    with pytest.raises(ValueError, match="warm_start"):
+        rt.ScalingConfig(warm_start="no")  # type: ignore[arg-type]
