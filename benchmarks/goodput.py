@@ -189,6 +189,11 @@ def run_mode(mode: str, steps: int, step_s: float, args: argparse.Namespace) -> 
             injector.driver_pid = proc.pid
             starts += 1
             code = proc.wait()
+            if code == -signal.SIGTERM:
+                # The notice reached the driver before fit() installed its handler (during
+                # Python's start-up) or after fit() returned: nothing to save, the scheduler
+                # requeues the job all the same.
+                code = EXIT_PREEMPTED
         wall = time.monotonic() - start
         injector.done.set()
         injector.join()
