@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.launch.backends import backend_for
@@ -55,6 +55,9 @@ from ringtrain.tune.trials import (
     trial_dir_name,
 )
 from ringtrain.tune.tune_config import TuneConfig, checked_tuner_args, is_int
+
+if TYPE_CHECKING:
+    from ringtrain.launch.pool import WorkerPool
 
 logger = logging.getLogger("ringtrain")
 
@@ -201,6 +204,8 @@ class Tuner:
         else:  # this machine's, or the Ray cluster's (joined, or started, here)
             found = backend.capacity()
             capacity, where = found.resources, found.where
+        # One warm worker pool for the whole sweep: every trial forks its workers from it.
+        self._worker_pool: WorkerPool | None = _sweep_pool(self.scaling_config)
         try:
             check_fits(demand, capacity, where)
             pool = ResourcePool(capacity, tc.max_concurrent_trials)
@@ -220,6 +225,9 @@ class Tuner:
                 return self._run(study, sweep, name, pool, demand, where)
         finally:
             backend.close()  # a Ray instance its capacity() started
+            if self._worker_pool is not None:
+                self._worker_pool.close()
+                self._worker_pool = None
 
     def _write_sweep_files(
         self, sweep: RunDirectory, name: str, capacity: dict[str, float]
@@ -408,6 +416,12 @@ class Tuner:
             callbacks=[*self.run_config.callbacks, _TrialReporter(self, trial)],
         )
         payload = _pickle_payload(self.train_fn, config)
+        shared: WorkerPool | None = getattr(self, "_worker_pool", None)
+        launcher = None
+        if shared is not None:
+            from ringtrain.launch.local import LocalLauncher
+
+            launcher = LocalLauncher(pool=shared)
 
         def target() -> None:
             try:
@@ -420,6 +434,7 @@ class Tuner:
                     train_loop_config=config,
                     stop_event=trial.stop,
                     extra_env=extra_env,
+                    launcher=launcher,
                 )
             except BaseException as exc:  # reported by the main thread
                 trial.exception = exc
@@ -515,3 +530,16 @@ class Tuner:
 
     def _grid(self, study: Any, sweep: RunDirectory, rows: dict[int, TrialRow]) -> ResultGrid:
         return result_grid(study, sweep, rows, self.space, self.metric, self.mode)
+
+
+def _sweep_pool(scaling: ScalingConfig) -> WorkerPool | None:
+    """The sweep's warm worker pool (:class:`ringtrain.launch.pool.WorkerPool`), or ``None``
+    (Ray, ``warm_start=False``, or the zygote could not start: trials then start cold)."""
+    if scaling.backend != "local" or not scaling.warm_start:
+        return None
+    from ringtrain.launch.pool import WorkerPool
+
+    try:
+        return WorkerPool()
+    except OSError:
+        return None
