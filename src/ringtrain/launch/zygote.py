@@ -26,11 +26,18 @@ def _preload() -> None:
     import torch.nn.parallel
 
     with contextlib.suppress(ImportError):
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo
     import cloudpickle  # noqa: F401
 
     import ringtrain.launch.worker
     import ringtrain.session  # noqa: F401
+
+    # GPU workers: a process that initialised CUDA cannot fork usable children. Importing torch
+    # does not initialise it; each forked worker does, after the fork, with its own environment
+    # (CUDA_VISIBLE_DEVICES included). Should an import above ever initialise it, the zygote
+    # exits here and the launcher starts the workers cold instead.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise SystemExit("ringtrain zygote: CUDA was initialised while preloading; cannot fork")
 
 
 def _child(sock: socket.socket, request: dict[str, object], fds: list[int]) -> None:
