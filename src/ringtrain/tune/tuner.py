@@ -535,7 +535,7 @@ class Tuner:
 def _sweep_pool(scaling: ScalingConfig) -> WorkerPool | None:
     """The sweep's warm worker pool (:class:`ringtrain.launch.pool.WorkerPool`), or ``None``
     (Ray, ``warm_start=False``, or the zygote could not start: trials then start cold)."""
-    if scaling.backend != "local" or not scaling.warm_start:
+    if not backend_for(scaling).local_processes or not scaling.warm_start:
         return None
     from ringtrain.launch.pool import WorkerPool
 
