@@ -16,10 +16,11 @@ from ringtrain.hooks import WorkerPlugin
 
 class NoticeAt(WorkerPlugin):
     """At ``TrainState.step == step`` (or at report round ``round_``), once per marker: send
-    the notice ``how``: ``"driver-SIGTERM"``, ``"driver-SIGUSR1"`` (to the driver, this worker's
-    parent), ``"workers-SIGTERM"`` (SIGTERM to every worker's process group, sent by a ``kill``
-    process: a node going away) or ``"file"`` (create ``config["notice_file"]``). With
-    ``slow_s``, every later step sleeps that long (a save that cannot finish in time)."""
+    the notice ``how``: ``"driver-SIGTERM"``, ``"driver-SIGUSR1"`` (to the driver,
+    ``config["driver_pid"]``), ``"workers-SIGTERM"`` (SIGTERM to every worker's process group,
+    sent by a ``kill`` process: a node going away) or ``"file"`` (create
+    ``config["notice_file"]``). With ``slow_s``, every later step sleeps that long (a save that
+    cannot finish in time)."""
 
     def __init__(self, config: dict) -> None:
         self.config = config
@@ -46,7 +47,7 @@ class NoticeAt(WorkerPlugin):
         self.sent = True
         how = self.config["how"]
         if how.startswith("driver-"):
-            os.kill(os.getppid(), getattr(signal, how.split("-", 1)[1]))
+            os.kill(self.config["driver_pid"], getattr(signal, how.split("-", 1)[1]))
         elif how == "workers-SIGTERM":
             pids = _worker_pids(self.config["pid_dir"])
             subprocess.run(["kill", "-TERM", "--", *[f"-{p}" for p in pids]], check=True)

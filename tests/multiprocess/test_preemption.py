@@ -35,6 +35,7 @@ def _config(tmp_path, name, **notice) -> dict:
         "kill": None,
         "kill_rank": 0,
         "marker": str(tmp_path / f"{name}.marker"),
+        "driver_pid": os.getpid(),  # fit() runs in this process (the workers' parent is the pool's)
         **notice,
     }
 

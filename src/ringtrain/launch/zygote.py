@@ -47,6 +47,7 @@ def _child(sock: socket.socket, request: dict[str, object], fds: list[int]) -> N
         sock.close()
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote ignores it; a worker acts on it
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
         for fd in fds:
@@ -130,6 +131,11 @@ def _serve(sock: socket.socket) -> None:
 def _main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     _pdeathsig()
+    # SIGTERM to every process of a job (a node going away, a container being stopped) is a
+    # preemption notice for the driver and the workers; the zygote, whose default action would
+    # be to die and so SIGKILL its workers (their PR_SET_PDEATHSIG) before they could save,
+    # ignores it. It still ends with the driver: PR_SET_PDEATHSIG, or its channel closing.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if "--no-preload" not in argv:
         _preload()
     _serve(sock)
