@@ -374,96 +374,103 @@ def run_workers(
     own_launcher = launcher is None
     signer = from_run_config(run_config)  # an unusable key file fails before anything starts
     launcher = launcher or make_launcher(scaling_config)  # before anything is written
-    run_dir = RunDirectory(run_config.storage_path, name)
-    staging_dir = None
-    if "memory" in protocols(run_dir.fs):
-        # memory:// lives inside this process; workers are other processes. They stage their
-        # files on local disk and the driver carries each completed checkpoint over.
-        staging_dir = tempfile.mkdtemp(prefix=f"ringtrain-{name}-")
-    refuse_if_running(run_dir)
-    run_dir.create()
-    checkpoints = CheckpointManager(
-        run_dir.fs,
-        run_dir.path,
-        run_config.checkpoint_config,
-        staging_dir=staging_dir,
-        signer=signer,
-    )
-    notes = checkpoints.scan()
-    progress = make_progress(run_config.progress)
-    for note in notes:
-        progress.message(note)
-    if checkpoints.latest is not None:
-        progress.message(f"run {name!r} exists: resuming from its latest valid checkpoint")
-    write_run_config(
-        run_dir,
-        signer,
-        entrypoint=entrypoint,
-        script=script,
-        script_args=script_args,
-        scaling_config=scaling_config,
-        run_config=run_config,
-        train_loop_config=train_loop_config,
-        payload=payload,
-    )
-    threads = scaling_config.threads_per_worker()
-    timeout = run_config.failure_config.worker_timeout_s
-    monitor = run_config.monitor_config
-    # Everything the workers are told travels typed in Start (ringtrain.worker_config).
-    worker_config = build_worker_config(scaling_config, run_config, max_steps=max_steps)
-    elastic = None
-    if worker_config.elastic is not None:  # num_workers=(min, max): resize in place
-        from ringtrain.elastic.policy import ElasticPolicy
-
-        elastic = ElasticPolicy(
-            worker_config.elastic.min_workers,
-            worker_config.elastic.max_workers,
-            grow_after_s=scaling_config.elastic_grow_after_s,
+    # The launcher may hold processes already (the warm pool starts at once): whatever fails
+    # before the run starts (a run name taken, an unreadable run directory) closes it.
+    try:
+        run_dir = RunDirectory(run_config.storage_path, name)
+        staging_dir = None
+        if "memory" in protocols(run_dir.fs):
+            # memory:// lives inside this process; workers are other processes. They stage their
+            # files on local disk and the driver carries each completed checkpoint over.
+            staging_dir = tempfile.mkdtemp(prefix=f"ringtrain-{name}-")
+        refuse_if_running(run_dir)
+        run_dir.create()
+        checkpoints = CheckpointManager(
+            run_dir.fs,
+            run_dir.path,
+            run_config.checkpoint_config,
+            staging_dir=staging_dir,
+            signer=signer,
         )
-
-    def make_spec(attempt: int, start_round: int, latest: str | None) -> WorkerSpec:
-        return WorkerSpec(
-            world_size=scaling_config.max_workers,
-            run_dir=checkpoints.workers_run_dir or run_dir.uri,
-            payload=payload,
+        notes = checkpoints.scan()
+        progress = make_progress(run_config.progress)
+        for note in notes:
+            progress.message(note)
+        if checkpoints.latest is not None:
+            progress.message(f"run {name!r} exists: resuming from its latest valid checkpoint")
+        write_run_config(
+            run_dir,
+            signer,
+            entrypoint=entrypoint,
             script=script,
-            script_args=tuple(script_args),
-            use_gpu=scaling_config.use_gpu,
-            threads=threads,
-            attempt=attempt,
-            start_round=start_round,
-            latest_checkpoint=latest,
-            env=dict(extra_env or {}),
-            checkpoint_files=checkpoints.resume_files if latest is not None else None,
-            config=worker_config,
+            script_args=script_args,
+            scaling_config=scaling_config,
+            run_config=run_config,
+            train_loop_config=train_loop_config,
+            payload=payload,
         )
+        threads = scaling_config.threads_per_worker()
+        timeout = run_config.failure_config.worker_timeout_s
+        monitor = run_config.monitor_config
+        # Everything the workers are told travels typed in Start (ringtrain.worker_config).
+        worker_config = build_worker_config(scaling_config, run_config, max_steps=max_steps)
+        elastic = None
+        if worker_config.elastic is not None:  # num_workers=(min, max): resize in place
+            from ringtrain.elastic.policy import ElasticPolicy
 
-    # TensorBoard and CSV logs: driver-side callbacks, ahead of the user's.
-    sinks = default_sinks(run_dir, monitor)
-    controller = Controller(
-        launcher=launcher,
-        make_spec=make_spec,
-        world_size=scaling_config.max_workers,
-        run_dir=run_dir,
-        checkpoints=checkpoints,
-        failure_policy=FailurePolicy(run_config.failure_config),
-        progress=progress,
-        callbacks=[*sinks, *run_config.callbacks],
-        worker_timeout_s=timeout,
-        stragglers=StragglerDetector(monitor.straggler_threshold, monitor.straggler_patience)
-        if monitor.timing
-        else None,
-        elastic=elastic,
-        stop_event=stop_event,
-        # SIGTERM/SIGUSR1 to the driver are preemption notices (docs/fault-tolerance.md).
-        notice_sources=[
-            SignalNotice(),
-            *run_config.failure_config.notice_sources,
-            # The backend's own: a Ray node drain (launch.ray_drain).
-            *(launcher.notice_sources() if isinstance(launcher, NoticeProvider) else ()),
-        ],
-        preemption_grace_s=run_config.failure_config.preemption_grace_s,
-    )
+            elastic = ElasticPolicy(
+                worker_config.elastic.min_workers,
+                worker_config.elastic.max_workers,
+                grow_after_s=scaling_config.elastic_grow_after_s,
+            )
+
+        def make_spec(attempt: int, start_round: int, latest: str | None) -> WorkerSpec:
+            return WorkerSpec(
+                world_size=scaling_config.max_workers,
+                run_dir=checkpoints.workers_run_dir or run_dir.uri,
+                payload=payload,
+                script=script,
+                script_args=tuple(script_args),
+                use_gpu=scaling_config.use_gpu,
+                threads=threads,
+                attempt=attempt,
+                start_round=start_round,
+                latest_checkpoint=latest,
+                env=dict(extra_env or {}),
+                checkpoint_files=checkpoints.resume_files if latest is not None else None,
+                config=worker_config,
+            )
+
+        # TensorBoard and CSV logs: driver-side callbacks, ahead of the user's.
+        sinks = default_sinks(run_dir, monitor)
+        controller = Controller(
+            launcher=launcher,
+            make_spec=make_spec,
+            world_size=scaling_config.max_workers,
+            run_dir=run_dir,
+            checkpoints=checkpoints,
+            failure_policy=FailurePolicy(run_config.failure_config),
+            progress=progress,
+            callbacks=[*sinks, *run_config.callbacks],
+            worker_timeout_s=timeout,
+            stragglers=StragglerDetector(monitor.straggler_threshold, monitor.straggler_patience)
+            if monitor.timing
+            else None,
+            elastic=elastic,
+            stop_event=stop_event,
+            # SIGTERM/SIGUSR1 to the driver are preemption notices (docs/fault-tolerance.md).
+            notice_sources=[
+                SignalNotice(),
+                *run_config.failure_config.notice_sources,
+                # The backend's own: a Ray node drain (launch.ray_drain).
+                *(launcher.notice_sources() if isinstance(launcher, NoticeProvider) else ()),
+            ],
+            preemption_grace_s=run_config.failure_config.preemption_grace_s,
+        )
+    except BaseException:
+        if own_launcher:
+            _close_launcher(launcher)
+        raise
     try:
         result = controller.run()
         _requeue_if_preempted(controller.state.value, run_config)
@@ -471,10 +478,16 @@ def run_workers(
     finally:
         for sink in sinks:  # also after Ctrl-C, when on_end is not called: files complete
             sink.close()  # type: ignore[attr-defined]
-        if own_launcher and callable(getattr(launcher, "close", None)):
-            launcher.close()  # type: ignore[attr-defined]  # e.g. a Ray instance it started
+        if own_launcher:
+            _close_launcher(launcher)
         if staging_dir is not None:
             shutil.rmtree(staging_dir, ignore_errors=True)
+
+
+def _close_launcher(launcher: Launcher) -> None:
+    """Release what a launcher holds (its warm worker pool, a Ray instance it started)."""
+    if callable(getattr(launcher, "close", None)):
+        launcher.close()  # type: ignore[attr-defined]
 
 
 def _requeue_if_preempted(status: str, run_config: RunConfig) -> None:
