@@ -223,6 +223,12 @@ def _set_listener(listener: Callable[[int, int], None]) -> None:
         listener(signum, sender)
 
 
+def driver_pid(parent: int | None = None, proc: str = "/proc") -> int:
+    """The pid of this worker's driver: its parent, or its grandparent when the parent is a
+    ringtrain launcher process (the warm pool's zygote, :mod:`ringtrain.launch.zygote`)."""
+    return max(launchers(parent, proc), key=lambda pid: pid != (parent or os.getppid()))
+
+
 def launchers(parent: int | None = None, proc: str = "/proc") -> frozenset[int]:
     """The processes whose SIGTERM means "stop now" to this worker: its parent (the driver, or a
     Ray actor), and, when the parent is a ringtrain launcher process (its command line names a

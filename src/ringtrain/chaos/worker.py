@@ -166,8 +166,11 @@ class _Injector:
             self._log(index, fault, step)
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "driver":
-            self._log(index, fault, step, driver_pid=os.getppid())
-            os.kill(os.getppid(), signal.SIGKILL)
+            from ringtrain.preempt_worker import driver_pid
+
+            driver = driver_pid()  # the parent, or the grandparent of a worker the pool forked
+            self._log(index, fault, step, driver_pid=driver)
+            os.kill(driver, signal.SIGKILL)
             time.sleep(60)  # the driver's death takes this worker down (PR_SET_PDEATHSIG)
             os._exit(1)
         elif fault.kind == "write":
