@@ -40,12 +40,15 @@ def _preload() -> None:
         raise SystemExit("ringtrain zygote: CUDA was initialised while preloading; cannot fork")
 
 
-def _child(sock: socket.socket, request: dict[str, object], fds: list[int]) -> None:
-    """In the forked child: become the worker and never return."""
+def _child(sock: socket.socket, request: dict[str, object], fds: list[int], ready: int) -> None:
+    """In the forked child: become the worker and never return. ``ready``: a pipe written once
+    this process leads its own session, so its pid is a process group when the driver hears it."""
     code = 1
     try:
         sock.close()
         os.setsid()
+        os.write(ready, b"s")
+        os.close(ready)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote ignores it; a worker acts on it
         os.dup2(fds[0], 1)
@@ -110,9 +113,16 @@ def _serve(sock: socket.socket) -> None:
         pending += fds
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
+            ready_r, ready_w = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _child(sock, json.loads(line), pending[:2])
+                os.close(ready_r)
+                _child(sock, json.loads(line), pending[:2], ready_w)
+            os.close(ready_w)
+            # Reply once the child has its own session: a killpg(pid) right after spawn (stopping
+            # a group that just started) then reaches it (EOF if the child died first).
+            os.read(ready_r, 1)
+            os.close(ready_r)
             children.add(pid)
             for fd in pending[:2]:
                 os.close(fd)
