@@ -1,10 +1,15 @@
 """The function-mode payload: what the driver ships to every worker in its ``Start`` message.
 
-``pickle_payload(train_fn, config)`` is ``cloudpickle.dumps((train_fn, config, sources))``:
+``pickle_payload(train_fn, config)`` is ``dumps((train_fn, config, sources))``:
 ``sources`` maps the file names of ``train_fn``'s code that exist only in the driver's
 :mod:`linecache` (a notebook cell, ``python -c``) to their lines, so that a worker's traceback
 through them shows the source line (:func:`ringtrain.launch.worker.install_sources`). Payloads
 of older versions are 2-tuples; workers accept both.
+
+:func:`dumps` is ``cloudpickle.dumps`` that keeps each pickled code object's file name: from
+cloudpickle 3.1.3 on, a function pickled by value (one defined in ``__main__``, a notebook cell,
+``python -c``) arrives with ``co_filename == "<dynamic-code>"``, and a worker's traceback then
+names neither the file nor the line. Every ringtrain payload goes through it.
 
 When pickling fails, the error names the variable that holds the unpicklable object (a closure
 variable, a global the function reads, a default argument or a ``train_loop_config`` key), not only
@@ -13,10 +18,12 @@ its type.
 
 from __future__ import annotations
 
+import io
 import linecache
 import os
 import sys
 import types
+from collections import ChainMap
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -103,6 +110,42 @@ def _command_line_program() -> list[str]:
     return args[at].decode("utf-8", errors="replace").splitlines(keepends=True)
 
 
+def _code_at(rebuild: Callable[..., types.CodeType], args: tuple[Any, ...], filename: str) -> Any:
+    """Unpickling side of :func:`dumps`: the code object cloudpickle rebuilt, with its file name."""
+    code = rebuild(*args)
+    if isinstance(code, types.CodeType) and isinstance(filename, str):
+        return code.replace(co_filename=filename)
+    return code
+
+
+def _reduce_code(code: types.CodeType) -> tuple[Any, ...]:
+    import cloudpickle
+
+    base = cloudpickle.Pickler.dispatch_table[types.CodeType]
+    rebuild, args = base(code)[:2]
+    return _code_at, (rebuild, args, code.co_filename)
+
+
+def dumps(obj: Any) -> bytes:
+    """``cloudpickle.dumps(obj)``, keeping ``co_filename`` of every code object pickled by value
+    (see the module docstring); the bytes load with plain ``pickle.loads``/``cloudpickle.loads``
+    wherever ringtrain is importable.
+
+    Raises:
+        Exception: whatever ``cloudpickle`` raises for an object it cannot pickle.
+    """
+    import cloudpickle
+
+    class _Pickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap(
+            {types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table
+        )
+
+    with io.BytesIO() as file:
+        _Pickler(file).dump(obj)
+        return file.getvalue()
+
+
 def describe_unpicklable(train_fn: Callable[..., Any], config: Any) -> str | None:
     """Where the object that cannot be pickled sits: ``"closure variable 'lock' of train_fn
     (a _thread.lock)"``; ``None`` if no single culprit is found."""
@@ -134,20 +177,18 @@ def _type_name(value: Any) -> str:
 
 
 def pickle_payload(train_fn: Callable[..., Any], config: dict[str, Any] | None) -> bytes:
-    """``cloudpickle.dumps((train_fn, config, sources))`` (see the module docstring).
+    """``dumps((train_fn, config, sources))`` (see the module docstring).
 
     Raises:
         TypeError: if ``train_fn`` or ``config`` cannot be pickled; the message names the
             variable holding the unpicklable object when it can be found.
     """
-    import cloudpickle
-
     try:
         sources = source_lines(train_fn)
     except Exception:  # best effort: a traceback without source lines is no reason to fail
         sources = {}
     try:
-        return bytes(cloudpickle.dumps((train_fn, config, sources)))
+        return dumps((train_fn, config, sources))
     except Exception as exc:
         culprit = describe_unpicklable(train_fn, config)
         where = f"{culprit} cannot be pickled" if culprit else "pickling failed"

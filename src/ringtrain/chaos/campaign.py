@@ -161,7 +161,7 @@ class _Campaign:
         """One run (index 0: the clean reference) from start to verdict."""
         import dataclasses
 
-        import cloudpickle
+        from ringtrain.payload import dumps
 
         name = f"w{world_size}_clean" if index == 0 else f"w{world_size}_run{index:02d}"
         run_path = os.path.join(self.storage, name)
@@ -179,7 +179,7 @@ class _Campaign:
         fn = ChaosTrainFn(self.train_fn, plan, chaos_dir, self.config.steps)
         payload = os.path.join(chaos_dir, "payload.pkl")
         with open(payload, "wb") as f:
-            f.write(cloudpickle.dumps((fn, self.train_loop_config)))
+            f.write(dumps((fn, self.train_loop_config)))
         scaling = dataclasses.replace(self.scaling, num_workers=world_size).to_dict()
         failure = {
             "max_failures": sum(f.kind != "driver" for f in plan) + 1,

@@ -52,9 +52,9 @@ class _Returned:
 
     @classmethod
     def wrap(cls, value: Any) -> _Returned:
-        import cloudpickle
+        from ringtrain.payload import dumps
 
-        return cls(type(value).__name__, cloudpickle.dumps(value))
+        return cls(type(value).__name__, dumps(value))
 
     def unwrap(self) -> Any:
         return pickle.loads(self.blob)

@@ -55,10 +55,9 @@ def write_sweep_files(
     Raises:
         TypeError: ``train_fn`` or ``param_space`` cannot be pickled.
     """
-    import cloudpickle
-
     from ringtrain import __version__
     from ringtrain.checkpoint.signing import from_run_config
+    from ringtrain.payload import dumps
 
     sweep.write_json(
         TUNER_FILE,
@@ -76,7 +75,7 @@ def write_sweep_files(
     )
     payload = {**saved.as_dict(), "run_config": run_config}
     try:
-        data = cloudpickle.dumps(payload)
+        data = dumps(payload)
     except Exception as exc:  # e.g. a callback holding a socket
         logger.warning(
             "RunConfig.callbacks cannot be pickled (%s); Tuner.restore will run without them",
@@ -84,7 +83,7 @@ def write_sweep_files(
         )
         payload["run_config"] = dataclasses.replace(run_config, callbacks=[])
         try:
-            data = cloudpickle.dumps(payload)
+            data = dumps(payload)
         except Exception as exc2:
             raise TypeError(
                 "train_fn and param_space must be picklable (they are stored in the sweep "
