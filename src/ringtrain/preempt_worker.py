@@ -200,6 +200,7 @@ def register(session: Session) -> PreemptionPlugin | None:
     route :func:`watch_worker_signals`' notices to it. Returns it (None without a channel)."""
     if session.channel is None:
         return None
+    set_driver_pid(session.context.config.driver_pid)
     plugin = PreemptionPlugin(session)
     session.hooks.register(plugin)
     _set_listener(plugin.signalled)
@@ -224,15 +225,48 @@ def _set_listener(listener: Callable[[int, int], None]) -> None:
 
 
 def driver_pid(parent: int | None = None, proc: str = "/proc") -> int:
-    """The pid of this worker's driver: its parent, or its grandparent when the parent is a
-    ringtrain launcher process (the warm pool's zygote, :mod:`ringtrain.launch.zygote`)."""
+    """The pid of this worker's driver: ``WorkerConfig.driver_pid`` (what the driver put into
+    ``Start``) once it arrived; before that (or on a backend whose driver is on another
+    machine: None there), the parent, or the grandparent when the parent is the warm pool's
+    zygote (:func:`set_launchers`, else :func:`launchers`' ``/proc`` look-up)."""
+    if _driver_pid is not None and parent is None:
+        return _driver_pid
+    if _launched_by and parent is None:
+        return max(_launched_by, key=lambda pid: pid != os.getppid())
     return max(launchers(parent, proc), key=lambda pid: pid != (parent or os.getppid()))
+
+
+def set_launchers(pids: frozenset[int]) -> None:
+    """Say, before :func:`watch_worker_signals`, which processes started this worker (the warm
+    pool's zygote and the driver it serves: :mod:`ringtrain.launch.zygote` calls it in each
+    child it forks), so that neither reads ``/proc``."""
+    global _launched_by
+    _launched_by = frozenset(pids)
+
+
+def set_driver_pid(pid: int | None) -> None:
+    """The driver's pid from ``Start`` (``WorkerConfig.driver_pid``): a SIGTERM it sends stops
+    this worker at once (like its parent's), and :func:`driver_pid` returns it. ``None``: keep
+    what the worker knew (its parent, or what :func:`set_launchers` said)."""
+    global _driver_pid
+    if pid is None:
+        return
+    _driver_pid = pid
+    with _listener_lock:
+        _stoppers.add(pid)
+
+
+_launched_by: frozenset[int] = frozenset()
+_driver_pid: int | None = None
+_stoppers: set[int] = set()  # senders whose SIGTERM ends the process (watch_worker_signals)
 
 
 def launchers(parent: int | None = None, proc: str = "/proc") -> frozenset[int]:
     """The processes whose SIGTERM means "stop now" to this worker: its parent (the driver, or a
     Ray actor), and, when the parent is a ringtrain launcher process (its command line names a
-    ``ringtrain.launch`` module: a fork server that forked this worker), the parent's parent."""
+    ``ringtrain.launch`` module: a fork server that forked this worker), the parent's parent.
+    Only a fallback: ringtrain's zygote says it with :func:`set_launchers` and the driver's
+    pid comes in ``WorkerConfig.driver_pid`` (:func:`set_driver_pid`)."""
     parent = os.getppid() if parent is None else parent
     found = {parent}
     try:
@@ -249,20 +283,27 @@ def launchers(parent: int | None = None, proc: str = "/proc") -> frozenset[int]:
 
 def watch_worker_signals(driver_pids: frozenset[int] | None = None) -> bool:
     """Block :data:`WATCHED` signals in this thread (and so in every thread started after) and
-    wait for them on a daemon thread: one from ``driver_pids`` (default: :func:`launchers`)
-    terminates the process as the default action would; one from anyone else goes to the
-    registered :class:`PreemptionPlugin` as a notice. Call it before any other thread starts.
-    Returns False (nothing changed) where ``sigwaitinfo`` does not exist (not Linux)."""
+    wait for them on a daemon thread: one from ``driver_pids`` terminates the process as the
+    default action would (default: the zygote and the driver when :func:`set_launchers` named
+    the parent, else :func:`launchers`; the driver's pid from ``Start`` joins them later,
+    :func:`set_driver_pid`); one from anyone else goes to the registered
+    :class:`PreemptionPlugin` as a notice. Call it before any other thread starts. Returns False
+    (nothing changed) where ``sigwaitinfo`` does not exist (not Linux)."""
     if not hasattr(signal, "sigwaitinfo") or not hasattr(signal, "pthread_sigmask"):
         return False
     parent = os.getppid()
-    stoppers = launchers(parent) if driver_pids is None else driver_pids
+    if driver_pids is None:
+        driver_pids = _launched_by if parent in _launched_by else launchers(parent)
+    with _listener_lock:
+        _stoppers.update(driver_pids)
     signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
 
     def wait() -> None:
         while True:
             info = signal.sigwaitinfo(WATCHED)
-            if info.si_pid in stoppers or os.getppid() != parent:
+            with _listener_lock:
+                stop = info.si_pid in _stoppers
+            if stop or os.getppid() != parent:
                 _die(info.si_signo)
             with _listener_lock:
                 listener = _listener

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,10 @@ class WorkerConfig:
         mesh: the resolved ``ScalingConfig.parallel`` (``get_context().mesh`` is built from it;
             ``prepare_model`` then shards and applies TP over it); ``None`` without a
             ``ParallelConfig``.
+        driver_pid: the driver process's pid, when its workers run on its machine (the local
+            backend: a worker's parent, or its grandparent through the warm pool's zygote);
+            its SIGTERM stops a worker at once, anyone else's is a preemption notice
+            (:mod:`ringtrain.preempt_worker`). ``None`` where the driver is elsewhere (Ray).
 
     Raises:
         ValueError: from ``__post_init__`` for a value out of range (the message names the field
@@ -117,6 +122,7 @@ class WorkerConfig:
     elastic: ElasticSettings | None = None
     elastic_batch_policy: str = "resize_batch"
     mesh: MeshShape | None = None
+    driver_pid: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("attempt", "start_round"):
@@ -129,6 +135,10 @@ class WorkerConfig:
                     f"WorkerConfig.{name} must be a positive number of seconds or None, "
                     f"got {value!r}"
                 )
+        if self.driver_pid is not None and self.driver_pid < 1:
+            raise ValueError(
+                f"WorkerConfig.driver_pid must be a process id >= 1 or None, got {self.driver_pid}"
+            )
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(
                 f"WorkerConfig.max_steps must be >= 1 or None (no limit), got {self.max_steps}"
@@ -182,6 +192,8 @@ def build_worker_config(
     Raises:
         ValueError: a value out of range (see :class:`WorkerConfig`).
     """
+    from ringtrain.launch.backends import backend_for  # light; config imports this module
+
     failure = run_config.failure_config
     monitor = run_config.monitor_config
     elastic = None
@@ -207,4 +219,5 @@ def build_worker_config(
             if scaling_config.parallel is None
             else scaling_config.parallel.resolve(scaling_config.max_workers)
         ),
+        driver_pid=os.getpid() if backend_for(scaling_config).local_processes else None,
     )

@@ -65,8 +65,11 @@ def _child(sock: socket.socket, request: dict[str, object], fds: list[int], read
         assert isinstance(raw_argv, list)
         argv = [str(a) for a in raw_argv]
         sys.argv = [sys.argv[0], *argv]
+        from ringtrain import preempt_worker
         from ringtrain.launch import worker
 
+        # This worker's launchers, its SIGTERM means "stop now": this zygote and the driver.
+        preempt_worker.set_launchers(frozenset({os.getppid(), _driver}))
         sys.stdout.flush()
         code = worker.main(argv)
         sys.stdout.flush()
@@ -138,7 +141,12 @@ def _serve(sock: socket.socket) -> None:
             break
 
 
+_driver = 0  # the driver's pid (this zygote's parent), for the children's signal watch
+
+
 def _main(argv: list[str]) -> int:
+    global _driver
+    _driver = os.getppid()
     sock = socket.socket(fileno=int(argv[0]))
     _pdeathsig()
     # SIGTERM to every process of a job (a node going away, a container being stopped) is a
