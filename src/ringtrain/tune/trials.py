@@ -172,3 +172,22 @@ def fmt(v: Any) -> str:
 def fmt_resources(r: Mapping[str, float]) -> str:
     """``{"CPU": 4, "GPU": 1}`` as ``"4 CPU, 1 GPU"``."""
     return ", ".join(f"{v:g} {k}" for k, v in sorted(r.items()))
+
+
+def tell_study(
+    lock: threading.RLock,
+    study: Any,
+    otrial: Any,
+    state: Any,
+    value: float | None = None,
+    error: str | None = None,
+) -> None:
+    """Tell the Optuna ``study`` that ``otrial`` ended in ``state`` (with its final ``value``,
+    or the ``error`` it failed with, kept as a user attribute), holding ``lock``."""
+    with lock:
+        if error is not None:
+            otrial.set_user_attr("error", error)
+        if value is not None:
+            study.tell(otrial, value)
+        else:
+            study.tell(otrial, state=state)

@@ -45,6 +45,7 @@ from ringtrain.tune.sweep_files import (
     load_saved_sweep,
     write_sweep_files,
 )
+from ringtrain.tune.trial_launch import _TrialReporter, launch_trial, sweep_pool
 from ringtrain.tune.trials import (
     TrialRun,
     dig,
@@ -52,6 +53,7 @@ from ringtrain.tune.trials import (
     judge,
     result_grid,
     row_from_study,
+    tell_study,
     trial_dir_name,
 )
 from ringtrain.tune.tune_config import TuneConfig, checked_tuner_args, is_int
@@ -63,18 +65,6 @@ logger = logging.getLogger("ringtrain")
 
 
 # ---------------------------------------------------------------------------------- tuner
-class _TrialReporter:
-    """The trial's driver-side callback: rank 0's metrics of each report round become the
-    Optuna trial's intermediate values; a pruning decision stops the trial's workers."""
-
-    def __init__(self, tuner: Tuner, trial: TrialRun) -> None:
-        self.tuner = tuner
-        self.trial = trial
-
-    def on_round(self, round_: int, metrics: dict[str, Any]) -> None:
-        self.tuner._on_round(self.trial, round_, metrics)
-
-
 class Tuner:
     """Runs a hyperparameter sweep whose trials are distributed training runs.
 
@@ -205,7 +195,7 @@ class Tuner:
             found = backend.capacity()
             capacity, where = found.resources, found.where
         # One warm worker pool for the whole sweep: every trial forks its workers from it.
-        self._worker_pool: WorkerPool | None = _sweep_pool(self.scaling_config)
+        self._worker_pool: WorkerPool | None = sweep_pool(self.scaling_config)
         try:
             check_fits(demand, capacity, where)
             pool = ResourcePool(capacity, tc.max_concurrent_trials)
@@ -326,7 +316,7 @@ class Tuner:
         for ft in study.get_trials(deepcopy=False):
             if ft.state == TrialState.WAITING:
                 continue
-            row = self._row_of(ft)
+            row = row_from_study(ft, self.space, self.mode)
             rows[ft.number] = row
             self._display.add(row)
             if ft.state == TrialState.RUNNING:
@@ -384,8 +374,6 @@ class Tuner:
         gpus: list[int],
         sweep: RunDirectory,
     ) -> TrialRun:
-        from ringtrain.trainer import _pickle_payload, run_workers
-
         number = otrial.number
         config = self.space.config(params)
         trial = TrialRun(number, otrial, config, demand, gpus)
@@ -401,48 +389,16 @@ class Tuner:
             row.iterations, row.last, row.best = existing.iterations, existing.last, existing.best
         self._display.add(row)
         self._display.update(number, "started")
-        scaling = self.scaling_config
-        if not (scaling.resources_per_worker and "CPU" in scaling.resources_per_worker):
-            # Each worker gets the 1 CPU it was scheduled with (its torch thread count).
-            scaling = dataclasses.replace(
-                scaling, resources_per_worker={**(scaling.resources_per_worker or {}), "CPU": 1}
-            )
-        extra_env = backend_for(scaling).trial_env(gpus)
-        run_config = dataclasses.replace(
-            self.run_config,
-            name=dir_name,
-            storage_path=sweep.uri,
-            progress="off",
-            callbacks=[*self.run_config.callbacks, _TrialReporter(self, trial)],
+        launch_trial(
+            trial,
+            train_fn=self.train_fn,
+            dir_name=dir_name,
+            sweep=sweep,
+            scaling_config=self.scaling_config,
+            run_config=self.run_config,
+            worker_pool=getattr(self, "_worker_pool", None),
+            on_round=self._on_round,
         )
-        payload = _pickle_payload(self.train_fn, config)
-        shared: WorkerPool | None = getattr(self, "_worker_pool", None)
-        launcher = None
-        if shared is not None:
-            from ringtrain.launch.local import LocalLauncher
-
-            launcher = LocalLauncher(pool=shared)
-
-        def target() -> None:
-            try:
-                trial.result = run_workers(
-                    name=dir_name,
-                    entrypoint=getattr(self.train_fn, "__name__", "train"),
-                    scaling_config=scaling,
-                    run_config=run_config,
-                    payload=payload,
-                    train_loop_config=config,
-                    stop_event=trial.stop,
-                    extra_env=extra_env,
-                    launcher=launcher,
-                )
-            except BaseException as exc:  # reported by the main thread
-                trial.exception = exc
-            finally:
-                trial.done.set()
-
-        trial.thread = threading.Thread(target=target, name=f"ringtrain-{dir_name}", daemon=True)
-        trial.thread.start()
         return trial
 
     def _on_round(self, trial: TrialRun, round_: int, metrics: dict[str, Any]) -> None:
@@ -498,48 +454,19 @@ class Tuner:
         outcome = judge(trial, self.metric, row.last)
         changes: dict[str, Any] = {"status": outcome.status}
         if outcome.status == "COMPLETE":
-            self._tell(study, otrial, TrialState.COMPLETE, value=outcome.value)
+            tell_study(self._lock, study, otrial, TrialState.COMPLETE, value=outcome.value)
             changes["last"] = outcome.value
         elif outcome.status == "PRUNED":
-            self._tell(study, otrial, TrialState.PRUNED)
+            tell_study(self._lock, study, otrial, TrialState.PRUNED)
         else:
-            self._tell(study, otrial, TrialState.FAIL, error=outcome.error)
+            tell_study(self._lock, study, otrial, TrialState.FAIL, error=outcome.error)
             changes["error"] = outcome.error
         self._display.update(trial.number, outcome.message, **changes, ended=time.time())
 
-    def _tell(
-        self,
-        study: Any,
-        otrial: Any,
-        state: Any,
-        value: float | None = None,
-        error: str | None = None,
-    ) -> None:
-        with self._lock:
-            if error is not None:
-                otrial.set_user_attr("error", error)
-            if value is not None:
-                study.tell(otrial, value)
-            else:
-                study.tell(otrial, state=state)
-
     # ------------------------------------------------------------------ outputs
-    def _row_of(self, ft: Any) -> TrialRow:
-        """The table row of a trial as the study holds it (a previous driver's trials)."""
-        return row_from_study(ft, self.space, self.mode)
-
     def _grid(self, study: Any, sweep: RunDirectory, rows: dict[int, TrialRow]) -> ResultGrid:
         return result_grid(study, sweep, rows, self.space, self.metric, self.mode)
 
 
-def _sweep_pool(scaling: ScalingConfig) -> WorkerPool | None:
-    """The sweep's warm worker pool (:class:`ringtrain.launch.pool.WorkerPool`), or ``None``
-    (Ray, ``warm_start=False``, or the zygote could not start: trials then start cold)."""
-    if not backend_for(scaling).local_processes or not scaling.warm_start:
-        return None
-    from ringtrain.launch.pool import WorkerPool
-
-    try:
-        return WorkerPool()
-    except OSError:
-        return None
+_sweep_pool = sweep_pool  # the name it had before it moved to trial_launch.py
+__all__ = ["ResultGrid", "TuneConfig", "Tuner", "_TrialReporter", "_sweep_pool"]
