@@ -23,26 +23,46 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ringtrain.worker_config import WorkerConfig
+from ringtrain.worker_env import (
+    BOOTSTRAP_ENV,
+    ENV_ATTEMPT,
+    ENV_AUTHKEY,
+    ENV_DRIVER_ADDR,
+    ENV_RAY_NODE_ID,
+    ENV_RUN_TOKEN,
+    LOOPBACK_IFNAME_VARS,
+    loopback_environment,
+    loopback_interface,
+    worker_environment,
+)
 
-# The bootstrap of the ringtrain launcher (driver -> worker, before the channel exists).
-ENV_DRIVER_ADDR = "RINGTRAIN_DRIVER_ADDR"  # "host:port" of the driver's report channel
-ENV_AUTHKEY = "RINGTRAIN_AUTHKEY"  # hex secret of the channel
-ENV_RUN_TOKEN = "RINGTRAIN_RUN_TOKEN"  # marks every process of a local group (launch/reaper.py)
-ENV_RAY_NODE_ID = "RINGTRAIN_RAY_NODE_ID"  # informational: the Ray node a worker runs on
-# Read for the attempt number when another launcher sets it; ours sends WorkerConfig.attempt.
-ENV_ATTEMPT = "RINGTRAIN_ATTEMPT"
-
-BOOTSTRAP_ENV = frozenset({ENV_DRIVER_ADDR, ENV_AUTHKEY, ENV_RUN_TOKEN, ENV_RAY_NODE_ID})
-"""The only ``RINGTRAIN_*`` variables a launcher sets in a worker's environment: the channel's
-address and secret (needed before ``Start`` can arrive), the reaper's run token (it finds a group's
-processes by their environment) and, on Ray, the node id (informational). Configuration travels in
-:class:`~ringtrain.worker_config.WorkerConfig`."""
+__all__ = [
+    "BOOTSTRAP_ENV",
+    "ENVIRONMENTS",
+    "ENV_ATTEMPT",
+    "ENV_AUTHKEY",
+    "ENV_DRIVER_ADDR",
+    "ENV_RAY_NODE_ID",
+    "ENV_RUN_TOKEN",
+    "LOOPBACK_IFNAME_VARS",
+    "ClusterEnvironment",
+    "DistributedContext",
+    "RingtrainEnvironment",
+    "SingleProcessEnvironment",
+    "SlurmEnvironment",
+    "TorchrunEnvironment",
+    "context_from_env",
+    "detect_environment",
+    "detect_source",
+    "loopback_environment",
+    "loopback_interface",
+    "worker_environment",
+]
 
 
 @dataclass(frozen=True)
@@ -433,75 +453,3 @@ def _first_slurm_host(nodelist: str) -> str:
         first = rest.split(",")[0].split("-")[0].rstrip("]")
         return prefix + first
     return head
-
-
-def worker_environment(
-    *,
-    rank: int,
-    world_size: int,
-    local_rank: int,
-    local_world_size: int,
-    node_rank: int,
-    master_addr: str,
-    master_port: int,
-    threads: int,
-    driver_addr: str,
-    authkey_hex: str,
-) -> dict[str, str]:
-    """The variables the launcher sets in each worker: torchrun's, Horovod's, the thread count
-    OpenMP and MKL read at start-up, and the bootstrap of ringtrain's channel (the rest of what
-    the driver tells a worker comes typed in ``Start``: :mod:`ringtrain.worker_config`).
-
-    Horovod's (``HOROVOD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``, ``_CROSS_RANK``,
-    ``_CROSS_SIZE``), as ``horovodrun`` sets them, for Horovod scripts and tooling: the cross
-    rank of a worker is the index of its node among the nodes that have a worker with the same
-    local rank, i.e. ``node_rank`` with the same number of workers on every node, and the cross
-    size is the number of nodes (``world_size / local_world_size``).
-    """
-    num_nodes = max(1, -(-world_size // max(1, local_world_size)))
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "GROUP_RANK": str(node_rank),
-        "NODE_RANK": str(node_rank),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "HOROVOD_RANK": str(rank),
-        "HOROVOD_SIZE": str(world_size),
-        "HOROVOD_LOCAL_RANK": str(local_rank),
-        "HOROVOD_LOCAL_SIZE": str(local_world_size),
-        "HOROVOD_CROSS_RANK": str(node_rank),
-        "HOROVOD_CROSS_SIZE": str(num_nodes),
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        ENV_DRIVER_ADDR: driver_addr,
-        ENV_AUTHKEY: authkey_hex,
-        "PYTHONUNBUFFERED": "1",
-    }
-
-
-LOOPBACK_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-"""The variables that make gloo, TensorPipe and NCCL's bootstrap listen on one interface."""
-
-
-def loopback_interface() -> str:
-    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on macOS)."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        names = []
-    for name in ("lo", "lo0", *names):
-        if name in names and name.startswith("lo"):
-            return name
-    return "lo"
-
-
-def loopback_environment() -> dict[str, str]:
-    """The variables a worker of a run on this machine gets so that its communication
-    libraries listen on loopback only: gloo (and TensorPipe, and NCCL's bootstrap) otherwise
-    bind the interface that the host name resolves to, reachable from the network.
-    A multi-node backend (Ray) must not set them."""
-    name = loopback_interface()
-    return {var: name for var in LOOPBACK_IFNAME_VARS}
