@@ -363,7 +363,12 @@ class TrainState:
         if ckpt is None:
             return False
         if isinstance(ckpt, PayloadCheckpoint):
-            self.load_payload(ckpt.in_memory_files, source=ckpt.uri)
+            restore_sharded = getattr(ckpt, "restore_sharded", None)  # an elastic snapshot's
+            self.load_payload(
+                ckpt.in_memory_files,
+                source=ckpt.uri,
+                sharded=None if restore_sharded is None else lambda: restore_sharded(self),
+            )
         else:
             self.load_payload(
                 lambda name: load_file(ckpt, name),
@@ -422,7 +427,7 @@ class TrainState:
         require_layout(source, STATE_FILE, shared, ("objects", "step", "epoch"))
         self._load_shared(shared, source)
         if self._sharded or self._deepspeed:
-            if sharded is None:  # pragma: no cover - elastic snapshots never hold sharded state
+            if sharded is None:  # pragma: no cover - a payload without its restore_sharded
                 raise ValueError(f"{source}: the FSDP-sharded state is not in an in-memory payload")
             sharded()
         self.extras.update(shared.get("extras") or {})

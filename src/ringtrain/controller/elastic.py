@@ -24,6 +24,7 @@ from ringtrain.controller.generation import Generation, Grow
 from ringtrain.controller.health import HELLO_TIMEOUT_S
 from ringtrain.controller.policy import Decision
 from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
+from ringtrain.elastic.replicas import whole_groups
 from ringtrain.launch.base import GrowableGroup
 from ringtrain.preemption import PreemptionNotice
 from ringtrain.result import WorkerFailure
@@ -301,6 +302,10 @@ class ElasticCoordinator:
         except (OSError, RuntimeError, ValueError) as exc:
             self._grow_failed(Grow(ranks), f"could not start workers: {exc}", discard=[])
             return
+        extra = started[len(started) - len(started) % self.policy.replica_group_size :]
+        if extra:  # grow by whole replica groups only: stop a partial one
+            group.discard(extra)
+            started = started[: len(started) - len(extra)]
         if not started:  # no capacity now: look again after elastic_grow_after_s
             self.grow_idle_since = time.monotonic()
             return
@@ -442,6 +447,12 @@ class ElasticCoordinator:
             return (
                 f"without ranks {sorted(leaving)} {stay} workers would be left, fewer than "
                 f"min_workers={self.policy.min_workers}"
+            )
+        size = self.policy.replica_group_size
+        if not whole_groups(leaving, size):
+            return (
+                f"ranks {sorted(leaving)} are part of a replica group of {size} ranks (a replica "
+                "group leaves whole: its other ranks' shards are useless without them)"
             )
         if self._growable() is None:
             return "this launcher cannot resize a worker group"

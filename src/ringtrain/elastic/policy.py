@@ -11,6 +11,12 @@ without processes. The rules:
   waiting) within ``wait_s`` of the first failure, and must hold an in-memory snapshot;
 - at least ``min_workers`` ranks must remain.
 
+On a device mesh with a varying ``dp_replicate`` (``replica_group_size`` > 1 or sharded state:
+:mod:`ringtrain.elastic.replicas`) a lost rank takes its whole replica group with it: its other
+ranks are left out of the new group (and stopped), and the others resume from the *oldest*
+snapshot step a survivor reports: every survivor holds it (its newest or the one before, which a
+sharded snapshot keeps), so no rank needs another's shards.
+
 The new group resumes from the newest snapshot any survivor holds (a rank whose last collective
 completed just before the peer died may be one step ahead of the others; its state is the
 complete result of that step, so the others take it by broadcast).
@@ -23,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ringtrain.channel import Interrupted
+from ringtrain.elastic.replicas import replica_survivors
 from ringtrain.result import WorkerFailure
 
 LOST_KINDS = ("signal", "exit")
@@ -55,6 +62,11 @@ class ElasticPolicy:
         (seconds) before giving up on the resize.
     grow_after_s: after a resize below ``max_workers``, how long to wait before growing back
         (seconds; ``None``: never; ``ScalingConfig.elastic_grow_after_s``).
+    replica_group_size: ranks per replica group (``dp_shard`` of an elastic
+        ``ParallelConfig(dp_replicate=-1, ...)``; 1: every rank on its own). The group shrinks
+        and grows by whole replica groups.
+    replicas: the run is laid out on a device mesh (``ScalingConfig.parallel``): resume from the
+        oldest snapshot step a survivor holds, never by broadcast (sharded state stays put).
     """
 
     def __init__(
@@ -63,11 +75,15 @@ class ElasticPolicy:
         max_workers: int,
         wait_s: float = 30.0,
         grow_after_s: float | None = None,
+        replica_group_size: int = 1,
+        replicas: bool = False,
     ) -> None:
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.wait_s = wait_s
         self.grow_after_s = grow_after_s
+        self.replica_group_size = replica_group_size
+        self.replicas = replicas or replica_group_size > 1
 
     def grow_delay_s(self, failed_grows: int) -> float | None:
         """Seconds to wait after a resize (or a failed grow) before trying to grow back:
@@ -120,11 +136,14 @@ class ElasticPolicy:
                 f"not resizing in place: ranks {sorted(finished)} already finished",
             )
         lost = sorted(failures)
-        survivors = tuple(r for r in range(world_size) if r not in failures)
+        survivors, leaving = replica_survivors(world_size, self.replica_group_size, lost)
+        gone = ""
+        if self.replica_group_size > 1 and leaving:
+            gone = f" (replica groups {list(leaving)} of {self.replica_group_size} ranks leave)"
         if lost and len(survivors) < self.min_workers:
             return ElasticDecision(
                 ElasticAction.FALLBACK,
-                f"not resizing in place: {len(survivors)} of {world_size} workers remain, "
+                f"not resizing in place: {len(survivors)} of {world_size} workers remain{gone}, "
                 f"fewer than min={self.min_workers}",
             )
         waiting = [r for r in survivors if r not in interrupted]
@@ -142,15 +161,18 @@ class ElasticPolicy:
             return ElasticDecision(
                 ElasticAction.FALLBACK,
                 f"not resizing in place: ranks {none} hold no in-memory snapshot yet (none is "
-                "taken before the first TrainState.step increment, nor for FSDP-sharded state)",
+                "taken before the first TrainState.step increment, nor for FSDP-sharded state "
+                "outside ParallelConfig(dp_replicate=-1, ...))",
             )
-        newest = max(s for s in steps.values() if s is not None)
+        held = [s for s in steps.values() if s is not None]
+        newest = min(held) if self.replicas else max(held)
         source = None
-        if len(set(steps.values())) > 1:
+        if len(set(steps.values())) > 1 and not self.replicas:
             source = survivors.index(min(r for r in survivors if steps[r] == newest))
         return ElasticDecision(
             ElasticAction.RESIZE,
-            f"resizing in place: {world_size} -> {len(survivors)} workers (lost ranks {lost})",
+            f"resizing in place: {world_size} -> {len(survivors)} workers (lost ranks {lost})"
+            + gone,
             survivors=survivors,
             source=source,
             snapshot_step=newest,

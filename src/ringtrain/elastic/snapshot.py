@@ -12,10 +12,18 @@ The per-rank payload is also sent to the next rank of the ring (rank ``r`` keeps
 rank ``r - 1 mod W``), so the RNG streams and data position of a rank that dies are still held by
 a live process. A worker that joins later receives the shared payload and the (global) data
 position by broadcast, and fresh RNG streams (:func:`joiner_rng`).
+
+FSDP-sharded objects (``prepare_model(parallel_strategy="fsdp")`` on an elastic
+``ParallelConfig(dp_replicate=-1, dp_shard=G)``: :mod:`ringtrain.elastic.replicas`) are kept as
+this rank's local shards (:attr:`Snapshot.shards`: the ``DTensor.to_local()`` parts of the DCP
+state dict). They are valid on the resized mesh because a survivor keeps its ``dp_shard``
+coordinate; a worker that joins receives them from the member with the same coordinate in replica
+group 0 (:func:`load_shards`, a broadcast over the mesh's ``dp_replicate`` group).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import logging
@@ -47,6 +55,9 @@ class Snapshot:
         rank: this rank's part (``rank_NNNNN.pt``'s content).
         neighbour_rank: the rank whose per-rank payload ``neighbour`` is (``None``: none yet).
         neighbour: that rank's per-rank payload, serialised with ``torch.save`` (bytes).
+        shards: this rank's local shards of the FSDP-sharded objects (``{"model": ...,
+            "optimizer": ...}``, the DCP state dict with every ``DTensor`` replaced by a copy of
+            its local tensor; ``None``: nothing is sharded).
     """
 
     step: int
@@ -54,11 +65,13 @@ class Snapshot:
     rank: dict[str, Any]
     neighbour_rank: int | None = None
     neighbour: bytes | None = None
+    shards: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
         """Host memory the snapshot's tensors occupy (bytes)."""
-        return _tensor_bytes(self.shared) + _tensor_bytes(self.rank) + len(self.neighbour or b"")
+        held = _tensor_bytes(self.shared) + _tensor_bytes(self.rank) + _tensor_bytes(self.shards)
+        return held + len(self.neighbour or b"")
 
     def files(self, rank: int) -> dict[str, Any]:
         """The snapshot as the TrainState payload of ``rank`` (``{file name: content}``)."""
@@ -71,7 +84,97 @@ def take(state: TrainState, previous: Snapshot | None) -> Snapshot:
     rank = get_context().world_rank
     reuse = previous.files(rank) if previous is not None else None
     payload = state.to_payload(shared=True, staged=True, reuse=reuse)
-    return Snapshot(step=int(state.step), shared=payload[STATE_FILE], rank=payload[rank_file(rank)])
+    return Snapshot(
+        step=int(state.step),
+        shared=payload[STATE_FILE],
+        rank=payload[rank_file(rank)],
+        shards=local_shards(state) if state.sharded else None,
+    )
+
+
+def _sharded_objects(state: TrainState) -> tuple[Any, Any]:
+    """The FSDP model of ``state`` and its optimizer when that is sharded too (else None)."""
+    return state["model"], state["optimizer"] if "optimizer" in state.sharded else None
+
+
+def local_shards(state: TrainState) -> dict[str, Any]:
+    """Copies of this rank's local shards of the FSDP-sharded objects of ``state`` (the DCP
+    state dict, :func:`ringtrain.checkpoint.sharded.state_dict_of`, with each ``DTensor``
+    replaced by a copy of its local tensor; no collective)."""
+    from ringtrain.checkpoint.sharded import state_dict_of
+
+    local: dict[str, Any] = _to_local(state_dict_of(*_sharded_objects(state)))
+    return local
+
+
+def load_shards(state: TrainState, shards: dict[str, Any] | None, from_peer: bool) -> None:
+    """Load local ``shards`` (:func:`local_shards`) into the FSDP-sharded objects of ``state``,
+    built on the current mesh with the same ``dp_shard`` coordinate (collective).
+
+    Args:
+        state: the TrainState being restored.
+        shards: this rank's snapshot shards (``None`` on a worker that joins).
+        from_peer: every rank takes the shards of the member with its ``dp_shard`` coordinate
+            in replica group 0 (a broadcast over ``mesh["dp_replicate"]``): workers joined.
+
+    Raises:
+        ValueError: no shards to load, or a shard's shape differs from this rank's (the mesh's
+            inner dimensions changed).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from ringtrain.checkpoint.sharded import _options, state_dict_of
+
+    if from_peer:
+        box: list[Any] = [shards]
+        group = get_context().mesh["dp_replicate"].get_group()
+        dist.broadcast_object_list(box, group_src=0, group=group)
+        shards = box[0]
+    if shards is None:
+        raise ValueError("elastic: this rank holds no in-memory shards of the FSDP state")
+    model, optimizer = _sharded_objects(state)
+    filled = _fill(state_dict_of(model, optimizer), shards, "")
+    set_model_state_dict(model, filled["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, filled["optimizer"], options=_options(model))
+
+
+def _to_local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _to_local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_local(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _fill(current: Any, saved: Any, where: str) -> Any:
+    """``saved`` laid into ``current``: a DTensor's local tensor is overwritten in place (so it
+    keeps its mesh and placements), anything else is taken from ``saved``."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(current, DTensor):
+        local = current.to_local()
+        if not isinstance(saved, torch.Tensor) or local.shape != saved.shape:
+            got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise ValueError(
+                f"elastic: the snapshot's shard of {where or 'a tensor'} is {got}, this rank's "
+                f"is {tuple(local.shape)} (the mesh's dp_shard/tp/pp sizes must not change)"
+            )
+        with torch.no_grad():
+            local.copy_(saved)
+        return current
+    if isinstance(current, dict) and isinstance(saved, dict):
+        return {k: _fill(current.get(k), v, f"{where}.{k}".lstrip(".")) for k, v in saved.items()}
+    return saved
 
 
 def replicate_to_neighbour(snapshot: Snapshot, rank: int, world_size: int) -> None:
@@ -142,7 +245,9 @@ def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int
         mine["rng"] = joiner_rng(source_rank.get("rng"), rank, generation)
     mine["data_loader"] = source_rank.get("data_loader")
     mine["step"] = step
-    return Snapshot(step=int(step), shared=shared, rank=mine)
+    # A member keeps its own FSDP shards (of the same step: the members paused together).
+    shards = snapshot.shards if snapshot is not None and snapshot.step == step else None
+    return Snapshot(step=int(step), shared=shared, rank=mine, shards=shards)
 
 
 def joiner_rng(source_rng: Any, rank: int, generation: int) -> dict[str, Any]:
@@ -176,9 +281,10 @@ class SnapshotCheckpoint(Checkpoint):
         rank: this worker's rank in the new group.
     """
 
-    def __init__(self, snapshot: Snapshot, rank: int) -> None:
+    def __init__(self, snapshot: Snapshot, rank: int, shards_from_peer: bool = False) -> None:
         super().__init__(f"/ringtrain-elastic-snapshot/step_{snapshot.step}", MemoryFileSystem())
         self.snapshot = snapshot
+        self.shards_from_peer = shards_from_peer
         # "elastic": a resize keeps the math (constant global batch); no bit-exactness warning.
         self.in_memory_files: dict[str, Any] = {
             **snapshot.files(rank),
@@ -188,6 +294,10 @@ class SnapshotCheckpoint(Checkpoint):
     @property
     def uri(self) -> str:
         return f"elastic-snapshot://step_{self.snapshot.step}"
+
+    def restore_sharded(self, state: TrainState) -> None:
+        """Load the snapshot's FSDP shards into ``state`` (:func:`load_shards`; collective)."""
+        load_shards(state, self.snapshot.shards, self.shards_from_peer)
 
 
 def _tensor_bytes(value: Any) -> int:

@@ -63,6 +63,7 @@ from ringtrain.elastic.batch import (
 from ringtrain.elastic.sockets import GroupSockets, is_peer_lost
 from ringtrain.env import DistributedContext
 from ringtrain.hooks import SYNC_TOKEN_ATTR, LoaderSetup, ModelSetup, StepState, WorkerPlugin
+from ringtrain.parallel.mesh import clear_dtensor_caches, mesh_sockets
 from ringtrain.session import Session, call_train_fn, installed_session
 from ringtrain.state import TrainState
 from ringtrain.state_files import unwrap
@@ -104,6 +105,9 @@ class ElasticRuntime(WorkerPlugin):
         self.settings = settings
         self.lr_hooks: list[Any] = []  # torch's global optimizer step hooks (scale_lr), once
         self.snapshot: snapshots.Snapshot | None = None
+        # On a device mesh (ScalingConfig.parallel) the one before too: the driver resumes
+        # from the oldest step a survivor holds (ringtrain.elastic.policy).
+        self.previous: snapshots.Snapshot | None = None
         self.generation = 0
         self.resume_pending = False
         self.grow_requested = False  # a GrowRequest of this generation arrived
@@ -128,6 +132,9 @@ class ElasticRuntime(WorkerPlugin):
         every peer still blocked in a collective with this rank fails at once instead of waiting
         for the collective timeout (:mod:`ringtrain.elastic.sockets`), then destroy the group."""
         closed = self.group_sockets.shutdown()
+        mesh = mesh_sockets(self.session.context)  # the mesh's sub-groups (ScalingConfig.parallel)
+        if mesh is not None:
+            closed += mesh.shutdown()
         if closed:
             logger.debug("elastic: shut down %d gloo connections", closed)
         destroy_process_group()
@@ -154,27 +161,36 @@ class ElasticRuntime(WorkerPlugin):
             )
         if self.pause_at is not None and isinstance(state, TrainState):
             # A loop without a prepared loader: pause here.
-            self.snapshot = snapshots.take(state, self.snapshot)
-            snapshots.replicate_to_neighbour(self.snapshot, ctx.world_rank, ctx.world_size)
-            self.pause_at = self.snapshot.step
+            self.pause_at = self._take(state, ctx).step
             raise GrowPause(f"pausing after step {self.pause_at} to grow the group")
         if state.step % self.settings.snapshot_interval_steps:
             return
         if not isinstance(state, TrainState):
             return
-        if state.sharded:
+        if state.sharded and ctx.config.mesh is None:
             if not self._warned_sharded:
                 self._warned_sharded = True
                 logger.warning(
-                    "elastic: in-memory snapshots do not cover FSDP-sharded state; a lost "
-                    "worker restarts the group from the disk checkpoint"
+                    "elastic: in-memory snapshots cover FSDP-sharded state only on an elastic "
+                    "ParallelConfig(dp_replicate=-1, dp_shard=...) (a lost rank of the only "
+                    "replica takes its shards with it); a lost worker restarts the group from "
+                    "the disk checkpoint"
                 )
             return
-        snap = snapshots.take(state, self.snapshot)
-        self.snapshot = snap
-        snapshots.replicate_to_neighbour(snap, ctx.world_rank, ctx.world_size)
+        snap = self._take(state, ctx)
         if self._grow_agreed(ctx):
             self.pause_at = snap.step
+
+    def _take(self, state: TrainState, ctx: DistributedContext) -> snapshots.Snapshot:
+        """Snapshot ``state`` (reusing the buffers of the snapshot it replaces; on a mesh the
+        newest two are kept) and replicate its per-rank part to the ring neighbour."""
+        if ctx.config.mesh is None:
+            self.snapshot = snapshots.take(state, self.snapshot)
+        else:
+            snap = snapshots.take(state, self.previous)
+            self.previous, self.snapshot = self.snapshot, snap
+        snapshots.replicate_to_neighbour(self.snapshot, ctx.world_rank, ctx.world_size)
+        return self.snapshot
 
     def on_batch_start(self) -> None:
         """Before a prepared loader fetches a batch: leave the train function with
@@ -358,14 +374,27 @@ class ElasticRuntime(WorkerPlugin):
         session.next_round = order.start_round
         self.generation = order.generation
         self._init_group(new_ctx, order.store_prefix)
+        clear_dtensor_caches()
         if order.source_rank is not None:
             self.snapshot = snapshots.broadcast(
                 self.snapshot, order.source_rank, order.rank, order.generation
             )
+        else:
+            self._roll_back_to(order.snapshot_step)
         if self.snapshot is None:
             raise RuntimeError("elastic: no in-memory snapshot to resume from")
-        session.latest_checkpoint = snapshots.SnapshotCheckpoint(self.snapshot, order.rank)
+        session.latest_checkpoint = snapshots.SnapshotCheckpoint(
+            self.snapshot, order.rank, shards_from_peer=order.source_rank is not None
+        )
         self.resume_pending = True
+
+    def _roll_back_to(self, step: int) -> None:
+        """Resume from the snapshot before the newest when the driver chose its step (on a
+        mesh the new group resumes from the oldest step a survivor holds)."""
+        previous = self.previous
+        stale = self.snapshot is not None and self.snapshot.step != step
+        if stale and previous is not None and previous.step == step:
+            self.snapshot, self.previous = previous, None
 
     def _init_group(self, ctx: DistributedContext, prefix: str) -> None:
         if ctx.world_size == 1:
