@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -101,8 +100,8 @@ class WorkerConfig:
             ``prepare_model`` then shards and applies TP over it); ``None`` without a
             ``ParallelConfig``.
         driver_pid: the driver process's pid, when its workers run on its machine (the local
-            backend: a worker's parent, or its grandparent through the warm pool's zygote);
-            its SIGTERM stops a worker at once, anyone else's is a preemption notice
+            launcher sets it: a worker's parent, or its grandparent through the warm pool's
+            zygote); its SIGTERM stops a worker at once, anyone else's is a preemption notice
             (:mod:`ringtrain.preempt_worker`). ``None`` where the driver is elsewhere (Ray).
 
     Raises:
@@ -192,8 +191,6 @@ def build_worker_config(
     Raises:
         ValueError: a value out of range (see :class:`WorkerConfig`).
     """
-    from ringtrain.launch.backends import backend_for  # light; config imports this module
-
     failure = run_config.failure_config
     monitor = run_config.monitor_config
     elastic = None
@@ -219,5 +216,4 @@ def build_worker_config(
             if scaling_config.parallel is None
             else scaling_config.parallel.resolve(scaling_config.max_workers)
         ),
-        driver_pid=os.getpid() if backend_for(scaling_config).local_processes else None,
     )

@@ -19,6 +19,7 @@ worker's gloo listener (``GLOO_SOCKET_IFNAME``, :func:`~ringtrain.env.loopback_e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import signal
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import IO, Any, Protocol
 
@@ -72,14 +74,37 @@ class LocalLauncher:
         self.forward_output = forward_output
         self._own_pool = pool is None and warm_start
         self.pool = pool
+        self._cold_listener: Callable[[str], None] | None = None
+        self._cold_reasons: list[str] = []  # said before a listener was attached
+        self._cold_pools: set[int] = set()  # ids of the pools this launcher fell back from
         if self._own_pool:
             try:
                 self.pool = WorkerPool()
             except OSError as exc:
-                _say_cold(f"the warm worker pool could not start ({exc})")
+                self._cold(f"the warm worker pool could not start ({exc})", key=0)
 
     def start(self, spec: WorkerSpec) -> LocalWorkerGroup:
-        return LocalWorkerGroup(spec, forward_output=self.forward_output, pool=self.pool)
+        return LocalWorkerGroup(
+            spec, forward_output=self.forward_output, pool=self.pool, on_cold=self._cold
+        )
+
+    def on_cold_start(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(reason)`` each time workers start cold although a warm pool was
+        asked for (:class:`~ringtrain.launch.pool.ColdStartReporter`; once per pool lost)."""
+        self._cold_listener = listener
+        pending, self._cold_reasons = self._cold_reasons, []
+        for reason in pending:
+            listener(reason)
+
+    def _cold(self, reason: str, key: int) -> None:
+        _say_cold(reason, key=key)
+        if key in self._cold_pools:
+            return
+        self._cold_pools.add(key)
+        if self._cold_listener is None:
+            self._cold_reasons.append(reason)
+        else:
+            self._cold_listener(reason)
 
     def close(self) -> None:
         """Stop the launcher's own pool (idempotent; a shared pool is left to its owner)."""
@@ -108,10 +133,19 @@ class LocalWorkerGroup(ChannelGroup):
     """
 
     def __init__(
-        self, spec: WorkerSpec, forward_output: bool = True, pool: WorkerPool | None = None
+        self,
+        spec: WorkerSpec,
+        forward_output: bool = True,
+        pool: WorkerPool | None = None,
+        on_cold: Callable[[str, int], None] = lambda reason, key: _say_cold(reason, key),
     ) -> None:
         self._pool = pool
+        self._on_cold = on_cold
         self.world_size = spec.world_size
+        # The workers are this process's children (or the zygote's): they get its pid typed.
+        spec = dataclasses.replace(
+            spec, config=dataclasses.replace(spec.config, driver_pid=os.getpid())
+        )
         self.spec = spec
         self._events: queue.Queue[Event] = queue.Queue()
         self._conns: dict[int, Connection] = {}
@@ -191,7 +225,7 @@ class LocalWorkerGroup(ChannelGroup):
                 return pool.spawn(self._args, env, capture_output=self._forward_output)
             except PoolUnavailable as exc:
                 self._pool = None
-                _say_cold(str(exc), key=id(pool))
+                self._on_cold(str(exc), id(pool))
         pipe = subprocess.PIPE if self._forward_output else None
         return subprocess.Popen(
             self._cmd, env=env, stdout=pipe, stderr=pipe, start_new_session=True

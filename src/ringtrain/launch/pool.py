@@ -29,9 +29,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import IO
+from typing import IO, Protocol, runtime_checkable
 
 from ringtrain.launch.reaper import Reaper
 
@@ -41,6 +41,18 @@ _START_TIMEOUT_S = 120.0
 
 class PoolUnavailable(OSError):
     """The zygote is not running (it never started, or it died): launch cold instead."""
+
+
+@runtime_checkable
+class ColdStartReporter(Protocol):
+    """A launcher that says when its workers start cold although a warm pool was asked for
+    (the zygote could not start, or died): the driver writes each reason to the run directory
+    as a ``cold_start`` event (:class:`ringtrain.rundir.schema.ColdStartEvent`)."""
+
+    def on_cold_start(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(reason)`` (on the thread that starts workers) each time this
+        launcher falls back to cold starts; a fallback before this call is reported at once."""
+        ...
 
 
 class PooledProcess:
