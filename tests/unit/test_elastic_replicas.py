@@ -8,7 +8,7 @@ import pytest
 import ringtrain as rt
 from ringtrain.channel import Interrupted
 from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
-from ringtrain.elastic.replicas import elastic_mesh_refusal, replica_survivors, whole_groups
+from ringtrain.replica_groups import elastic_mesh_refusal, replica_survivors, whole_groups
 from ringtrain.result import WorkerFailure
 
 

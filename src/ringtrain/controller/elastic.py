@@ -24,9 +24,9 @@ from ringtrain.controller.generation import Generation, Grow
 from ringtrain.controller.health import HELLO_TIMEOUT_S
 from ringtrain.controller.policy import Decision
 from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
-from ringtrain.elastic.replicas import whole_groups
 from ringtrain.launch.base import GrowableGroup
 from ringtrain.preemption import PreemptionNotice
+from ringtrain.replica_groups import whole_groups
 from ringtrain.result import WorkerFailure
 from ringtrain.rundir.schema import (
     GrowFailedEvent,

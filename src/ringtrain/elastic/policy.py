@@ -12,7 +12,7 @@ without processes. The rules:
 - at least ``min_workers`` ranks must remain.
 
 On a device mesh with a varying ``dp_replicate`` (``replica_group_size`` > 1 or sharded state:
-:mod:`ringtrain.elastic.replicas`) a lost rank takes its whole replica group with it: its other
+:mod:`ringtrain.replica_groups`) a lost rank takes its whole replica group with it: its other
 ranks are left out of the new group (and stopped), and the others resume from the *oldest*
 snapshot step a survivor reports: every survivor holds it (its newest or the one before, which a
 sharded snapshot keeps), so no rank needs another's shards.
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ringtrain.channel import Interrupted
-from ringtrain.elastic.replicas import replica_survivors
+from ringtrain.replica_groups import replica_survivors
 from ringtrain.result import WorkerFailure
 
 LOST_KINDS = ("signal", "exit")

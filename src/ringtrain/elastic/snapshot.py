@@ -14,7 +14,7 @@ a live process. A worker that joins later receives the shared payload and the (g
 position by broadcast, and fresh RNG streams (:func:`joiner_rng`).
 
 FSDP-sharded objects (``prepare_model(parallel_strategy="fsdp")`` on an elastic
-``ParallelConfig(dp_replicate=-1, dp_shard=G)``: :mod:`ringtrain.elastic.replicas`) are kept as
+``ParallelConfig(dp_replicate=-1, dp_shard=G)``: :mod:`ringtrain.replica_groups`) are kept as
 this rank's local shards (:attr:`Snapshot.shards`: the ``DTensor.to_local()`` parts of the DCP
 state dict). They are valid on the resized mesh because a survivor keeps its ``dp_shard``
 coordinate; a worker that joins receives them from the member with the same coordinate in replica

@@ -60,10 +60,10 @@ from ringtrain.elastic.batch import (
     install_lr_scaling,
     plan_for_loader,
 )
+from ringtrain.elastic.dtensor_caches import clear_dtensor_caches
 from ringtrain.elastic.sockets import GroupSockets, is_peer_lost
 from ringtrain.env import DistributedContext
 from ringtrain.hooks import SYNC_TOKEN_ATTR, LoaderSetup, ModelSetup, StepState, WorkerPlugin
-from ringtrain.parallel.mesh import clear_dtensor_caches, mesh_sockets
 from ringtrain.session import Session, call_train_fn, installed_session
 from ringtrain.state import TrainState
 from ringtrain.state_files import unwrap
@@ -126,15 +126,24 @@ class ElasticRuntime(WorkerPlugin):
         _, self.group_sockets = GroupSockets.opened_by(
             lambda: init_process_group(ctx), store_port=ctx.master_port
         )
+        self._build_mesh(ctx)
+
+    def _build_mesh(self, ctx: DistributedContext) -> None:
+        """On a device mesh (``ScalingConfig.parallel``), build this generation's ``ctx.mesh``
+        now (every member does, right after the group forms: a collective) and note its
+        sub-groups' gloo connections with the group's, so that :meth:`break_group` ends them
+        too: a rank blocked in a sub-group collective with a live peer then fails at once."""
+        clear_dtensor_caches()
+        if ctx.config.mesh is None or ctx.world_size == 1 or ctx.use_gpu:
+            return
+        _, sockets = GroupSockets.opened_by(lambda: ctx.mesh, store_port=ctx.master_port)
+        self.group_sockets.fds.update(sockets.fds)
 
     def break_group(self) -> None:
         """End this rank's connections of the current group before tearing it down, so that
         every peer still blocked in a collective with this rank fails at once instead of waiting
         for the collective timeout (:mod:`ringtrain.elastic.sockets`), then destroy the group."""
         closed = self.group_sockets.shutdown()
-        mesh = mesh_sockets(self.session.context)  # the mesh's sub-groups (ScalingConfig.parallel)
-        if mesh is not None:
-            closed += mesh.shutdown()
         if closed:
             logger.debug("elastic: shut down %d gloo connections", closed)
         destroy_process_group()
@@ -374,7 +383,6 @@ class ElasticRuntime(WorkerPlugin):
         session.next_round = order.start_round
         self.generation = order.generation
         self._init_group(new_ctx, order.store_prefix)
-        clear_dtensor_caches()
         if order.source_rank is not None:
             self.snapshot = snapshots.broadcast(
                 self.snapshot, order.source_rank, order.rank, order.generation
@@ -398,6 +406,7 @@ class ElasticRuntime(WorkerPlugin):
 
     def _init_group(self, ctx: DistributedContext, prefix: str) -> None:
         if ctx.world_size == 1:
+            clear_dtensor_caches()  # a mesh of one rank is built later, on first use
             return
         timeout = timedelta(seconds=collective_timeout_s(ctx.worker_timeout_s))
         if self._store is None:
@@ -422,6 +431,7 @@ class ElasticRuntime(WorkerPlugin):
             create()
         else:
             _, self.group_sockets = GroupSockets.opened_by(create, store_port=ctx.master_port)
+        self._build_mesh(ctx)
 
 
 RESTORED_ATTR = SYNC_TOKEN_ATTR

@@ -22,7 +22,6 @@ from ringtrain.parallel_config import MESH_DIMS, MeshShape
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ringtrain.elastic.sockets import GroupSockets
     from ringtrain.env import DistributedContext
 
 
@@ -126,72 +125,15 @@ def context_mesh(ctx: DistributedContext, cache: dict[str, Any]) -> DeviceMesh:
             f"({ctx.local_world_size}): tensor parallelism stays within a node; use tp="
             f"{_largest_divisor(ctx.local_world_size, shape.tp)} or more workers per node"
         )
-    if ctx.config.elastic is not None and not ctx.use_gpu:
-        mesh = _elastic_build(shape, ctx, cache)
-    else:
-        mesh = build_mesh(shape, ctx.world_size, ctx.device.type)
+    mesh = build_mesh(shape, ctx.world_size, ctx.device.type)
     cache["mesh"] = (group, mesh)
     return mesh
-
-
-def _elastic_build(shape: MeshShape, ctx: DistributedContext, cache: dict[str, Any]) -> DeviceMesh:
-    """:func:`build_mesh` in an elastic worker, noting the TCP connections of the mesh's gloo
-    groups in ``cache`` (:func:`mesh_sockets`: the elastic plug-in ends them when a peer is lost,
-    :mod:`ringtrain.elastic.sockets`, so that a rank blocked in a sub-group collective with a
-    live peer fails at once too, instead of at the collective timeout)."""
-    from ringtrain.elastic.sockets import GroupSockets
-
-    clear_dtensor_caches()  # in this thread: DTensor's caches are per thread
-    mesh, sockets = GroupSockets.opened_by(
-        lambda: build_mesh(shape, ctx.world_size, ctx.device.type), store_port=ctx.master_port
-    )
-    cache[MESH_SOCKETS] = sockets
-    return mesh
-
-
-MESH_SOCKETS = "mesh_sockets"
-
-
-def mesh_sockets(ctx: DistributedContext) -> GroupSockets | None:
-    """The TCP connections of the gloo groups of ``ctx``'s mesh in an elastic worker (``None``:
-    no mesh was built, or not an elastic worker)."""
-    sockets = ctx._cache.get(MESH_SOCKETS)  # the cache ctx.mesh keeps: ringtrain.env
-    return sockets if sockets is not None else None
-
-
-def clear_dtensor_caches() -> None:
-    """Forget DTensor's cached sharding decisions and redistribution plans (this thread's).
-    They are keyed by ``DeviceMesh`` equality (layout and dimension names, not process groups),
-    so after an elastic group re-forms, a new mesh equal to one of an earlier generation
-    (growing back to the same size) would get DTensors on the old mesh, whose process groups
-    are destroyed, back from them."""
-    import sys
-
-    if "torch.distributed.tensor" not in sys.modules:
-        return  # no DTensor was ever made in this process
-    import torch
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    caches = (
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding,
-        getattr(_redistribute, "_gen_transform_infos", None),
-    )
-    for cache in caches:
-        clear = getattr(cache, "cache_clear", None)
-        if callable(clear):
-            clear()
-    planners = getattr(_redistribute, "_planner_cache", None)
-    if isinstance(planners, dict):
-        planners.clear()
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if callable(native):  # the C++ dispatch fast path's own cache (torch >= 2.9)
-        native()
 
 
 def elastic_shape(shape: MeshShape | None, ctx: DistributedContext) -> MeshShape | None:
     """``shape`` (resolved for ``max_workers``) at the current world size of an elastic run:
     ``dp_replicate`` becomes ``world_size / (pp * dp_shard * tp)``, the other sizes stay
-    (:mod:`ringtrain.elastic.replicas`: only whole replica groups leave and join). ``shape``
+    (:mod:`ringtrain.replica_groups`: only whole replica groups leave and join). ``shape``
     itself outside an elastic run, or when the world size is the one it was resolved for."""
     if shape is None or ctx.config.elastic is None or shape.world_size == ctx.world_size:
         return shape

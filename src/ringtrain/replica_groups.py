@@ -1,4 +1,6 @@
-"""Elastic resizing on the ``dp_replicate`` axis of a device mesh (HSDP), as pure rules.
+"""Elastic resizing on the ``dp_replicate`` axis of a device mesh (HSDP), as pure rules (the
+config validates with them before any process starts, so they live outside ``ringtrain.elastic``,
+which the core never imports).
 
 ``ScalingConfig(num_workers=(4, 8), parallel=ParallelConfig(dp_replicate=-1, dp_shard=4))`` lets
 the number of *replica groups* vary: a replica group is the ``dp_shard`` ranks that together hold
