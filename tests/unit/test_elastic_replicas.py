@@ -107,6 +107,13 @@ def test_the_policy_drops_the_lost_ranks_replica_group_and_resumes_from_the_olde
     ).grow_ranks(2, 0.0, 0) == [2, 3]
 
 
+def test_the_coordinator_tells_the_policy_the_mesh():
+    policy = ElasticPolicy(2, 4)
+    assert (policy.replica_group_size, policy.replicas) == (1, False)
+    policy.use_mesh(2)  # ElasticCoordinator.reset, from the started group's WorkerConfig.mesh
+    assert (policy.replica_group_size, policy.replicas) == (2, True)
+
+
 def test_without_replica_groups_the_policy_is_unchanged():
     policy = ElasticPolicy(2, 3)
     interrupted = {0: _interrupted(0, 6), 2: _interrupted(2, 5)}

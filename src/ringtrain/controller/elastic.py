@@ -72,6 +72,10 @@ class ElasticCoordinator:
         self.grow, self.grow_idle_since = None, None
         self.grow_failures = 0
         self.leave = None
+        spec = getattr(self.ctl.group, "spec", None)  # the launchers' groups keep theirs
+        mesh = getattr(getattr(spec, "config", None), "mesh", None)
+        if self.policy is not None and mesh is not None:
+            self.policy.use_mesh(mesh.dp_shard)  # a lost rank's replica group leaves with it
 
     def _growable(self) -> GrowableGroup | None:
         """The worker group, when its launcher can resize and grow it in place (it implements

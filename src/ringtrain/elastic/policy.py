@@ -85,6 +85,13 @@ class ElasticPolicy:
         self.replica_group_size = replica_group_size
         self.replicas = replicas or replica_group_size > 1
 
+    def use_mesh(self, replica_group_size: int) -> None:
+        """The run is laid out on a device mesh (``WorkerConfig.mesh``) whose replica groups are
+        ``replica_group_size`` ranks (its ``dp_shard``: the config allows elastic meshes with
+        ``tp = pp = 1`` only); the coordinator calls it as each worker group starts."""
+        self.replica_group_size = replica_group_size
+        self.replicas = True
+
     def grow_delay_s(self, failed_grows: int) -> float | None:
         """Seconds to wait after a resize (or a failed grow) before trying to grow back:
         ``grow_after_s``, doubled after each consecutive grow whose new worker failed (at most
