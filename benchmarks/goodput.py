@@ -6,6 +6,15 @@ the first driver start to the end of the last one (automatic resumes included). 
 steps executed (by rank 0 of the group, logged after ``optimizer.step()``) - ``N``: work lost in a
 failure and trained again.
 
+The machine's load can change between the calibration and a mode's run (other jobs on a shared
+machine), which would read as lost or won goodput. So every mode also reports its goodput at its
+own step period: ``N`` x the median period between consecutive full-world steps of that very run
+(``step_s_here``), and splits its wall time into start-up (first driver start -> first step),
+useful time, faults (detection, re-forming, steps lost, slower steps), resumes (a later driver's
+start -> its first step) and tail (last step -> last driver exit). An elastic run keeps the global
+batch (``elastic_batch_policy="resize_batch"``), so a step trained by fewer workers is a whole
+step of work: the time it takes beyond a full-world step counts as lost, not the step.
+
 Workload: ``_goodput_worker.train_fn`` (an MLP 784-1024-1024-10, 1.86 M parameters, momentum SGD,
 DDP on gloo, batch 64 per worker), 2 local workers, a ``TrainState`` checkpoint every ``--every``
 steps written asynchronously. ``N`` is calibrated so an undisturbed run trains for about
@@ -29,8 +38,10 @@ Usage::
     python benchmarks/goodput.py                              # 4 modes x 600 s
     python benchmarks/goodput.py --duration 120 --modes restart-kill,elastic-kill
     python benchmarks/goodput.py --json /tmp/goodput.json
+    python benchmarks/goodput.py --duration 90 --modes elastic-kill --keep /tmp/gp   # keep logs
 
-Linux only (``/proc``). Each mode's run directory lives in a temporary directory, removed after.
+Linux only (``/proc``). Each mode's run directory lives in a temporary directory, removed after
+(``--keep DIR``: in ``DIR/<mode>``, with the workers' logs, for a timeline from ``events.jsonl``).
 """
 
 from __future__ import annotations
@@ -71,6 +82,12 @@ class ModeResult:
     injected: int
     driver_starts: int
     statuses: list[str]
+    step_s_here: float
+    goodput_here: float
+    startup_s: float
+    tail_s: float
+    restarts_s: float
+    faults_s: float
 
 
 # ---------------------------------------------------------------------------- the child driver
@@ -80,7 +97,8 @@ def child(spec: dict) -> int:
 
     import ringtrain as rt
 
-    failure = {"max_failures": 10_000, "snapshot_interval_steps": 1}
+    imported = time.time()
+    failure: dict[str, float] = {"max_failures": 10_000, "snapshot_interval_steps": 1}
     if "preemption_grace_s" in rt.FailureConfig.__dataclass_fields__:
         failure["preemption_grace_s"] = 30.0
     elastic = spec["mode"].startswith("elastic")
@@ -102,13 +120,57 @@ def child(spec: dict) -> int:
     ).fit()
     status = getattr(result, "status", "FINISHED" if result.error is None else "ERRORED")
     with open(os.path.join(spec["config"]["log"], "status.jsonl"), "a") as f:
-        f.write(json.dumps({"status": status}) + "\n")
+        # imported: after Python, torch and ringtrain loaded; fit_end: fit() returned (Unix s).
+        f.write(json.dumps({"status": status, "imported": imported, "fit_end": time.time()}))
+        f.write("\n")
     if status == "FINISHED":
         return EXIT_FINISHED
     return EXIT_PREEMPTED if status == "PREEMPTED" else EXIT_OTHER
 
 
 # ---------------------------------------------------------------------------- the parent
+@dataclass
+class Timeline:
+    """Where one mode's wall time went (seconds): ``startup_s`` from the first driver start to
+    the first completed step; ``tail_s`` from the last completed step to the last driver's exit;
+    ``restarts_s`` from each later driver's start to its first step (preempt modes); the rest,
+    less the useful time, is ``faults_s`` (detection, re-forming, steps lost or slower)."""
+
+    step_s_here: float
+    startup_s: float
+    tail_s: float
+    restarts_s: float
+    faults_s: float
+
+
+def timeline(
+    steps_log: str, wall: tuple[float, float], drivers: list[float], useful_steps: int
+) -> Timeline:
+    """``steps_log``: the workers' ``steps.jsonl``; ``wall``: (first driver start, last exit),
+    Unix seconds; ``drivers``: each driver's start; ``useful_steps``: N.
+
+    ``step_s_here`` is the median step period at the full world size in this very run (between
+    two consecutive steps of one world-2 stretch), so a machine whose load changed since the
+    calibration does not read as lost (or won) goodput."""
+    with open(steps_log) as f:
+        steps = [json.loads(line) for line in f]
+    times = [s["time"] for s in steps]
+    periods = [
+        b["time"] - a["time"]
+        for a, b in itertools.pairwise(steps)
+        if a["world"] == b["world"] == 2 and a["pid"] == b["pid"] and b["step"] == a["step"] + 1
+    ]
+    step_s = statistics.median(periods)
+    restarts = 0.0
+    for start in drivers[1:]:
+        after = [t for t in times if t >= start]
+        if after:
+            restarts += after[0] - start
+    startup, tail = times[0] - wall[0], wall[1] - times[-1]
+    faults = (wall[1] - wall[0]) - startup - tail - restarts - useful_steps * step_s
+    return Timeline(step_s, startup, tail, restarts, faults)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -155,6 +217,13 @@ class Injector(threading.Thread):
                 self.injected += 1
 
 
+def _statuses(log: str) -> list[str]:
+    """The statuses the drivers wrote (one line each time fit() returned)."""
+    with contextlib.suppress(OSError), open(os.path.join(log, "status.jsonl")) as f:
+        return [json.loads(line)["status"] for line in f]
+    return []
+
+
 def _start(spec: dict) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
@@ -165,7 +234,12 @@ def _start(spec: dict) -> subprocess.Popen[bytes]:
 
 def run_mode(mode: str, steps: int, step_s: float, args: argparse.Namespace) -> ModeResult:
     """Run ``mode`` to ``steps`` steps under its fault injector; resume after each preemption."""
-    with tempfile.TemporaryDirectory(prefix="rt_goodput_") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            tmp = os.path.join(args.keep, mode)
+            os.makedirs(tmp)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="rt_goodput_"))
         log = os.path.join(tmp, "log")
         os.mkdir(log)
         spec = {
@@ -181,10 +255,13 @@ def run_mode(mode: str, steps: int, step_s: float, args: argparse.Namespace) -> 
         }[mode]
         every = args.kill_every if kind == "kill" else args.preempt_every
         injector = Injector(kind, every, log, args.seed)
-        start = time.monotonic()
+        start, first = time.monotonic(), time.time()
         injector.start()
         starts, code = 0, EXIT_PREEMPTED
+        drivers: list[float] = []
         while code == EXIT_PREEMPTED and starts < args.max_starts:
+            drivers.append(time.time())
+            written = len(_statuses(log))
             proc = _start(spec)
             injector.driver_pid = proc.pid
             starts += 1
@@ -192,21 +269,22 @@ def run_mode(mode: str, steps: int, step_s: float, args: argparse.Namespace) -> 
             if code == -signal.SIGTERM:
                 # The notice reached the driver before fit() installed its handler (during
                 # Python's start-up) or after fit() returned: nothing to save, the scheduler
-                # requeues the job all the same.
-                code = EXIT_PREEMPTED
+                # requeues the job all the same, unless fit() had finished the run (its status
+                # line is written): then the job is done.
+                code = EXIT_FINISHED if _statuses(log)[written:] == ["FINISHED"] else EXIT_PREEMPTED
         wall = time.monotonic() - start
+        last = time.time()
         injector.done.set()
         injector.join()
         with open(os.path.join(log, "steps.jsonl")) as f:
             executed = sum(1 for _ in f)
-        statuses = []
-        with contextlib.suppress(OSError), open(os.path.join(log, "status.jsonl")) as f:
-            statuses = [json.loads(line)["status"] for line in f]
+        statuses = _statuses(log)
         if code != EXIT_FINISHED:
             with open(os.path.join(log, "driver.err"), errors="replace") as f:
                 sys.stderr.write(f.read()[-4000:])
             raise SystemExit(f"{mode}: the run did not finish (exit {code}, statuses {statuses})")
         useful = steps * step_s
+        where = timeline(os.path.join(log, "steps.jsonl"), (first, last), drivers, steps)
         return ModeResult(
             mode=mode,
             steps=steps,
@@ -218,6 +296,12 @@ def run_mode(mode: str, steps: int, step_s: float, args: argparse.Namespace) -> 
             injected=injector.injected,
             driver_starts=starts,
             statuses=statuses,
+            step_s_here=round(where.step_s_here, 5),
+            goodput_here=round(steps * where.step_s_here / wall, 4),
+            startup_s=round(where.startup_s, 2),
+            tail_s=round(where.tail_s, 2),
+            restarts_s=round(where.restarts_s, 2),
+            faults_s=round(where.faults_s, 2),
         )
 
 
@@ -258,6 +342,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--calibration-steps", type=int, default=300)
     parser.add_argument("--max-starts", type=int, default=100, help="driver starts per mode")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--keep", help="keep each mode's run directory and logs in KEEP/<mode> (a new folder)"
+    )
     args = parser.parse_args(argv)
     if args.child:
         return child(json.loads(args.child))
@@ -281,6 +368,13 @@ def main(argv: list[str]) -> int:
             f"{r.mode:16s} goodput {r.goodput * 100:5.1f} %  wall {r.wall_s:7.1f} s  "
             f"useful {r.useful_s:7.1f} s  injected {r.injected:3d}  "
             f"recomputed {r.recomputed:5d} steps  driver starts {r.driver_starts}",
+            flush=True,
+        )
+        print(
+            f"{'':16s} goodput at this run's own step period ({r.step_s_here * 1000:.1f} ms) "
+            f"{r.goodput_here * 100:5.1f} %; wall = start-up {r.startup_s:.1f} s + useful "
+            f"{r.steps * r.step_s_here:.1f} s + faults {r.faults_s:.1f} s + resumes "
+            f"{r.restarts_s:.1f} s + tail {r.tail_s:.1f} s",
             flush=True,
         )
     if args.json:
