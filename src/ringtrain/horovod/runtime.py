@@ -248,6 +248,10 @@ def _init(process_sets: Sequence[Any]) -> None:
             init_process_group(ctx)
             owns = True
             atexit.register(_destroy_owned_group)
+        # A script that never calls shutdown() still shuts down before the interpreter tears
+        # its objects down (once, however many times init ran).
+        atexit.unregister(shutdown)
+        atexit.register(shutdown)
         slot.current = Runtime(ctx=ctx, owns_group=owns)
         global_process_set.ranks = list(range(ctx.world_size))
     for ps in process_sets:
@@ -260,28 +264,38 @@ def shutdown() -> None:
     The process group stays up for the next :func:`init` (re-forming it at once would race on
     the rendezvous port: a fast rank could reach the old store of a slow rank 0). A group that
     ``init`` created is destroyed at interpreter exit; one made by ringtrain's worker or by the
-    user is theirs to destroy.
+    user is theirs to destroy. Called at interpreter exit too (registered by ``init``).
+
+    Order matters: in-flight operations are finished first, then the process sets' groups
+    destroyed. A gloo group destroyed under queued work, or left to the interpreter's own
+    teardown, can end the process with SIGABRT ("terminate called without an active
+    exception": a C++ thread object destroyed while still joinable).
     """
     with slot.lock:
         rt = slot.current
         slot.current = None
     if rt is None:
         return
+    for pending in list(rt.handles.values()):
+        try:
+            pending.finish()
+        except Exception:
+            pass
+    rt.handles.clear()
     for _, group in rt.sets.values():
         if group is not None:
             try:
                 dist.destroy_process_group(group)
             except Exception:
                 pass
-    for pending in list(rt.handles.values()):
-        try:
-            pending.finish()
-        except Exception:
-            pass
+    rt.sets.clear()
     rt.pool.clear()
 
 
 def _destroy_owned_group() -> None:
+    """At interpreter exit: shut down (in-flight work, the sets' groups), then destroy the
+    default group that :func:`init` created, while the interpreter is still whole."""
+    shutdown()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
