@@ -249,11 +249,12 @@ def ray_local():
     ray = pytest.importorskip(
         "ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'"
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
 
+@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time (pyproject addopts)
 def test_ray_backend_gives_the_same_parameters(tmp_path, tmp_path_factory, ray_local):
     clean = _clean(tmp_path_factory)
     result, final, _ = _fit(tmp_path, "ray", backend="ray")

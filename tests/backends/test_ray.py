@@ -34,6 +34,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ringtrain.launch.ray import PlacementError  # noqa: E402
 from ringtrain.launch.ray_worker import remote_worker_class  # noqa: E402
 
+# One local Ray cluster at a time: the Ray tests share one pytest worker (pyproject addopts).
+pytestmark = pytest.mark.xdist_group("ray")
+
 EPOCHS = 3  # exact_fn: 30 steps, a report every 4 steps and at each epoch's end: 10 rounds
 _finals: dict[str, dict] = {}
 

@@ -32,6 +32,9 @@ from ringtrain.env import DistributedContext
 from ringtrain.train.horovod import HorovodConfig, HorovodTrainer
 from ringtrain.train.torch import TorchConfig, TorchTrainer
 
+# One local Ray cluster at a time: the Ray tests share one pytest worker (pyproject addopts).
+pytestmark = pytest.mark.xdist_group("ray")
+
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = Path(__file__).resolve().parents[1] / "stubs"  # the torchvision stand-in
 SAMPLES = "256"  # TORCHVISION_STUB_SAMPLES: a few seconds per run
@@ -272,7 +275,7 @@ def ray_train():
         import ray.train.torch
     except ImportError as exc:
         pytest.skip(f"Ray Train cannot be imported ({exc}): pip install 'ray[train]'")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

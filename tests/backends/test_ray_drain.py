@@ -26,6 +26,9 @@ from support import read_events as _events  # noqa: E402
 from support import read_jsonl_dir as _records  # noqa: E402
 from support import run_job  # noqa: E402
 
+# One local Ray cluster at a time: the Ray tests share one pytest worker (pyproject addopts).
+pytestmark = pytest.mark.xdist_group("ray")
+
 NOTICE_STEP = 4
 STOP_STEP = NOTICE_STEP + 1
 

@@ -24,6 +24,9 @@ from support import read_events as _events  # noqa: E402
 from support import read_jsonl_dir as _records  # noqa: E402
 from support import run_job  # noqa: E402
 
+# One local Ray cluster at a time: the Ray tests share one pytest worker (pyproject addopts).
+pytestmark = pytest.mark.xdist_group("ray")
+
 EPOCHS = 2  # 120 samples, global batch 12 (3 x 4, then 2 x 6): 10 steps per epoch
 STEPS = 10 * EPOCHS
 VICTIM = 2  # the rank whose actor is killed
