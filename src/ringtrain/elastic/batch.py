@@ -201,7 +201,8 @@ def plan_for_loader(data_loader: Any, ctx: DistributedContext) -> BatchPlan | No
     policy = policy_of(ctx)
     lo, hi = settings.min_workers, settings.max_workers
     if ctx.world_size == hi and ctx.world_rank == 0 and policy != "scale_lr":
-        bad = [w for w in range(lo, hi) if (batch_size * hi) % w]
+        step = ctx.config.mesh.dp_shard if ctx.config.mesh is not None else 1  # whole replicas
+        bad = [w for w in range(lo, hi, step) if (batch_size * hi) % w]
         if bad:
             logger.warning(
                 "elastic: the global batch %d (batch_size=%d x %d workers) does not divide by "
