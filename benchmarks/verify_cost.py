@@ -13,10 +13,10 @@ goes through the four steps a checkpoint takes, on the local disk, in one proces
    :meth:`CheckpointManager.latest_verified` (signature, run and round, confined
    ``O_NOFOLLOW`` opens, SHA-256, no unlisted file).
 4. **load** (a worker): before, ``torch.load(path, mmap=True, weights_only=True)`` with no
-   check; now ``TrainState.restore``'s reader, ``ringtrain.state._load``: the file is copied
-   into a private ``memfd`` and hashed in one pass, compared with the manifest table the driver
-   sent, then ``torch.load(memfd, mmap=True, weights_only=True)``. Both then copy every tensor
-   into a preallocated model (``copy_``), so the mmap path pays its page reads too.
+   check; now ``TrainState.restore``'s reader, ``ringtrain.state_files.load_file``: the file is
+   copied into a private ``memfd`` and hashed in one pass, compared with the manifest table the
+   driver sent, then ``torch.load(memfd, mmap=True, weights_only=True)``. Both then copy every
+   tensor into a preallocated model (``copy_``), so the mmap path pays its page reads too.
 
 The file is in the page cache in both paths (it was just written): the numbers are CPU costs
 (hashing, copies), not disk reads. Runs alternate (before, now, now, before, ...) and the summary
@@ -119,7 +119,7 @@ def before(run: str, state: dict[str, torch.Tensor], model: dict[str, torch.Tens
 
 
 def now(run: str, state: dict[str, torch.Tensor], model: dict[str, torch.Tensor]) -> dict:
-    from ringtrain.state import _load
+    from ringtrain.state_files import load_file as _load
 
     fs = LocalFileSystem()
     signer = signing.resolve()

@@ -83,17 +83,17 @@ def load_model_state(checkpoint: str | os.PathLike[str] | Checkpoint) -> dict[st
         CheckpointLoadError: a file does not match the manifest, or ``torch.load`` refuses it.
     """
     from ringtrain.checkpoint.sharded import METADATA, load_full
-    from ringtrain.state import STATE_FILE, _is_dcp_file, _load
+    from ringtrain.state_files import STATE_FILE, is_dcp_file, load_file
 
     ckpt = find_checkpoint(checkpoint)
     if ckpt.has_file(METADATA):
-        with ckpt.verified_directory(_is_dcp_file) as local:
+        with ckpt.verified_directory(is_dcp_file) as local:
             state = load_full(local, None)
         model = state.get("model")
         if not isinstance(model, dict):
             raise ValueError(f"{ckpt.uri}: its sharded checkpoint holds no 'model'")
         return model
-    shared = _load(ckpt, STATE_FILE)
+    shared = load_file(ckpt, STATE_FILE)
     if shared is None:
         raise ValueError(
             f"{ckpt.uri} holds no {STATE_FILE}: it was not saved from a ringtrain.TrainState, so "

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from ringtrain.channel import CheckpointDone, Heartbeat, Report, Timing, WorkerChannel
 from ringtrain.checkpoint import storage
@@ -316,6 +316,15 @@ def _clean_metrics(metrics: Any) -> dict[str, Any]:
     return clean
 
 
+@runtime_checkable
+class SavesCheckpoint(Protocol):
+    """What ``report(checkpoint=...)`` saves besides a :class:`Checkpoint`: a
+    :class:`~ringtrain.state.TrainState` (a Protocol, not the class: ``state`` imports this
+    module). ``checkpoint_writers(staged)`` maps each file name to a function that writes it."""
+
+    def checkpoint_writers(self, staged: bool) -> dict[str, Callable[[Any], None]]: ...
+
+
 def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
     """Send this rank's metrics (and optionally a checkpoint) to the driver.
 
@@ -349,7 +358,7 @@ def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
     if checkpoint is not None:
         if isinstance(checkpoint, Checkpoint):
             files, error = _write_checkpoint(session, round_, directory=checkpoint)
-        elif hasattr(checkpoint, "checkpoint_writers"):
+        elif isinstance(checkpoint, SavesCheckpoint):
             files, error, pending = _save_state(session, round_, checkpoint)
         else:
             raise TypeError(
@@ -422,7 +431,9 @@ def _write_checkpoint(
         return None, f"rank {rank} could not write its checkpoint files: {why}"
 
 
-def _save_state(session: Session, round_: int, state: Any) -> tuple[Any, str | None, bool]:
+def _save_state(
+    session: Session, round_: int, state: SavesCheckpoint
+) -> tuple[Any, str | None, bool]:
     if session.run_storage() is None:
         if not session.warned_no_storage:
             session.warned_no_storage = True

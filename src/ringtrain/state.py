@@ -68,12 +68,12 @@ from ringtrain.state_files import (
     rank_file,
     registration_problem,
     require_layout,
-    reshard_loader_state,
     restore_rng,
     stage,
     torch_writer,
     unwrap,
 )
+from ringtrain.state_resume import PayloadReader, rank_part
 
 __all__ = [
     "RANK_STATE_ATTR",
@@ -89,16 +89,6 @@ __all__ = [
 logger = logging.getLogger("ringtrain")
 
 _NAMED = ("model", "optimizer", "lr_scheduler", "grad_scaler", "data_loader")
-
-# The names other modules (and benchmarks) used before ringtrain.state_files held these.
-_load = load_file
-_stage = stage
-_unwrap = unwrap
-_is_dcp_file = is_dcp_file
-_model_rank_state = model_rank_state
-
-PayloadReader = Callable[[str], Any]
-"""Reads one file of a payload by name (``None`` when the payload has no such file)."""
 
 
 def _reader(source: Mapping[str, Any] | PayloadReader) -> PayloadReader:
@@ -471,38 +461,8 @@ class TrainState:
     def _rank_part(
         self, read: PayloadReader, shared: Mapping[str, Any], source: str
     ) -> tuple[dict[str, Any], Any]:
-        """This rank's payload and the data position to load (converted to this world size
-        when it was saved at another)."""
-        rank = get_context().world_rank
-        per_rank = read(rank_file(rank))
-        if per_rank is not None:
-            require_layout(source, rank_file(rank), per_rank, ("rng",))
-        saved_world = int(shared.get("world_size") or 1)
-        world = get_context().world_size
-        if per_rank is None and saved_world == world:
-            raise ValueError(
-                f"{source} has no {rank_file(rank)}: it was saved by "
-                f"{shared.get('world_size')} workers, this run has {world}"
-            )
-        loader_state = (per_rank or {}).get("data_loader")
-        if saved_world != world and not shared.get("elastic"):
-            logger.warning(
-                "resuming a checkpoint of %d workers with %d: not bit-exact (the data position "
-                "is converted to the new world size; ranks >= %d keep their own RNG streams)",
-                saved_world,
-                world,
-                saved_world,
-            )
-        if saved_world != world:
-            if loader_state is None:  # a new rank: every rank has consumed the same samples
-                loader_state = (read(rank_file(0)) or {}).get("data_loader")
-            if loader_state is not None and self.data_loader is not None:
-                loader_state = reshard_loader_state(loader_state, self.data_loader)
-            per_rank = per_rank or {"rng": None}
-        elif loader_state is not None and _sharded_otherwise(loader_state, self.data_loader):
-            # Same world size, another device mesh: the data-parallel shards changed.
-            loader_state = reshard_loader_state(loader_state, self.data_loader)
-        return dict(per_rank), loader_state
+        """This rank's payload and the data position to load (:func:`rank_part`)."""
+        return rank_part(read, shared, source, self.data_loader)
 
     def _load_rank_part(self, per_rank: dict[str, Any], loader_state: Any) -> None:
         loader = self.data_loader
@@ -523,14 +483,3 @@ class TrainState:
             unwrap(model).__dict__[PENDING_ATTR] = saved_rank_state
         if per_rank["rng"] is not None:
             restore_rng(per_rank["rng"])
-
-
-def _sharded_otherwise(loader_state: Mapping[str, Any], loader: Any) -> bool:
-    """Whether ``loader`` shards the data over another number of data-parallel ranks, or with
-    another per-rank batch, than the loader ``loader_state`` was saved from (a checkpoint of
-    the same world size on another device mesh: ``dp_shard=2 x tp=2`` resumed at
-    ``dp_shard=4``)."""
-    if loader is None or not hasattr(loader, "world_size"):
-        return False
-    saved = (loader_state.get("world_size"), loader_state.get("batch_size"))
-    return saved != (loader.world_size, getattr(loader, "batch_size", None))
