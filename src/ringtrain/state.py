@@ -73,7 +73,7 @@ from ringtrain.state_files import (
     torch_writer,
     unwrap,
 )
-from ringtrain.state_resume import PayloadReader, rank_part
+from ringtrain.state_resume import PayloadReader, payload_reader, rank_part
 
 __all__ = [
     "RANK_STATE_ATTR",
@@ -89,12 +89,6 @@ __all__ = [
 logger = logging.getLogger("ringtrain")
 
 _NAMED = ("model", "optimizer", "lr_scheduler", "grad_scaler", "data_loader")
-
-
-def _reader(source: Mapping[str, Any] | PayloadReader) -> PayloadReader:
-    if isinstance(source, Mapping):
-        return source.get
-    return source
 
 
 class TrainState:
@@ -407,7 +401,7 @@ class TrainState:
             ValueError: see :meth:`restore`.
             CheckpointLoadError: a file does not have a TrainState file's layout.
         """
-        read = _reader(payload)
+        read = payload_reader(payload)
         shared = read(STATE_FILE)
         if shared is None:
             raise ValueError(

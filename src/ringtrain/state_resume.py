@@ -19,6 +19,13 @@ PayloadReader = Callable[[str], Any]
 """Reads one file of a payload by name (``None`` when the payload has no such file)."""
 
 
+def payload_reader(source: Mapping[str, Any] | PayloadReader) -> PayloadReader:
+    """``source`` as a reader: a ``{file name: content}`` mapping's ``get``, or the reader."""
+    if isinstance(source, Mapping):
+        return source.get
+    return source
+
+
 def rank_part(
     read: PayloadReader, shared: Mapping[str, Any], source: str, data_loader: Any
 ) -> tuple[dict[str, Any], Any]:
