@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import ringtrain as rt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from _gpt_args import gpt_arg_parser, gpt_config
 from gpt import GPT, VOCAB, Block
 
 MiB = 1024 * 1024
@@ -169,17 +170,7 @@ def bench_fn(config: dict) -> None:
 
 
 def run(strategy: str, args: argparse.Namespace, storage: str) -> dict:
-    config = {
-        "strategy": strategy,
-        "layers": args.layers,
-        "dim": args.dim,
-        "heads": args.heads,
-        "seq": args.seq,
-        "batch": args.batch,
-        "steps": args.steps,
-        "repeats": args.repeats,
-        "tmp": storage,
-    }
+    config = {"strategy": strategy, **gpt_config(args), "repeats": args.repeats, "tmp": storage}
     result = rt.Trainer(
         bench_fn,
         rt.ScalingConfig(num_workers=args.workers),
@@ -197,14 +188,9 @@ def run(strategy: str, args: argparse.Namespace, storage: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--layers", type=int, default=14)
-    p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up)")
+    p = gpt_arg_parser(
+        __doc__, workers=2, batch=2, steps=4, batch_help="sequences per rank per step"
+    )
     p.add_argument("--repeats", type=int, default=2, help="repeats of each checkpoint timing")
     p.add_argument("--strategies", default="ddp,fsdp", help="comma-separated: ddp, fsdp")
     args = p.parse_args()

@@ -51,6 +51,7 @@ from torch import nn
 import ringtrain as rt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from _gpt_args import gpt_arg_parser, gpt_config
 from gpt import GPT, TP_PLAN, VOCAB, Block
 
 MiB = 1024 * 1024
@@ -175,15 +176,7 @@ def bench_fn(config: dict) -> None:
 
 
 def run(strategy: str, args: argparse.Namespace, storage: str) -> dict[int, dict[str, Any]]:
-    config = {
-        "strategy": strategy,
-        "layers": args.layers,
-        "dim": args.dim,
-        "heads": args.heads,
-        "seq": args.seq,
-        "batch": args.batch,
-        "steps": args.steps,
-    }
+    config = {"strategy": strategy, **gpt_config(args)}
     result = rt.Trainer(
         bench_fn,
         rt.ScalingConfig(
@@ -228,14 +221,9 @@ def print_table(per: dict[str, dict[int, dict[str, Any]]], args: argparse.Namesp
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--layers", type=int, default=14)
-    p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
-    p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    p = gpt_arg_parser(
+        __doc__, workers=4, batch=1, steps=3, batch_help="sequences per data-parallel rank"
+    )
     p.add_argument("--gpu", action="store_true", help="one CUDA device per worker")
     p.add_argument(
         "--strategies", default="ddp,fsdp,fsdp_tp,zero3", help=f"of {', '.join(STRATEGIES)}"

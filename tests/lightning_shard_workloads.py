@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ringtrain as rt
-from lightning_workloads import make_data
+from lightning_workloads import make_data, quiet_trainer_kwargs
 
 BATCH = 4  # per data-parallel rank
 BATCHES = 5  # optimizer steps per epoch
@@ -132,13 +132,7 @@ def train_fn(config: dict[str, Any]) -> None:
         strategy=make_strategy(config),
         plugins=[RingtrainEnvironment()],
         callbacks=[RingtrainCallback(), record],
-        max_epochs=EPOCHS,
-        limit_train_batches=BATCHES,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **quiet_trainer_kwargs(EPOCHS, BATCHES, deterministic=None),
     )
     trainer = prepare_trainer(trainer)
     trainer.fit(module, datamodule=ShardData())

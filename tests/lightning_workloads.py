@@ -103,17 +103,27 @@ class RecordStart(pl.Callback):
                 f.write(json.dumps(entry) + "\n")
 
 
-def _trainer_kwargs(epochs: int) -> dict:
-    return dict(
+def quiet_trainer_kwargs(
+    epochs: int, batches: int = BATCHES, deterministic: bool | None = True
+) -> dict:
+    """``pl.Trainer`` arguments for ``epochs`` epochs of ``batches`` batches: no sanity check,
+    logger, Lightning checkpoints, progress bar or model summary (``deterministic=None``:
+    Lightning's default)."""
+    kwargs: dict = dict(
         max_epochs=epochs,
-        limit_train_batches=BATCHES,
+        limit_train_batches=batches,
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        deterministic=True,
     )
+    if deterministic is not None:
+        kwargs["deterministic"] = deterministic
+    return kwargs
+
+
+_trainer_kwargs = quiet_trainer_kwargs
 
 
 def save_final(module: pl.LightningModule, trainer: pl.Trainer, out: str) -> None:

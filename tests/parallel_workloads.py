@@ -4,11 +4,11 @@ token dataset; and the single-process reference the mesh runs must match."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
-import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import ringtrain as rt
 from ringtrain.data import ResumableDistributedSampler
+from support import wait_for_checkpoint
 
 VOCAB, T, D, HEADS = 32, 8, 16, 4
 GLOBAL_BATCH = 8  # samples per step over all data-parallel ranks
@@ -102,22 +103,35 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
-def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the global batch: the losses per step and the final parameters."""
+def train_reference(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    steps: int,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the global batch (seed 0, the sampler's shuffle of seed 0): the losses per
+    step and the final parameters of ``make_model()`` trained by ``make_optimizer(model)``."""
     torch.manual_seed(0)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = make_model()
+    opt = make_optimizer(model)
     sampler = ResumableDistributedSampler(Tokens(), num_replicas=1, rank=0, shuffle=True, seed=0)
     sampler.set_epoch(0)
     loader = DataLoader(Tokens(), batch_size=GLOBAL_BATCH, sampler=sampler)
     losses = []
     for (x, y, _), _step in zip(loader, range(steps), strict=False):
-        loss = loss_of(model, x, y)
+        loss = loss_fn(model, x, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the global batch: the losses per step and the final parameters."""
+    return train_reference(
+        TinyGPT, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), loss_of, steps
+    )
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -127,13 +141,20 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=opts)
 
 
-def _wait_for_checkpoint(run_dir: str, timeout_s: float = 120.0) -> None:
-    """Until the driver has published a checkpoint (its manifest exists)."""
-    deadline = time.monotonic() + timeout_s
-    while not glob.glob(os.path.join(run_dir, "checkpoint_*", "manifest.json")):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no checkpoint under {run_dir} after {timeout_s} s")
-        time.sleep(0.05)
+def after_step(ctx: Any, config: dict, state: Any, mean: torch.Tensor, writer: bool) -> None:
+    """The end of a parity workload's step ``state.step``: the ``writer`` rank appends
+    ``{"step", "loss": mean}`` to ``config["loss_file"]``; a checkpoint at
+    ``config["ckpt_at"]``; with ``config["crash"]`` rank 1 of attempt 0 SIGKILLs itself two
+    steps later, once the checkpoint is published."""
+    if writer:
+        with open(config["loss_file"], "a") as f:
+            f.write(json.dumps({"step": state.step, "loss": mean.item()}) + "\n")
+    if state.step == config.get("ckpt_at"):
+        rt.report({"step": state.step}, checkpoint=state)
+    crash_now = config.get("crash") and ctx.attempt == 0 and ctx.world_rank == 1
+    if crash_now and state.step == config["ckpt_at"] + 2:
+        wait_for_checkpoint(str(ctx.run_dir))
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def mesh_fn(config: dict) -> None:
@@ -172,15 +193,7 @@ def mesh_fn(config: dict) -> None:
             mean = loss.detach().clone()
             dist.all_reduce(mean)  # TP peers hold the same loss: the world mean is the dp mean
             mean /= dist.get_world_size()
-            if ctx.world_rank == 0:
-                with open(config["loss_file"], "a") as f:
-                    f.write(json.dumps({"step": state.step, "loss": mean.item()}) + "\n")
-            if state.step == config["ckpt_at"]:
-                rt.report({"step": state.step}, checkpoint=state)
-            crash_now = config.get("crash") and ctx.attempt == 0 and ctx.world_rank == 1
-            if crash_now and state.step == config["ckpt_at"] + 2:
-                _wait_for_checkpoint(str(ctx.run_dir))
-                os.kill(os.getpid(), signal.SIGKILL)
+            after_step(ctx, config, state, mean, writer=ctx.world_rank == 0)
             if state.step == config["steps"]:
                 break
     full = _full_params(model)

@@ -4,12 +4,6 @@ optionally tied to the token embedding across stages; and the single-process ref
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-import signal
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -17,8 +11,17 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import ringtrain as rt
-from parallel_workloads import GLOBAL_BATCH, TP_PLAN, VOCAB, Block, D, T, Tokens
-from ringtrain.data import ResumableDistributedSampler
+from parallel_workloads import (
+    GLOBAL_BATCH,
+    TP_PLAN,
+    VOCAB,
+    Block,
+    D,
+    T,
+    Tokens,
+    after_step,
+    train_reference,
+)
 
 N_BLOCKS = 4
 
@@ -63,20 +66,9 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def reference(steps: int, tied: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the global batch: the losses per step and the final parameters."""
-    torch.manual_seed(0)
-    model = ChainGPT(tied)
-    opt = optimizer_for(model)
-    sampler = ResumableDistributedSampler(Tokens(), num_replicas=1, rank=0, shuffle=True, seed=0)
-    sampler.set_epoch(0)
-    loader = DataLoader(Tokens(), batch_size=GLOBAL_BATCH, sampler=sampler)
-    losses = []
-    for (x, y, _), _step in zip(loader, range(steps), strict=False):
-        loss = lm_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_reference(
+        lambda: ChainGPT(tied), optimizer_for, lambda m, x, y: lm_loss(m(x), y), steps
+    )
 
 
 SPLITS = {2: ["blocks.2"], 4: ["blocks.1", "blocks.2", "blocks.3"]}
@@ -97,14 +89,6 @@ def _gather_params(model: nn.Module) -> dict[str, torch.Tensor]:
     for part in everything:
         out.update(part or {})
     return out
-
-
-def _wait_for_checkpoint(run_dir: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not glob.glob(os.path.join(run_dir, "checkpoint_*", "manifest.json")):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no checkpoint under {run_dir} after {timeout_s} s")
-        time.sleep(0.05)
 
 
 def pipeline_fn(config: dict) -> None:
@@ -151,15 +135,7 @@ def pipeline_fn(config: dict) -> None:
             if model.is_last:
                 dist.all_reduce(mean, group=dp_group)
                 mean /= dp
-            if writer:
-                with open(config["loss_file"], "a") as f:
-                    f.write(json.dumps({"step": state.step, "loss": mean.item()}) + "\n")
-            if state.step == config.get("ckpt_at"):
-                rt.report({"step": state.step}, checkpoint=state)
-            crash_now = config.get("crash") and ctx.attempt == 0 and ctx.world_rank == 1
-            if crash_now and state.step == config["ckpt_at"] + 2:
-                _wait_for_checkpoint(str(ctx.run_dir))
-                os.kill(os.getpid(), signal.SIGKILL)
+            after_step(ctx, config, state, mean, writer=writer)
             if state.step == config["steps"]:
                 break
     full = _gather_params(model)

@@ -192,3 +192,74 @@ def run_job(
     else:
         trainer = rt.Trainer(train_fn, scaling, run, train_loop_config=train_loop_config)
     return trainer.fit()
+
+
+def wait_for_checkpoint(run_dir: str, timeout_s: float = 120.0) -> None:
+    """Until the driver has published a checkpoint under ``run_dir`` (its manifest exists).
+
+    Raises:
+        TimeoutError: none after ``timeout_s`` seconds.
+    """
+    import glob
+
+    deadline = time.monotonic() + timeout_s
+    while not glob.glob(os.path.join(run_dir, "checkpoint_*", "manifest.json")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no checkpoint under {run_dir} after {timeout_s} s")
+        time.sleep(0.05)
+
+
+def run_parity_job(
+    train_fn: Callable[..., Any],
+    workers: int,
+    root: Path,
+    name: str,
+    mesh: Mapping[str, int],
+    config: Mapping[str, Any],
+    **job: Any,
+) -> tuple[rt.Result, dict[str, str]]:
+    """Run ``train_fn`` (a parity workload: it appends ``{"step", "loss"}`` lines to
+    ``config["loss_file"]`` and saves the full parameters to ``config["out"]``) on a
+    ``rt.ParallelConfig(**mesh)``; both files are ``root/<name>.*``, the run
+    ``root/runs/<name>``. ``job``: more :func:`run_job` arguments.
+
+    Returns:
+        the Result (no error: asserted) and ``{"loss_file": ..., "out": ...}``.
+    """
+    files = {"loss_file": str(root / f"{name}.losses.jsonl"), "out": str(root / f"{name}.pt")}
+    result = run_job(
+        train_fn,
+        workers,
+        storage_path=root / "runs",
+        name=name,
+        train_loop_config={**config, **files},
+        parallel=rt.ParallelConfig(**mesh),
+        **job,
+    )
+    assert result.error is None, result.error
+    return result, files
+
+
+def step_losses(path: str) -> dict[int, float]:
+    """``{step: loss}`` of a parity workload's loss file."""
+    with open(path) as f:  # a restarted run appends again: the last line of a step wins
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def assert_matches_reference(
+    reference: tuple[list[float], dict[str, torch.Tensor]],
+    files: Mapping[str, str],
+    name: str,
+    steps: range,
+    tol: float,
+) -> None:
+    """The run's losses of ``steps`` and its final parameters are within ``tol`` of the
+    one-process ``reference`` (its losses per step from step 1, its parameters)."""
+    ref_losses, ref_params = reference
+    got = step_losses(files["loss_file"])
+    for step in steps:
+        assert abs(got[step] - ref_losses[step - 1]) <= tol, (name, step, got, ref_losses)
+    full = torch.load(files["out"], weights_only=True)
+    assert full.keys() == ref_params.keys()  # the stages keep the model's parameter names
+    for key, want in ref_params.items():
+        torch.testing.assert_close(full[key], want, rtol=0, atol=tol, msg=f"{name}: {key}")

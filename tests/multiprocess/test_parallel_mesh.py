@@ -6,14 +6,12 @@ for the whole file, several checks each. (Invalid meshes: tests/unit/test_parall
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 import parallel_workloads as pw
 import ringtrain as rt
-from support import run_job
+from support import assert_matches_reference, run_parity_job, step_losses
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -22,24 +20,12 @@ TOL = 1e-4
 
 
 def _fit(root, name, mesh, **config):
-    files = {"loss_file": str(root / f"{name}.losses.jsonl"), "out": str(root / f"{name}.pt")}
-    cfg = {"steps": STEPS, "ckpt_at": CKPT_AT, "crash": config.pop("crash", False), **files}
-    result = run_job(
-        pw.mesh_fn,
-        4,
-        storage_path=root / "runs",
-        name=name,
-        train_loop_config=cfg,
-        parallel=rt.ParallelConfig(**mesh),
-        **config,
-    )
-    assert result.error is None, result.error
-    return result, files
+    cfg = {"steps": STEPS, "ckpt_at": CKPT_AT, "crash": config.pop("crash", False)}
+    return run_parity_job(pw.mesh_fn, 4, root, name, mesh, cfg, **config)
 
 
 def _losses(path) -> dict[int, float]:
-    with open(path) as f:  # a restarted run appends again: the last line of a step wins
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+    return step_losses(path)
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +41,7 @@ def runs(tmp_path_factory):
 
 
 def _assert_matches_reference(runs, name, steps=range(1, STEPS + 1)):
-    ref_losses, ref_params = runs["reference"]
-    got = _losses(runs[name][1]["loss_file"])
-    for step in steps:
-        assert abs(got[step] - ref_losses[step - 1]) <= TOL, (name, step)
-    full = torch.load(runs[name][1]["out"], weights_only=True)
-    assert full.keys() == ref_params.keys()
-    for key, want in ref_params.items():
-        torch.testing.assert_close(full[key], want, rtol=0, atol=TOL, msg=f"{name}: {key}")
+    assert_matches_reference(runs["reference"], runs[name][1], name, steps, TOL)
 
 
 def _check_batches(per_rank, groups):

@@ -7,14 +7,11 @@ tests/unit/test_pipeline_args.py.)"""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 import pipeline_workloads as pl
-import ringtrain as rt
-from support import run_job
+from support import assert_matches_reference, run_parity_job, step_losses
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -46,24 +43,13 @@ RUNS = {
 
 def _fit(root, name):
     workers, mesh, extra = RUNS[name]
-    files = {"loss_file": str(root / f"{name}.losses.jsonl"), "out": str(root / f"{name}.pt")}
-    cfg = {"steps": STEPS, "ckpt_at": CKPT_AT, "tied": True, **extra, **files}
-    result = run_job(
-        pl.pipeline_fn,
-        workers,
-        storage_path=root / "runs",
-        name=name,
-        train_loop_config=cfg,
-        parallel=rt.ParallelConfig(**mesh),
-        max_failures=1 if extra.get("crash") else 0,
-    )
-    assert result.error is None, result.error
-    return result, files
+    cfg = {"steps": STEPS, "ckpt_at": CKPT_AT, "tied": True, **extra}
+    max_failures = 1 if extra.get("crash") else 0
+    return run_parity_job(pl.pipeline_fn, workers, root, name, mesh, cfg, max_failures=max_failures)
 
 
 def _losses(path) -> dict[int, float]:
-    with open(path) as f:  # a restarted run appends again: the last line of a step wins
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+    return step_losses(path)
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +62,7 @@ def runs(tmp_path_factory):
 
 
 def _assert_matches_reference(runs, name):
-    ref_losses, ref_params = runs["reference"]
-    got = _losses(runs[name][1]["loss_file"])
-    for step in range(1, STEPS + 1):
-        assert abs(got[step] - ref_losses[step - 1]) <= TOL, (name, step, got, ref_losses)
-    full = torch.load(runs[name][1]["out"], weights_only=True)
-    assert full.keys() == ref_params.keys()  # the stages keep the model's parameter names
-    for key, want in ref_params.items():
-        torch.testing.assert_close(full[key], want, rtol=0, atol=TOL, msg=f"{name}: {key}")
+    assert_matches_reference(runs["reference"], runs[name][1], name, range(1, STEPS + 1), TOL)
 
 
 def _stages(runs, name):
