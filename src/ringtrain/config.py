@@ -14,9 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ringtrain.failure_config import FailureConfig
 from ringtrain.launch.backends import backend_for
+from ringtrain.monitor_config import MonitorConfig
 from ringtrain.parallel_config import ParallelConfig
-from ringtrain.preemption import NoticeSource, check_sources
+from ringtrain.replica_groups import elastic_mesh_refusal
 from ringtrain.validation import check_int, short_errors
 from ringtrain.worker_config import ELASTIC_BATCH_POLICIES
 
@@ -184,13 +186,10 @@ class ScalingConfig:
                 "ScalingConfig.parallel must be a ringtrain.ParallelConfig or None, got "
                 f"{type(parallel).__name__} (e.g. parallel=rt.ParallelConfig(dp_shard=2, tp=2))"
             )
-        if self.elastic:
-            raise ValueError(
-                f"ScalingConfig(num_workers={self.num_workers!r}, parallel=...): elastic resizing "
-                "of a device mesh is not supported (a lost rank breaks its TP group and its "
-                "shards of every parameter); give a fixed num_workers: restarts then restore the "
-                "whole mesh from the latest checkpoint (FailureConfig(max_failures=...))"
-            )
+        if self.elastic:  # only the replica count may vary: ringtrain.replica_groups
+            refusal = elastic_mesh_refusal(parallel, self.min_workers, self.max_workers)
+            if refusal is not None:
+                raise ValueError(refusal)
         mesh = parallel.resolve(self.max_workers)
         if self.use_gpu and mesh.tp > 1 and self.placement_strategy == "STRICT_SPREAD":
             raise ValueError(
@@ -258,12 +257,16 @@ class CheckpointConfig:
             the state to host memory and returns, the files are written while training goes on
             (the next checkpoint waits for the previous one). False writes before ``report``
             returns.
+        from_scratch_if_invalid: when the run directory holds checkpoints and none of them
+            verifies (docs/security.md), set them all aside and start from step 0. False (the
+            default) refuses to start with a ``NoValidCheckpointError`` that lists them.
     """
 
     num_to_keep: int | None = None
     checkpoint_score_attribute: str | None = None
     checkpoint_score_order: Literal["max", "min"] = "max"
     async_save: bool = True
+    from_scratch_if_invalid: bool = False
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None:
@@ -291,164 +294,11 @@ class CheckpointConfig:
             raise TypeError(
                 f"CheckpointConfig.async_save must be True or False, got {self.async_save!r}"
             )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@short_errors
-@dataclass(frozen=True)
-class FailureConfig:
-    """What to do when a worker fails.
-
-    Attributes:
-        max_failures: how many worker-group failures to survive by restarting the group from the
-            latest checkpoint; 0 stops at the first failure, -1 retries forever.
-        worker_timeout_s: a worker that shows no progress (no batch from a prepared loader, no
-            ``TrainState.step`` change, no report) for this many seconds, or whose process stops
-            answering, is treated as failed (hung). It also bounds every collective (at twice
-            this plus 10 s, so the driver names the stuck rank first), so a dead peer never
-            blocks the group forever. ``None`` disables hang detection (collectives then time
-            out after torch's default 30 minutes).
-        snapshot_interval_steps: elastic runs only (``ScalingConfig(num_workers=(min, max))``):
-            every this many ``TrainState.step`` increments each worker copies its TrainState to
-            host memory (its per-rank part is also sent to its ring neighbour), which is what a
-            resize in place rolls back to (docs/elastic.md). Ignored with an int ``num_workers``.
-        preemption_grace_s: after a preemption notice (SIGTERM or SIGUSR1 to the driver, SIGTERM
-            to the workers, a ``notice_sources`` entry), the seconds the workers get to reach one
-            agreed step boundary, save their ``TrainState`` there and exit; then the group is
-            killed (what was not written is said in a ``preemption_incomplete`` event and the
-            previous checkpoint stays). A source that knows its deadline uses it instead. The run
-            ends ``PREEMPTED``; notices never count against ``max_failures``
-            (docs/fault-tolerance.md, "Preemption").
-        notice_sources: extra preemption notice sources, each with ``start(notify)`` and
-            ``stop()`` (:class:`ringtrain.preemption.NoticeSource`, e.g.
-            ``CallableNotice(fn, interval_s)``); the driver's SIGTERM/SIGUSR1 are always watched.
-        slurm_requeue: inside a SLURM job (``SLURM_JOB_ID`` set), a run that ends ``PREEMPTED``
-            asks for its job to be queued again (``scontrol requeue``); the requeued job resumes
-            the run by its name (:mod:`ringtrain.slurm`). ``False`` leaves the job ended.
-    """
-
-    max_failures: int = 0
-    worker_timeout_s: float | None = 600.0
-    snapshot_interval_steps: int = 1
-    preemption_grace_s: float = 30.0
-    notice_sources: Sequence[NoticeSource] = ()
-    slurm_requeue: bool = True
-
-    def __post_init__(self) -> None:
-        check_int(
-            "FailureConfig",
-            "snapshot_interval_steps",
-            self.snapshot_interval_steps,
-            1,
-            "use 1 to snapshot after every TrainState.step increment",
-        )
-        check_int(
-            "FailureConfig",
-            "max_failures",
-            self.max_failures,
-            -1,
-            "use 0 to stop at the first failure, -1 to retry forever",
-        )
-        t = self.worker_timeout_s
-        if t is not None and (
-            isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t
-        ):
-            raise ValueError(
-                f"FailureConfig.worker_timeout_s must be a positive number of seconds or None, "
-                f"got {t!r} (None disables hang detection)"
-            )
-        g = self.preemption_grace_s
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < float("inf"):
-            raise ValueError(
-                f"FailureConfig.preemption_grace_s must be a positive number of seconds, got "
-                f"{g!r} (the time the workers get after a preemption notice, e.g. 30)"
-            )
-        if not isinstance(self.slurm_requeue, bool):
+        if not isinstance(self.from_scratch_if_invalid, bool):
             raise TypeError(
-                f"FailureConfig.slurm_requeue must be True or False, got {self.slurm_requeue!r}"
+                "CheckpointConfig.from_scratch_if_invalid must be True or False, got "
+                f"{self.from_scratch_if_invalid!r}"
             )
-        sources = check_sources("FailureConfig.notice_sources", self.notice_sources)
-        object.__setattr__(self, "notice_sources", sources)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name != "notice_sources"
-        }
-        # Objects, not data: written for the reader (a resumed `ringtrain run` cannot rebuild
-        # them; its driver still watches SIGTERM/SIGUSR1).
-        out["notice_sources_repr"] = [repr(s) for s in self.notice_sources]
-        return out
-
-
-@short_errors
-@dataclass(frozen=True)
-class MonitorConfig:
-    """What a run measures and where it logs (see docs/monitoring.md).
-
-    Attributes:
-        timing: time every training step in every worker (data wait, forward + backward
-            compute, communication and its part not overlapped with backward, optimizer) and
-            send per-window aggregates to the driver. On by default; its cost is measured in
-            docs/benchmarks.md.
-        timing_interval_s: how often each worker sends its timing window (seconds).
-        comm_timing: how DDP's gradient allreduce is timed. ``"hook"``: inside a DDP
-            communication hook, per bucket from launch to completion (total and exposed
-            communication, bytes). ``"wait"``: without a hook, as the time backward waits for
-            DDP's own allreduce after the last gradient (exposed communication only; ``comm_s``
-            then equals it); DDP's built-in allreduce averages while copying gradients into its
-            buckets, which a hook cannot do, so on CPU a hook costs one more pass over the
-            gradients (about 5 % of a step of the benchmark MLP). ``"auto"`` (default): "hook" on
-            GPU, where that pass is one cheap kernel, "wait" on CPU.
-        straggler_threshold: a rank is a straggler when its busy time per step (step time
-            minus time spent waiting in communication) exceeds the median of the other ranks' by
-            more than this fraction (0.2: 20 % slower).
-        straggler_patience: consecutive timing windows a rank must be over (or back under) the
-            threshold before it is flagged (or cleared).
-        tensorboard: write TensorBoard event files to ``{run_dir}/tensorboard/``.
-        csv: write ``{run_dir}/metrics.csv`` and ``{run_dir}/timing.csv``.
-    """
-
-    timing: bool = True
-    timing_interval_s: float = 2.0
-    comm_timing: Literal["auto", "hook", "wait"] = "auto"
-    straggler_threshold: float = 0.2
-    straggler_patience: int = 2
-    tensorboard: bool = True
-    csv: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("timing", "tensorboard", "csv"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(
-                    f"MonitorConfig.{name} must be True or False, got {getattr(self, name)!r}"
-                )
-        for name, value in (
-            ("timing_interval_s", self.timing_interval_s),
-            ("straggler_threshold", self.straggler_threshold),
-        ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not value > 0
-                or value == float("inf")
-            ):
-                raise ValueError(f"MonitorConfig.{name} must be a positive number, got {value!r}")
-        if self.comm_timing not in ("auto", "hook", "wait"):
-            raise ValueError(
-                "MonitorConfig.comm_timing must be 'auto', 'hook' or 'wait', got "
-                f"{self.comm_timing!r}"
-            )
-        check_int(
-            "MonitorConfig",
-            "straggler_patience",
-            self.straggler_patience,
-            1,
-            "the number of consecutive timing windows, e.g. 2",
-        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

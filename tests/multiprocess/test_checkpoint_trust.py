@@ -28,7 +28,7 @@ import ringtrain as rt
 import workloads
 from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint.checkpoint import CheckpointLoadError
-from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.checkpoint.manager import CheckpointManager, NoValidCheckpointError
 from ringtrain.config import CheckpointConfig
 from ringtrain.state import STATE_FILE, TrainState, rank_file
 from support import Poisoned
@@ -144,8 +144,8 @@ def test_an_older_checkpoint_renamed_newer_or_from_another_run_is_refused(tmp_pa
 
     other = tmp_path / "other"
     shutil.copytree(run, other)
-    mgr, latest = _latest(other)  # signed for run "run", found in run "other"
-    assert latest is None and any("belongs to run 'run'" in n for n in mgr.notes)
+    with pytest.raises(NoValidCheckpointError, match="belongs to run 'run'"):
+        _latest(other)  # signed for run "run", found in run "other": none verifies, refused
 
 
 # ---------------------------------------------------------------- paths stay in the checkpoint

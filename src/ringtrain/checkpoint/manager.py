@@ -17,6 +17,48 @@ from ringtrain.config import CheckpointConfig
 logger = logging.getLogger("ringtrain")
 
 
+@dataclass(frozen=True)
+class SetAside:
+    """A checkpoint that failed verification (or that worker ``rank`` could not load), renamed
+    ``set_aside_as``; the run resumes from ``resumed_from`` (a checkpoint's directory name), or
+    from step 0 when it is None (``CheckpointConfig.from_scratch_if_invalid``)."""
+
+    checkpoint: str
+    set_aside_as: str
+    reason: str
+    resumed_from: str | None
+    rank: int | None = None
+
+    def __str__(self) -> str:
+        fallback = (
+            f"resuming from {self.resumed_from}"
+            if self.resumed_from is not None
+            else "no valid checkpoint is left: starting from scratch"
+        )
+        return (
+            f"checkpoint {self.checkpoint} is invalid ({self.reason}); "
+            f"set aside as {self.set_aside_as}; {fallback}"
+        )
+
+
+class NoValidCheckpointError(RuntimeError):
+    """The run directory holds checkpoints, none verifies, and starting from step 0 was not
+    asked for (``CheckpointConfig.from_scratch_if_invalid``)."""
+
+    def __init__(self, run_path: str, failed: list[tuple[int, str, str, int | None]]) -> None:
+        self.run_path = run_path
+        self.failed = [(storage.checkpoint_dirname(r), why) for r, _, why, _ in sorted(failed)]
+        listed = "; ".join(f"{name}: {why}" for name, why in self.failed)
+        super().__init__(
+            f"no checkpoint of run {run_path} verifies ({listed}); refusing to start it again "
+            "from step 0. Look at them (a wrong signing key? RunConfig.signing_key / "
+            "signing_key_file), or, to set them aside (renamed checkpoint_NNNNNN.corrupt) and "
+            "start from step 0, pass "
+            "RunConfig(checkpoint_config=CheckpointConfig(from_scratch_if_invalid=True)) "
+            "(ringtrain run: --from-scratch-if-invalid)"
+        )
+
+
 @dataclass
 class TrackedCheckpoint:
     round: int
@@ -66,7 +108,11 @@ class CheckpointManager:
         self.resume_files: dict[str, dict[str, Any]] | None = None
         self.checkpoints: list[TrackedCheckpoint] = []  # oldest first
         self.deleted: list[tuple[str, str]] = []  # (path, reason), for the event log
-        self.notes: list[str] = []  # checkpoints found invalid by latest_verified()
+        self.notes: list[str] = []  # what latest_verified() set aside, in words
+        self.set_aside: list[SetAside] = []  # the same, as records (for the event log)
+        # Checkpoints found invalid (or unloadable on ``rank``) and not yet set aside:
+        # (round, path, why, rank).
+        self._failed: list[tuple[int, str, str, int | None]] = []
         self._warned_missing_score = False
 
     # ------------------------------------------------------------------ discovery
@@ -99,8 +145,9 @@ class CheckpointManager:
                 )
             )
         self.checkpoints = sorted(found, key=lambda t: t.round)
-        for round_, entry, why in sorted(invalid, key=lambda item: item[0]):
-            self._set_aside(round_, entry, why, resuming=False)
+        # Set aside by latest_verified() (which says where the run resumes instead), or left in
+        # place when it refuses to start from scratch.
+        self._failed += [(r, entry, str(why), None) for r, entry, why in invalid]
         return notes
 
     @property
@@ -161,30 +208,50 @@ class CheckpointManager:
     def latest_verified(self) -> TrackedCheckpoint | None:
         """The newest checkpoint whose manifest is signed for this run and round and whose every
         file matches it byte for byte (size and SHA-256), with nothing unlisted beside them.
-        Each invalid one met on the way is renamed ``checkpoint_NNNNNN.corrupt`` (kept for
-        inspection, never loaded), dropped from the list, and described in ``notes``."""
-        while self.checkpoints:
+
+        Each invalid one (met on the way, found by :meth:`scan`, or refused by a worker:
+        :meth:`set_aside_unloadable`) is renamed ``checkpoint_NNNNNN.corrupt`` (kept for
+        inspection, never loaded), dropped from the list, and described in ``notes`` and
+        ``set_aside`` (a :class:`SetAside` each, naming the checkpoint resumed from instead).
+
+        Raises:
+            NoValidCheckpointError: checkpoints were found invalid and none is left that
+                verifies, and ``CheckpointConfig.from_scratch_if_invalid`` is False: the run
+                would silently start again from step 0. Nothing is renamed then.
+        """
+        failed, self._failed = self._failed, []
+        chosen: TrackedCheckpoint | None = None
+        while self.checkpoints and chosen is None:
             tracked = self.checkpoints[-1]
             try:
                 manifest = self._read(tracked.checkpoint.path, tracked.round, True)
-                tracked.files = dict(manifest["files"])
-                return tracked
             except (ValueError, OSError) as exc:
                 self.checkpoints.pop()
-                self._set_aside(tracked.round, tracked.checkpoint.path, exc)
-        return None
+                failed.append((tracked.round, tracked.checkpoint.path, str(exc), None))
+                continue
+            tracked.files = dict(manifest["files"])
+            chosen = tracked
+        if failed and chosen is None and not self.config.from_scratch_if_invalid:
+            raise NoValidCheckpointError(self.run_path, failed)
+        resume = storage.checkpoint_dirname(chosen.round) if chosen is not None else None
+        for round_, path, why, rank in sorted(failed):
+            self._set_aside(round_, path, why, resume, rank)
+        return chosen
 
-    def set_aside_unloadable(self, tracked: TrackedCheckpoint, why: str) -> bool:
-        """Set aside ``tracked`` (verified, but a worker could not load it) like a corrupt one,
-        so that the next attempt resumes from the checkpoint before it. Returns False if it is
-        no longer tracked."""
+    def set_aside_unloadable(self, tracked: TrackedCheckpoint, why: str, rank: int | None) -> bool:
+        """Set aside ``tracked`` (verified, but a worker, ``rank``, could not load it) like a
+        corrupt one, so that the next attempt resumes from the checkpoint before it (it is
+        renamed by the next :meth:`latest_verified`). Returns False if it is no longer
+        tracked."""
         if tracked not in self.checkpoints:
             return False
         self.checkpoints.remove(tracked)
-        self._set_aside(tracked.round, tracked.checkpoint.path, ValueError(why))
+        self._failed.append((tracked.round, tracked.checkpoint.path, why, rank))
         return True
 
-    def _set_aside(self, round_: int, path: str, exc: Exception, resuming: bool = True) -> None:
+    def _set_aside(
+        self, round_: int, path: str, why: str, resume: str | None, rank: int | None
+    ) -> None:
         """Rename an invalid checkpoint ``checkpoint_NNNNNN.corrupt`` (kept for inspection, never
         loaded) and say so in ``notes``."""
         quarantine = path.rstrip("/") + ".corrupt"
@@ -194,17 +261,10 @@ class CheckpointManager:
             self.fs.mv(path, quarantine, recursive=True)
         except OSError:
             pass
-        older = [t for t in self.checkpoints if t.round < round_]
-        if not resuming:
-            fallback = "it will not be used"
-        elif older:
-            fallback = f"resuming from {storage.checkpoint_dirname(older[-1].round)}"
-        else:
-            fallback = "no valid checkpoint is left: starting from scratch"
-        self.notes.append(
-            f"checkpoint {storage.checkpoint_dirname(round_)} is invalid ({exc}); "
-            f"set aside as {quarantine.rsplit('/', 1)[-1]}; {fallback}"
-        )
+        name = storage.checkpoint_dirname(round_)
+        note = SetAside(name, quarantine.rsplit("/", 1)[-1], why, resume, rank)
+        self.set_aside.append(note)
+        self.notes.append(str(note))
 
     @property
     def next_round(self) -> int:

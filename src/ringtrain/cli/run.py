@@ -103,6 +103,12 @@ def add_run_parser(sub: Any) -> None:
         "docs/security.md)",
     )
     run.add_argument(
+        "--from-scratch-if-invalid",
+        action="store_true",
+        help="when the run directory holds checkpoints and none verifies, set them aside "
+        "(checkpoint_NNNNNN.corrupt) and start from step 0 instead of refusing to start",
+    )
+    run.add_argument(
         "--trust-unsigned",
         action="store_true",
         help="accept a run directory or checkpoints not signed with the key (a warning each "
@@ -292,6 +298,8 @@ def _configs(args: argparse.Namespace, saved: SavedRun | None) -> tuple[ScalingC
             failure = dataclasses.replace(failure, worker_timeout_s=args.worker_timeout or None)
         if args.sync_checkpoints:
             checkpoint = dataclasses.replace(checkpoint, async_save=False)
+        if args.from_scratch_if_invalid:
+            checkpoint = dataclasses.replace(checkpoint, from_scratch_if_invalid=True)
         run_config = RunConfig(
             name=saved.name if saved else args.name,
             storage_path=saved.storage_path if saved else args.storage_path,

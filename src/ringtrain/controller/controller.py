@@ -77,6 +77,10 @@ __all__ = ["Controller", "RunState", "SpecFactory", "Transition"]
 
 logger = logging.getLogger("ringtrain")
 
+LAST_MESSAGES_S = 5.0
+"""How long the driver waits, once every worker exited, for the channel messages a cleanly exited
+worker wrote before its exit (``Done`` last) when its exit was reported first."""
+
 SpecFactory = Callable[[int, int, "str | None"], WorkerSpec]
 """(attempt, start_round, latest checkpoint URI) -> the spec of that attempt's workers."""
 
@@ -149,6 +153,9 @@ class Controller:
         self.failure_grace_s = failure_grace_s
         self.stop_grace_s = stop_grace_s
         self.poll_interval_s = poll_interval_s
+        # Generation -> (when all its workers had exited, ranks whose channel was read to its
+        # end): _last_messages_due.
+        self._draining: dict[int, tuple[float, set[int]]] = {}
         self.worker_timeout_s = worker_timeout_s
         self.checkpoint_grace_s = checkpoint_grace_s
         self.stragglers = stragglers
@@ -271,10 +278,39 @@ class Controller:
             self.events.check_hang(gen)
         if gen.first_failure_at is not None:
             return self._failed(state, gen)
+        if gen.all_exited and self._last_messages_due(gen):
+            return Transition(state, state)  # the next polls take them
         if gen.all_exited:
+            notice = self.preemption.take() if self.preemption.saved else None
+            if notice is not None:
+                # The workers stopped for a notice of their own (SIGTERM to them) that reached
+                # this driver in one poll with their last events: not FINISHED, but PREEMPTED.
+                return self._preempt(state, notice)
             self._stop_group(gen)
             return Transition(state, Finished(), "every worker finished")
         return Transition(state, state)
+
+    def _last_messages_due(self, gen: Generation) -> bool:
+        """Whether a rank that exited cleanly has not said ``Done`` yet while its channel is still
+        being read: its last messages (``PreemptSaved``, ``Done``) come on the channel, its exit
+        from the launcher, and the exit can come first. Waited for at most
+        ``LAST_MESSAGES_S`` (a script may exit 0 without a ``Done``)."""
+        reading = getattr(self.group, "reading", None)
+        if not callable(reading):
+            return False
+        since, closed = self._draining.setdefault(gen.number, (time.monotonic(), set()))
+        if time.monotonic() - since > LAST_MESSAGES_S:
+            return False
+        due = False
+        for rank, code in gen.exited.items():
+            if code != 0 or rank in gen.done:
+                continue
+            if reading(rank):
+                due = True
+            elif rank not in closed:  # read to its end: one more poll takes what it queued
+                closed.add(rank)
+                due = True
+        return due
 
     def _grow_step(self, state: Running | Growing) -> Transition | None:
         gen = state.generation
@@ -387,6 +423,9 @@ class Controller:
         if self.preemption.asked and self.group is not None:
             self._take(state.generation, event)
             self.preemption.resend(self.group)
+            gen = state.generation
+            if gen.all_exited and self._last_messages_due(gen):
+                return Transition(state, state)  # the stop round's CheckpointDone, Done
         return self.preemption.step(self, state)
 
     def _stop(self, state: State) -> Transition:
@@ -469,19 +508,28 @@ class Controller:
         if not found:
             return False
         why = found[0].split(": ", 1)[-1]
-        if not self.checkpoints.set_aside_unloadable(resumed, f"rank {failure.rank}: {why}"):
+        rank = failure.rank
+        if not self.checkpoints.set_aside_unloadable(resumed, f"rank {rank}: {why}", rank):
             return False
-        self._notes(rank=failure.rank)
-        self._resumed = None
+        self._resumed = None  # set aside (and said) as the next attempt starts
         return True
 
-    def _notes(self, rank: int | None = None) -> None:
-        """Log, show and write (as ``checkpoint_invalid`` events, naming ``rank`` when a worker
-        refused the checkpoint) the checkpoint manager's notes."""
-        for note in self.checkpoints.notes:
-            logger.warning(note)
-            self.progress.message(note)
-            self.run_dir.write(CheckpointInvalidEvent(reason=note, rank=rank))
+    def _notes(self) -> None:
+        """Log, show once and write (as ``checkpoint_invalid`` events) each checkpoint the
+        manager set aside, with the checkpoint the run resumes from instead."""
+        for note in self.checkpoints.set_aside:
+            logger.warning("%s", note)
+            self.progress.message(str(note))
+            self.run_dir.write(
+                CheckpointInvalidEvent(
+                    reason=str(note),
+                    rank=note.rank,
+                    checkpoint=note.checkpoint,
+                    set_aside_as=note.set_aside_as,
+                    resumed_from=note.resumed_from,
+                )
+            )
+        self.checkpoints.set_aside.clear()
         self.checkpoints.notes.clear()
 
     def _stop_requested(self) -> bool:

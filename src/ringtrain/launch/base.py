@@ -214,6 +214,14 @@ class ChannelGroup:
             with contextlib.suppress(OSError):
                 conn.close()
 
+    def reading(self, rank: int) -> bool:
+        """Whether ``rank``'s channel may still hold events not yet queued (its reader has not
+        met end of file): a worker's ``Exited``, which the process's waiter sends, can overtake
+        the last messages it wrote (``PreemptSaved``, ``Done``) on a loaded driver."""
+        with self._lock:
+            conn = self._conns.get(rank)
+        return conn is not None and not conn.closed
+
     def _reassign(
         self, assignment: dict[int, int], members: dict[int, _W]
     ) -> tuple[dict[int, _W], dict[int, Connection], list[_W]]:

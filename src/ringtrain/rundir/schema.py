@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointEvent",
     "CheckpointFailedEvent",
     "CheckpointInvalidEvent",
+    "ColdStartEvent",
     "ConfigRecord",
     "DecisionEvent",
     "EventRecord",
@@ -270,12 +271,18 @@ class CheckpointFailedEvent(EventRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointInvalidEvent(EventRecord):
-    """A checkpoint failed verification (or could not be loaded on ``rank``): ``reason`` says
-    which, what failed, and where the run resumes. ``rank`` only when a worker refused it."""
+    """A checkpoint failed verification (or could not be loaded on ``rank``) and was set aside:
+    ``checkpoint`` (its directory name), ``set_aside_as`` (its new name), ``resumed_from`` (the
+    checkpoint the run resumes from instead; None: from step 0, only with
+    ``CheckpointConfig.from_scratch_if_invalid``), and ``reason`` (all of it in one sentence).
+    ``rank`` only when a worker refused it."""
 
     KIND: ClassVar[str] = "checkpoint_invalid"
     reason: str | None = None
     rank: int | None = field(default=None, metadata={"omit_none": True})
+    checkpoint: str | None = None
+    set_aside_as: str | None = None
+    resumed_from: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,6 +370,16 @@ class PreemptionIncompleteEvent(EventRecord):
     checkpoint: str | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class ColdStartEvent(EventRecord):
+    """Workers start cold (``python -m``, a fresh interpreter) although the warm worker pool
+    was asked for (``ScalingConfig.warm_start``): ``reason`` says why (the zygote could not
+    start, or it died). Written once per pool lost."""
+
+    KIND: ClassVar[str] = "cold_start"
+    reason: str | None = None
+
+
 EVENT_TYPES: dict[str, type[EventRecord]] = {
     cls.KIND: cls
     for cls in (
@@ -387,6 +404,7 @@ EVENT_TYPES: dict[str, type[EventRecord]] = {
         PreemptionEvent,
         PreemptionSavedEvent,
         PreemptionIncompleteEvent,
+        ColdStartEvent,
         RunEndEvent,
     )
 }
