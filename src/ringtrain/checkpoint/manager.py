@@ -145,9 +145,15 @@ class CheckpointManager:
                 )
             )
         self.checkpoints = sorted(found, key=lambda t: t.round)
-        # Set aside by latest_verified() (which says where the run resumes instead), or left in
-        # place when it refuses to start from scratch.
-        self._failed += [(r, entry, str(why), None) for r, entry, why in invalid]
+        failed = [(r, entry, str(why), None) for r, entry, why in sorted(invalid)]
+        if not self.checkpoints:
+            # latest_verified() refuses to start from scratch (renaming nothing) or, when asked
+            # to, sets them aside.
+            self._failed += failed
+            return notes
+        resume = storage.checkpoint_dirname(self.checkpoints[-1].round)
+        for round_, entry, why, rank in failed:
+            self._set_aside(round_, entry, why, resume, rank)
         return notes
 
     @property
