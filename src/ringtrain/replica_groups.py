@@ -27,10 +27,14 @@ from typing import Protocol
 class MeshSizes(Protocol):
     """A :class:`ringtrain.ParallelConfig` as these rules read it (-1: the rest)."""
 
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
+    @property
+    def dp_replicate(self) -> int: ...
+    @property
+    def dp_shard(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
 
 
 def elastic_mesh_refusal(parallel: MeshSizes, min_workers: int, max_workers: int) -> str | None:
