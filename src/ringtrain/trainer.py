@@ -2,36 +2,37 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import shutil
-import signal
-import sys
 import tempfile
 import threading
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from ringtrain import slurm
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.signing import from_run_config
 from ringtrain.checkpoint.storage import protocols
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
+from ringtrain.driver_signals import (
+    DriverTerminated,
+    _requeue_if_preempted,
+    _sigterm_as_interrupt,
+)
 from ringtrain.env import detect_source
 from ringtrain.launch.backends import backend_for
 from ringtrain.launch.base import Launcher, NoticeProvider, WorkerSpec
+from ringtrain.launch.pool import ColdStartReporter
 from ringtrain.monitor.progress import make_progress
 from ringtrain.monitor.sinks import default_sinks
 from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.preemption import SignalNotice
 from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
+from ringtrain.rundir.schema import ColdStartEvent
 from ringtrain.saved_run import (  # re-exported: cli, tests and users import them from here
     CONFIG_FILE,
     PAYLOAD_FILE,
@@ -43,6 +44,7 @@ from ringtrain.saved_run import (  # re-exported: cli, tests and users import th
     refuse_if_running,
     write_run_config,
 )
+from ringtrain.trainer_args import _resolve_train_fn, default_run_name, short_error
 from ringtrain.worker_config import build_worker_config
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "RunNameTaken",
     "SavedRun",
     "Trainer",
+    "_sigterm_as_interrupt",
     "default_run_name",
     "finished_note",
     "load_saved_run",
@@ -67,15 +70,6 @@ logger = logging.getLogger("ringtrain")
 logger.addHandler(logging.NullHandler())
 
 
-def default_run_name(entrypoint: str) -> str:
-    """``{entrypoint}_{YYYY-mm-dd_HH-MM-SS}``; inside a SLURM job ``{entrypoint}_slurm{JOB_ID}``,
-    the same for the requeued job, which so resumes the run (:mod:`ringtrain.slurm`)."""
-    safe = (
-        "".join(c if c.isalnum() or c in "_.-" else "_" for c in entrypoint).strip("_.-") or "run"
-    )
-    return slurm.default_run_name(safe) or f"{safe}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
-
-
 def validate_gpus(scaling: ScalingConfig) -> None:
     """Raise before any process starts when ``use_gpu`` asks for more GPUs than this host has.
     (On Ray the GPUs are the cluster's: its placement group checks them.)"""
@@ -86,32 +80,6 @@ def make_launcher(scaling: ScalingConfig) -> Launcher:
     """The launcher ``scaling.backend`` names: local processes, or Ray actors (Ray is imported
     only then; ImportError naming ``pip install 'ringtrain[ray]'`` when it is missing)."""
     return backend_for(scaling).launcher()
-
-
-def _resolve_train_fn(
-    train_fn: Callable[..., Any] | None,
-    train_loop_per_worker: Callable[..., Any] | None,
-    datasets: dict[str, Any] | None,
-) -> Callable[..., Any]:
-    """The train function from ringtrain's name or Ray Train's; refuses ``datasets``."""
-    if datasets is not None:
-        raise ValueError(
-            "Trainer(datasets=...): Ray Data datasets are not supported; build a torch "
-            "DataLoader inside the train function and pass it through prepare_data_loader() "
-            "(it shards the data across workers like get_dataset_shard())"
-        )
-    if train_fn is not None and train_loop_per_worker is not None:
-        raise TypeError(
-            "Trainer got both train_fn and train_loop_per_worker (Ray Train's name for the same "
-            "argument): give only one"
-        )
-    chosen = train_fn if train_fn is not None else train_loop_per_worker
-    if chosen is None:
-        raise TypeError(
-            "Trainer needs the per-worker training function: Trainer(train_fn) or "
-            "Trainer(train_loop_per_worker=train_fn)"
-        )
-    return chosen
 
 
 class Trainer:
@@ -332,15 +300,6 @@ class Trainer:
         )
 
 
-def short_error(exc: BaseException) -> BaseException:
-    """``exc`` without its traceback through ringtrain, for errors whose message is the whole
-    story (configuration and usage errors): the user sees their own line and the fix. With
-    ``RINGTRAIN_DEBUG=1`` the traceback is kept."""
-    if os.environ.get("RINGTRAIN_DEBUG", "") not in ("", "0"):
-        return exc
-    return exc.with_traceback(None)
-
-
 def _pickle_payload(train_fn: Callable[..., Any], config: dict[str, Any] | None) -> bytes:
     from ringtrain.payload import pickle_payload
 
@@ -467,6 +426,8 @@ def run_workers(
             ],
             preemption_grace_s=run_config.failure_config.preemption_grace_s,
         )
+        if isinstance(launcher, ColdStartReporter):  # the warm pool lost: an event, not a log
+            launcher.on_cold_start(lambda reason: run_dir.write(ColdStartEvent(reason=reason)))
     except BaseException:
         if own_launcher:
             _close_launcher(launcher)
@@ -488,38 +449,3 @@ def _close_launcher(launcher: Launcher) -> None:
     """Release what a launcher holds (its warm worker pool, a Ray instance it started)."""
     if callable(getattr(launcher, "close", None)):
         launcher.close()  # type: ignore[attr-defined]
-
-
-def _requeue_if_preempted(status: str, run_config: RunConfig) -> None:
-    """Inside a SLURM job, requeue it after a run that ended ``PREEMPTED`` (unless
-    ``FailureConfig.slurm_requeue`` is False); say what was done, or why scontrol failed, on
-    stderr in one line. Never raises: the run's status stays ``PREEMPTED``."""
-    outcome = slurm.requeue_after_preemption(
-        status, enabled=run_config.failure_config.slurm_requeue
-    )
-    if outcome.attempted:
-        print(f"ringtrain: {outcome.message}", file=sys.stderr, flush=True)
-
-
-class DriverTerminated(KeyboardInterrupt):
-    """The driver received SIGTERM; raised like Ctrl-C so that workers are stopped and the run
-    directory records ``ABORTED``."""
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """While active, turn SIGTERM into an interruption with the same orderly shutdown as Ctrl-C
-    (on the main thread only). ``Trainer.fit`` no longer uses it: SIGTERM to the driver is a
-    preemption notice (:class:`ringtrain.preemption.SignalNotice`); kept for callers of it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise DriverTerminated(f"the driver received {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

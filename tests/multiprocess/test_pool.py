@@ -97,7 +97,11 @@ def test_script_mode_no_listener_and_cold_fallback(tmp_path, capfd):
         textwrap.dedent(
             """
             import os, sys, ringtrain as rt
+            from ringtrain import preempt_worker
             ctx = rt.get_context()
+            with open(os.path.join(sys.argv[1], f"driver{ctx.world_rank}"), "w") as f:
+                f.write(f"{ctx.config.driver_pid} {preempt_worker.driver_pid()} "
+                        f"{sorted(preempt_worker._stoppers)}")
             with open(os.path.join(sys.argv[1], f"rank{ctx.world_rank}"), "w") as f:
                 f.write(f"{os.getppid()} {os.getcwd()} {' '.join(sys.argv[1:])}")
             print("hello from", ctx.world_rank)
@@ -124,6 +128,10 @@ def test_script_mode_no_listener_and_cold_fallback(tmp_path, capfd):
         for rank in (0, 1):
             ppid, cwd, args = (out / f"rank{rank}").read_text().split(" ", 2)
             assert int(ppid) == pool.zygote_pid and cwd == os.getcwd() and args == f"{out} x"
+            # The driver's pid comes in Start (WorkerConfig.driver_pid); the zygote told the
+            # worker who its launchers are, so no /proc look-up: both stop it with SIGTERM.
+            driver = (out / f"driver{rank}").read_text()
+            assert driver == f"{os.getpid()} {os.getpid()} {sorted({os.getpid(), pool.zygote_pid})}"
         assert "(rank 1) hello from 1" in capfd.readouterr().out
         # The zygote dies: the next run starts its workers cold, and says so once.
         os.kill(pool.zygote_pid, signal.SIGKILL)
@@ -138,6 +146,11 @@ def test_script_mode_no_listener_and_cold_fallback(tmp_path, capfd):
         ).fit()
         assert result.status == "FINISHED"
         assert capfd.readouterr().err.count("starting workers cold") == 1
+        # ... and writes it to the run directory as one cold_start event, with the reason.
+        lines = (tmp_path / "runs" / "after" / "events.jsonl").read_text().splitlines()
+        events = [json.loads(line) for line in lines]
+        cold = [e for e in events if e["type"] == "cold_start"]
+        assert len(cold) == 1 and "zygote" in cold[0]["reason"], events
 
 
 def test_warm_start_is_validated():
