@@ -14,7 +14,8 @@ Elastic runs (``ScalingConfig(num_workers=(min, max))``) go through ``Resizing``
 handlers call :class:`~ringtrain.controller.elastic.ElasticCoordinator`. Round book-keeping and
 checkpoint publication are in :mod:`ringtrain.controller.rounds`, liveness (hangs) in
 :mod:`ringtrain.controller.health`, one worker group's book-keeping in
-:mod:`ringtrain.controller.generation`.
+:mod:`ringtrain.controller.generation`, the checkpoint each group resumes from (and those set aside)
+in :mod:`ringtrain.controller.resume`.
 
 A caller may also ask a running job to stop early (``stop_event``, e.g. a sweep pruning a trial):
 its group is stopped at once and the run ends ``STOPPED``, its published checkpoints kept.
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ringtrain.channel import Event, PreemptSaved, WorkerNotice
-from ringtrain.checkpoint.manager import CheckpointManager, TrackedCheckpoint
+from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.controller.attempt import root_cause
 from ringtrain.controller.elastic import ElasticCoordinator
 from ringtrain.controller.events import GroupEvents
@@ -38,6 +39,7 @@ from ringtrain.controller.generation import Generation
 from ringtrain.controller.outputs import build_result, write_result
 from ringtrain.controller.policy import Decision, FailurePolicy
 from ringtrain.controller.preempting import Preemption
+from ringtrain.controller.resume import ResumePoint
 from ringtrain.controller.rounds import Publisher
 from ringtrain.controller.states import (
     Aborted,
@@ -56,17 +58,15 @@ from ringtrain.controller.states import (
     Transition,
 )
 from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
-from ringtrain.launch.base import Launcher, WorkerGroup, WorkerSpec
+from ringtrain.launch.base import ChannelReading, Launcher, WorkerGroup, WorkerSpec
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.preemption import NoticeSource
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure, follow_ons
 from ringtrain.rundir import RunDirectory
 from ringtrain.rundir.schema import (
-    CheckpointInvalidEvent,
     DecisionEvent,
     ResizeEvent,
-    ResumeEvent,
     RunEndEvent,
     RunStartEvent,
     StopRequestedEvent,
@@ -76,10 +76,6 @@ from ringtrain.rundir.schema import (
 __all__ = ["Controller", "RunState", "SpecFactory", "Transition"]
 
 logger = logging.getLogger("ringtrain")
-
-LAST_MESSAGES_S = 5.0
-"""How long the driver waits, once every worker exited, for the channel messages a cleanly exited
-worker wrote before its exit (``Done`` last) when its exit was reported first."""
 
 SpecFactory = Callable[[int, int, "str | None"], WorkerSpec]
 """(attempt, start_round, latest checkpoint URI) -> the spec of that attempt's workers."""
@@ -153,9 +149,6 @@ class Controller:
         self.failure_grace_s = failure_grace_s
         self.stop_grace_s = stop_grace_s
         self.poll_interval_s = poll_interval_s
-        # Generation -> (when all its workers had exited, ranks whose channel was read to its
-        # end): _last_messages_due.
-        self._draining: dict[int, tuple[float, set[int]]] = {}
         self.worker_timeout_s = worker_timeout_s
         self.checkpoint_grace_s = checkpoint_grace_s
         self.stragglers = stragglers
@@ -175,8 +168,7 @@ class Controller:
         self.history: dict[int, dict[str, Any]] = {}  # round -> rank 0's metrics
         self.next_round = checkpoints.next_round
         self.start_time = time.time()
-        self._resumed: TrackedCheckpoint | None = None  # what this attempt's workers resumed
-        self._resume_uri: str | None = None  # ... at this location (a local copy for memory://)
+        self.resume = ResumePoint(checkpoints, run_dir, progress)
 
     @property
     def state(self) -> RunState:
@@ -291,26 +283,8 @@ class Controller:
         return Transition(state, state)
 
     def _last_messages_due(self, gen: Generation) -> bool:
-        """Whether a rank that exited cleanly has not said ``Done`` yet while its channel is still
-        being read: its last messages (``PreemptSaved``, ``Done``) come on the channel, its exit
-        from the launcher, and the exit can come first. Waited for at most
-        ``LAST_MESSAGES_S`` (a script may exit 0 without a ``Done``)."""
-        reading = getattr(self.group, "reading", None)
-        if not callable(reading):
-            return False
-        since, closed = self._draining.setdefault(gen.number, (time.monotonic(), set()))
-        if time.monotonic() - since > LAST_MESSAGES_S:
-            return False
-        due = False
-        for rank, code in gen.exited.items():
-            if code != 0 or rank in gen.done:
-                continue
-            if reading(rank):
-                due = True
-            elif rank not in closed:  # read to its end: one more poll takes what it queued
-                closed.add(rank)
-                due = True
-        return due
+        group = self.group
+        return isinstance(group, ChannelReading) and gen.last_messages_due(group.reading)
 
     def _grow_step(self, state: Running | Growing) -> Transition | None:
         gen = state.generation
@@ -369,7 +343,7 @@ class Controller:
             return Transition(state, Finished(), "the group ended without a failure")
         failure = root_cause(list(gen.failures.values()))
         self.follow_on_failures += follow_ons(list(gen.failures.values()), failure)
-        if self._set_aside_unloadable(failure):
+        if self.resume.set_aside_unloadable(failure):
             # Bounded: each time, one checkpoint fewer is left to resume from.
             reason = f"the checkpoint could not be loaded ({failure.message}); set aside"
             return Transition(state, Starting(gen.number + 1), reason)
@@ -440,23 +414,13 @@ class Controller:
     def _start_generation(self, number: int) -> tuple[Generation, str | None]:
         """Start attempt ``number``'s worker group from the newest valid checkpoint. Returns
         the generation and the checkpoint it resumes from (None: from scratch)."""
-        # No worker runs now: what a previous attempt left half-written goes, and the checkpoint
-        # to resume from is checked byte by byte (a corrupt one is set aside, the one before used).
-        self.checkpoints.remove_staging()
-        latest = self.checkpoints.latest_verified()
-        self._notes()
+        latest = self.resume.choose(number)
         # Rounds after the checkpoint we resume from are recomputed: their report indices must
         # line up with the restored state, and their metrics replace the lost attempt's.
         self.next_round = latest.round + 1 if latest is not None else 0
         for stale in [r for r in self.history if r >= self.next_round]:
             del self.history[stale]
-        resume_from = self.checkpoints.worker_uri(latest) if latest is not None else None
-        self._resumed, self._resume_uri = latest, resume_from
-        if latest is not None:
-            self.run_dir.write(ResumeEvent(attempt=number, checkpoint=latest.checkpoint.uri))
-            if number == 0:
-                self.progress.message(f"resuming from {latest.checkpoint.uri}")
-        spec = self.make_spec(number, self.next_round, resume_from)
+        spec = self.make_spec(number, self.next_round, self.resume.uri)
         gen = Generation(number, spec.world_size)
         self.reset_stragglers()
         self.run_dir.write(RunStartEvent(world_size=spec.world_size, attempt=number))
@@ -486,51 +450,6 @@ class Controller:
             self.group = None
         self.coordinator.grow = None
         self._end_generation(gen)
-
-    def _set_aside_unloadable(self, failure: WorkerFailure) -> bool:
-        """A worker could not load the checkpoint this attempt resumed from (it passed the
-        driver's checks but ``torch.load(weights_only=True)`` refused it, or its content is not a
-        TrainState): set it aside like a corrupt one and restart from the one before, without
-        counting a failure (docs/security.md). Returns False for any other failure."""
-        resumed = self._resumed
-        if resumed is None or failure.kind != "exception":
-            return False
-        # The worker's exception, or one it caused (a train function may wrap it), names it.
-        said = [f"{failure.exc_type}: {failure.message.split(': ', 1)[-1]}"] + [
-            line.strip() for line in (failure.traceback or "").splitlines()
-        ]
-        marks = {
-            f"CheckpointLoadError: could not load checkpoint {uri}"
-            for uri in (resumed.checkpoint.uri, self._resume_uri)
-            if uri
-        }
-        found = [line for line in said if any(line.startswith(m) for m in marks)]
-        if not found:
-            return False
-        why = found[0].split(": ", 1)[-1]
-        rank = failure.rank
-        if not self.checkpoints.set_aside_unloadable(resumed, f"rank {rank}: {why}", rank):
-            return False
-        self._resumed = None  # set aside (and said) as the next attempt starts
-        return True
-
-    def _notes(self) -> None:
-        """Log, show once and write (as ``checkpoint_invalid`` events) each checkpoint the
-        manager set aside, with the checkpoint the run resumes from instead."""
-        for note in self.checkpoints.set_aside:
-            logger.warning("%s", note)
-            self.progress.message(str(note))
-            self.run_dir.write(
-                CheckpointInvalidEvent(
-                    reason=str(note),
-                    rank=note.rank,
-                    checkpoint=note.checkpoint,
-                    set_aside_as=note.set_aside_as,
-                    resumed_from=note.resumed_from,
-                )
-            )
-        self.checkpoints.set_aside.clear()
-        self.checkpoints.notes.clear()
 
     def _stop_requested(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()

@@ -4,12 +4,17 @@ elastic grow in progress (:class:`Grow`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ringtrain.channel import Interrupted
 from ringtrain.controller.health import Health
 from ringtrain.controller.rounds import Rounds
 from ringtrain.result import WorkerFailure
+
+LAST_MESSAGES_S = 5.0
+"""How long the driver waits, once every worker exited, for the channel messages a cleanly exited
+worker wrote before its exit (``Done`` last) when its exit was reported first (seconds)."""
 
 
 class Generation:
@@ -37,6 +42,8 @@ class Generation:
         self.interrupted: dict[int, Interrupted] = {}
         self.elastic_fallback = False
         self.resize: dict[str, Any] | None = None
+        self.drained_since: float | None = None  # when every worker had exited (monotonic)
+        self.read_out: set[int] = set()  # ranks whose channel was read to its end
 
     @property
     def started_at(self) -> float:
@@ -49,6 +56,27 @@ class Generation:
     @property
     def all_failed_or_exited(self) -> bool:
         return all(r in self.failures or r in self.exited for r in range(self.world_size))
+
+    def last_messages_due(self, reading: Callable[[int], bool]) -> bool:
+        """Whether a rank that exited cleanly has not said ``Done`` yet while its channel is still
+        being read (``reading(rank)``, :meth:`WorkerGroup.reading`): its last messages
+        (``PreemptSaved``, ``Done``) come on the channel, its exit from the launcher, and the
+        exit can come first. Waited for at most :data:`LAST_MESSAGES_S` after every worker
+        exited (a script may exit 0 without a ``Done``)."""
+        if self.drained_since is None:
+            self.drained_since = time.monotonic()
+        if time.monotonic() - self.drained_since > LAST_MESSAGES_S:
+            return False
+        due = False
+        for rank, code in self.exited.items():
+            if code != 0 or rank in self.done:
+                continue
+            if reading(rank):
+                due = True
+            elif rank not in self.read_out:  # read to its end: one more poll takes its queue
+                self.read_out.add(rank)
+                due = True
+        return due
 
     def last_round(self, rank: int) -> int:
         return self.rounds.last_round.get(rank, -1)

@@ -124,6 +124,17 @@ class WorkerGroup(Protocol):
 
 
 @runtime_checkable
+class ChannelReading(Protocol):
+    """A group whose workers' messages come on channels read by threads
+    (:class:`ChannelGroup`): a worker's exit can be reported before the last messages it
+    wrote. A scripted group without channels lacks it."""
+
+    def reading(self, rank: int) -> bool:
+        """Whether ``rank``'s channel may still hold events not yet queued."""
+        ...
+
+
+@runtime_checkable
 class GrowableGroup(WorkerGroup, Protocol):
     """A worker group an elastic run can resize in place and grow back (the controller checks
     ``isinstance(group, GrowableGroup)``: every method below; docs/elastic.md). ``send`` comes
