@@ -177,6 +177,7 @@ def test_synthetic_benchmark_under_ringtrain_run(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("ray")  # one local Ray instance at a time (pyproject addopts)
 def test_ray_executor_example_on_a_local_ray_instance():
     pytest.importorskip("ray", reason="the Ray path needs Ray: pip install 'ringtrain[ray]'")
     text = run_cli(
