@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 
@@ -65,15 +67,20 @@ def test_gpt_example_trains_with_fsdp_and_exports_a_consolidated_model(tmp_path)
     assert result["status"] == "FINISHED"
 
 
-def test_gpt_example_trains_on_a_tp_x_fsdp_mesh_of_four_workers(tmp_path):
-    """``examples/gpt.py --tp 2 --dp-shard 2`` (issue 22): 4 CPU workers, the attention and MLP
-    split over TP pairs, FSDP2 over the pairs; it learns, and the export holds whole tensors."""
+@pytest.mark.parametrize(
+    ("mesh_flags", "mesh"),
+    [(("--tp", "2"), "dp_shard=2 x tp=2"), (("--pp", "2"), "pp=2 x dp_shard=2")],
+)
+def test_gpt_example_trains_on_a_mesh_of_four_workers(tmp_path, mesh_flags, mesh):
+    """``examples/gpt.py --tp 2 --dp-shard 2`` and ``--pp 2 --dp-shard 2`` (issue 22): 4 CPU
+    workers, the attention and MLP split over TP pairs (or the blocks over two pipeline stages),
+    FSDP2 over the pairs; it learns, and the export holds whole tensors."""
     out = _run_example(
-        tmp_path, "gpt.py", "--tp", "2", "--dp-shard", "2", "--epochs", "1",
+        tmp_path, "gpt.py", *mesh_flags, "--dp-shard", "2", "--epochs", "1",
         "--corpus-bytes", "40000", "--n-layer", "2", "--n-embd", "64", "--block-size", "64",
         "--sample", "0", "--export", str(tmp_path / "model.safetensors"),
     )  # fmt: skip
-    assert "mesh dp_shard=2 x tp=2" in out
+    assert f"mesh {mesh}" in out
     match = re.search(r"validation loss (\d+\.\d+) nats/byte", out)
     assert match, out[-2000:]
     assert float(match.group(1)) < 5.0
