@@ -33,11 +33,15 @@ def start_cluster(head_args: dict[str, Any] | None = None, attempts: int = 3) ->
 
 
 def leftovers() -> tuple[list, list]:
-    """Ray actors alive and placement groups not removed."""
+    """Ray actors alive and placement groups not removed, on the Ray instance this process is
+    connected to (named: another instance on the machine, e.g. one still shutting down, would
+    make the state API's address discovery refuse with "multiple active Ray instances")."""
+    import ray
     from ray.util.state import list_actors, list_placement_groups
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")])
-    groups = [g for g in list_placement_groups() if g.state != "REMOVED"]
+    address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    actors = list_actors(address=address, filters=[("state", "=", "ALIVE")])
+    groups = [g for g in list_placement_groups(address=address) if g.state != "REMOVED"]
     return actors, groups
 
 
