@@ -5,11 +5,10 @@ resize the group in place instead of restarting it (the ``Resizing`` state), and
 returns the next :class:`~ringtrain.controller.generation.Generation` instead of changing the
 controller's state. The protocol is in docs/elastic.md and :mod:`ringtrain.elastic.worker`.
 
-A preemption notice that covers only some ranks (a Ray node drain, SIGTERM to one worker) makes
-them *leave* in place when ``min_workers`` still holds without them (:meth:`leave_refusal`,
-:meth:`start_leave`): every member is asked to pause at the next step boundary they all reach, as
-for a grow, and the group re-forms from the others (no disk round trip; the global batch kept by
-the elastic batch policy); the leaving processes are stopped."""
+A preemption notice that covers only some ranks makes them *leave* in place when ``min_workers``
+still holds without them (:meth:`leave_refusal`, :meth:`start_leave`): the coordinator's
+:class:`~ringtrain.controller.leaving.Leaving` pauses the members as for a grow, and
+:meth:`grow_resize` re-forms the group from the others."""
 
 from __future__ import annotations
 
@@ -22,16 +21,15 @@ from ringtrain.channel import Event, Exited, GrowRequest, JoinReady, Resize, Res
 from ringtrain.controller.attempt import root_cause, signal_name
 from ringtrain.controller.generation import Generation, Grow
 from ringtrain.controller.health import HELLO_TIMEOUT_S
+from ringtrain.controller.leaving import Leaving
 from ringtrain.controller.policy import Decision
 from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
 from ringtrain.launch.base import GrowableGroup
 from ringtrain.preemption import PreemptionNotice
-from ringtrain.replica_groups import whole_groups
 from ringtrain.result import WorkerFailure
 from ringtrain.rundir.schema import (
     GrowFailedEvent,
     GrowStartEvent,
-    PreemptionEvent,
     ResizeEvent,
     ResizeFallbackEvent,
 )
@@ -54,7 +52,7 @@ class ElasticCoordinator:
     ``generation`` is the rendezvous generation of the worker group (0 for fresh processes, +1
     per resize); ``grow`` the grow in progress; ``grow_failures`` the consecutive failed grows;
     ``grow_idle_since`` since when (monotonic) the group has been below max without trying
-    (None: it is not).
+    (None: it is not); ``leaving`` the ranks of a partial preemption notice leaving in place.
     """
 
     def __init__(self, ctl: Controller, policy: ElasticPolicy | None) -> None:
@@ -64,20 +62,20 @@ class ElasticCoordinator:
         self.grow: Grow | None = None
         self.grow_failures = 0
         self.grow_idle_since: float | None = None
-        self.leave: PreemptionNotice | None = None  # a partial notice whose ranks are leaving
+        self.leaving = Leaving(self)
 
     def reset(self) -> None:
         """A fresh worker group (a start or restart) has ``max`` workers at generation 0."""
         self.generation = 0
         self.grow, self.grow_idle_since = None, None
         self.grow_failures = 0
-        self.leave = None
+        self.leaving.notice = None
         spec = getattr(self.ctl.group, "spec", None)  # the launchers' groups keep theirs
         mesh = getattr(getattr(spec, "config", None), "mesh", None)
         if self.policy is not None and mesh is not None:
             self.policy.use_mesh(mesh.dp_shard)  # a lost rank's replica group leaves with it
 
-    def _growable(self) -> GrowableGroup | None:
+    def growable(self) -> GrowableGroup | None:
         """The worker group, when its launcher can resize and grow it in place (it implements
         :class:`~ringtrain.launch.base.GrowableGroup`); None otherwise."""
         group = self.ctl.group
@@ -102,7 +100,7 @@ class ElasticCoordinator:
             verdict = self.ctl.failure_policy.decide(failure, len(self.ctl.failures) + 1)
             if verdict.decision is Decision.RAISE:
                 decision = ElasticDecision(ElasticAction.FALLBACK, verdict.reason)
-            elif self._growable() is None:
+            elif self.growable() is None:
                 decision = ElasticDecision(
                     ElasticAction.FALLBACK,
                     "not resizing in place: this launcher cannot resize a worker group",
@@ -128,9 +126,9 @@ class ElasticCoordinator:
         """Turn the survivors into the next generation of the group, ranks renumbered in order,
         without restarting a process."""
         ctl = self.ctl
-        group = self._growable()
+        group = self.growable()
         assert group is not None and decision.snapshot_step is not None
-        self.leave = None  # a leave in progress: the lost rank's failure decides instead
+        self.leaving.notice = None  # a leave in progress: the lost rank's failure decides instead
         ctl.failures.append(failure)
         ctl.callback("on_failure", failure)
         self.generation += 1
@@ -239,12 +237,12 @@ class ElasticCoordinator:
         assert self.policy is not None and self.ctl.group is not None
         grow = self.grow
         paused = [r for r, i in gen.interrupted.items() if i.grow and r < gen.world_size]
-        if self.leave is not None:
-            return self._leave_tick(gen, paused)
+        if self.leaving.notice is not None:
+            return self.leaving.tick(gen, paused)
         if grow is None:
             if paused:  # a stale request paused the members: re-form them as they were
                 if len(paused) == gen.world_size:
-                    return self._grow_resize(gen, [], None, "re-formed after a cancelled grow")
+                    return self.grow_resize(gen, [], None, "re-formed after a cancelled grow")
                 return None
             self._grow_start(gen)
             return None
@@ -265,12 +263,12 @@ class ElasticCoordinator:
             if joiners
             else f"re-formed after the joining workers failed ({why})"
         )
-        return self._grow_resize(gen, joiners, grow, cause)
+        return self.grow_resize(gen, joiners, grow, cause)
 
     def _request_pause(self, gen: Generation, grow: Grow) -> None:
         if set(grow.ranks) <= grow.ready:
             grow.requested = True
-            group = self._growable()
+            group = self.growable()
             assert group is not None  # a grow started, so the group can grow
             for rank in range(gen.world_size):
                 try:
@@ -285,11 +283,11 @@ class ElasticCoordinator:
 
     def _grow_start(self, gen: Generation) -> None:
         ctl = self.ctl
-        group = self._growable()
+        group = self.growable()
         assert self.policy is not None and ctl.group is not None
         if (
             self.grow_idle_since is None
-            or self.leave is not None
+            or self.leaving.notice is not None
             or gen.resize is not None  # the last resize has not resumed yet
             or gen.done
             or gen.exited
@@ -353,7 +351,7 @@ class ElasticCoordinator:
         ``backoff``)."""
         assert self.policy is not None
         ranks = grow.ranks if discard is None else discard
-        group = self._growable()
+        group = self.growable()
         if ranks and group is not None:
             group.discard(ranks)
         if discard is None:
@@ -367,7 +365,7 @@ class ElasticCoordinator:
         self.ctl.progress.message(message)
         self.ctl.run_dir.write(GrowFailedEvent(reason=reason, ranks=ranks, retry_s=delay))
 
-    def _grow_resize(
+    def grow_resize(
         self,
         gen: Generation,
         joiners: list[int],
@@ -381,7 +379,7 @@ class ElasticCoordinator:
         joiners get the newest snapshot by broadcast from a member; the paused ranks not in
         ``members`` are stopped (a leave). ``since``: when the cause arose (Unix seconds)."""
         ctl = self.ctl
-        group = self._growable()
+        group = self.growable()
         assert group is not None
         old_world = gen.world_size
         members = list(range(old_world)) if members is None else members
@@ -440,71 +438,10 @@ class ElasticCoordinator:
     # ------------------------------------------------------------------ leaving (partial notice)
     def leave_refusal(self, gen: Generation, notice: PreemptionNotice) -> str | None:
         """Why the ranks of the partial ``notice`` cannot leave ``gen`` in place (``None``: they
-        can; otherwise the caller preempts the whole run)."""
-        if self.policy is None or notice.ranks is None:
-            return "the notice covers every rank" if self.policy else "the run is not elastic"
-        leaving = set(notice.ranks) & set(range(gen.world_size))
-        stay = gen.world_size - len(leaving)
-        if not leaving:
-            return f"the notice names ranks {list(notice.ranks)}, none of the group's"
-        if stay < self.policy.min_workers:
-            return (
-                f"without ranks {sorted(leaving)} {stay} workers would be left, fewer than "
-                f"min_workers={self.policy.min_workers}"
-            )
-        size = self.policy.replica_group_size
-        if not whole_groups(leaving, size):
-            return (
-                f"ranks {sorted(leaving)} are part of a replica group of {size} ranks (a replica "
-                "group leaves whole: its other ranks' shards are useless without them)"
-            )
-        if self._growable() is None:
-            return "this launcher cannot resize a worker group"
-        if self.grow is not None or self.leave is not None or gen.interrupted:
-            return "the group is re-forming"
-        if gen.first_failure_at is not None or gen.done or gen.exited:
-            return "the group is failing or finishing"
-        return None
+        can; otherwise the caller preempts the whole run): :meth:`Leaving.refusal`."""
+        return self.leaving.refusal(gen, notice)
 
     def start_leave(self, gen: Generation, notice: PreemptionNotice) -> str:
-        """Ask every member of ``gen`` to pause at the next step boundary they all reach (a
-        GrowRequest); once all paused, :meth:`grow_tick` re-forms the group without the ranks of
-        ``notice``. Returns the reason, for the log. Call it when :meth:`leave_refusal` is None."""
-        group = self._growable()
-        assert group is not None and self.policy is not None and notice.ranks is not None
-        ranks = sorted(set(notice.ranks) & set(range(gen.world_size)))
-        self.leave = notice
-        for rank in range(gen.world_size):
-            try:
-                group.send(rank, GrowRequest(self.generation))
-            except OSError:
-                pass  # that member is gone: its failure follows and ends the leave
-        self.ctl.run_dir.write(
-            PreemptionEvent(
-                source=notice.source or None,
-                reason=notice.reason or None,
-                grace_s=notice.grace_s(self.ctl.preemption.grace_s),
-                ranks=ranks,
-            )
-        )
-        self.ctl.preemption.handled.append(notice)
-        message = (
-            f"preemption notice for ranks {ranks} ({notice.reason or notice.source}): they leave "
-            f"in place at the next step boundary; {gen.world_size - len(ranks)} workers go on "
-            f"(min_workers={self.policy.min_workers})"
-        )
-        logger.warning(message)
-        self.ctl.progress.message(message)
-        return message
-
-    def _leave_tick(self, gen: Generation, paused: list[int]) -> Generation | None:
-        """Once every member paused, the group without the leaving ranks (renumbered)."""
-        notice = self.leave
-        assert notice is not None
-        if len(paused) < gen.world_size:
-            return None  # at the deadline the cluster kills them: a failure ends the leave
-        self.leave = None
-        leaving = set(notice.ranks or ())
-        members = [r for r in range(gen.world_size) if r not in leaving]
-        cause = f"preemption notice for ranks {sorted(leaving)}"
-        return self._grow_resize(gen, [], None, cause, members=members, since=notice.time)
+        """Let the ranks of ``notice`` leave in place (:meth:`Leaving.start`); returns the reason,
+        for the log. Call it when :meth:`leave_refusal` is None."""
+        return self.leaving.start(gen, notice)
