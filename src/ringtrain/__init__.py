@@ -2,7 +2,7 @@
 
 The public API; nothing outside this list is public::
 
-    Trainer, Result, TrainingFailedError, WorkerFailure
+    Trainer, Result, TrainingFailedError, WorkerFailure, NoValidCheckpointError
     ScalingConfig, RunConfig, CheckpointConfig, FailureConfig, MonitorConfig
     get_context, report, get_checkpoint, Checkpoint
     prepare_model, prepare_data_loader, get_device, TrainState
@@ -41,6 +41,7 @@ from ringtrain.session import get_checkpoint, get_context, report
 if TYPE_CHECKING:
     from ringtrain.accumulate import accumulate
     from ringtrain.amp import backward, prepare_optimizer
+    from ringtrain.checkpoint.manager import NoValidCheckpointError
     from ringtrain.export import export_model
     from ringtrain.fsdp import FSDPConfig
     from ringtrain.monitor.integrations import MLflowCallback, WandbCallback
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "Trainer": "ringtrain.trainer",
+    "NoValidCheckpointError": "ringtrain.checkpoint.manager",
     "prepare_model": "ringtrain.prepare",
     "prepare_data_loader": "ringtrain.prepare",
     "get_device": "ringtrain.prepare",
@@ -85,6 +87,7 @@ __all__ = [
     "FailureConfig",
     "MLflowCallback",
     "MonitorConfig",
+    "NoValidCheckpointError",
     "ParallelConfig",
     "ParallelStrategy",
     "Result",

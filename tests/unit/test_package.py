@@ -34,3 +34,12 @@ def test_the_package_pickles_by_reference():
     exec("def train_fn(config):\n    return rt.get_context\n", namespace)
     train_fn = cloudpickle.loads(cloudpickle.dumps(namespace["train_fn"]))
     assert train_fn({}) is rt.get_context
+
+
+def test_no_valid_checkpoint_error_is_public():
+    """``fit()`` raises it when no checkpoint verifies: users catch it as
+    ``rt.NoValidCheckpointError`` (docs/security.md)."""
+    from ringtrain.checkpoint.manager import NoValidCheckpointError
+
+    assert "NoValidCheckpointError" in rt.__all__
+    assert rt.NoValidCheckpointError is NoValidCheckpointError
