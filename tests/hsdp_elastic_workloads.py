@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import ringtrain as rt
-from workloads import IndexedDataset, _elastic_grow_hooks
+from workloads import IndexedDataset, _elastic_grow_hooks, elastic_step
 
 
 def hsdp_elastic_fn(config: dict[str, Any]) -> None:
@@ -41,26 +41,11 @@ def hsdp_elastic_fn(config: dict[str, Any]) -> None:
     log = os.path.join(config["log"], f"{os.getpid()}.jsonl")
     for epoch in state.epochs(config["epochs"]):
         for x, y, ids in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            state.step += 1
-            here = rt.get_context()
-            record = {
-                "pid": os.getpid(),
-                "attempt": here.attempt,
-                "world": here.world_size,
-                "rank": here.world_rank,
-                "step": state.step,
-                "epoch": epoch,
-                "ids": ids.tolist(),
-                "coords": coords,
-                "replicas": mesh["dp_replicate"].size(),
-            }
+            _, record = elastic_step(model, optimizer, state, x, y, ids, epoch)
+            record.update(coords=coords, replicas=mesh["dp_replicate"].size())
             with open(log, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            killed = first_world and here.world_rank == config["kill_rank"]
+            killed = first_world and record["rank"] == config["kill_rank"]
             if killed and state.step == config["kill_step"]:
                 os.kill(os.getpid(), signal.SIGKILL)
             _elastic_grow_hooks(config, state.step)

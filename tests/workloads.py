@@ -415,21 +415,8 @@ def elastic_fn(config):
     every = config.get("every", 5)
     for epoch in state.epochs(config["epochs"]):
         for x, y, ids in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            state.step += 1
-            record = {
-                "pid": os.getpid(),
-                "attempt": ctx.attempt,
-                "world": rt.get_context().world_size,
-                "rank": rt.get_context().world_rank,
-                "step": state.step,
-                "epoch": epoch,
-                "ids": ids.tolist(),
-                "loss": loss.item(),
-            }
+            loss, record = elastic_step(model, optimizer, state, x, y, ids, epoch)
+            record["loss"] = loss.item()
             with open(log, "a") as f:
                 f.write(json.dumps(record) + "\n")
             kills = config.get("kill_ranks", ())
@@ -450,6 +437,29 @@ def elastic_fn(config):
     if config.get("save_every_rank"):
         out = f"{config['out']}.rank{rt.get_context().world_rank}"
         torch.save({"model": module.state_dict(), "step": state.step}, out)
+
+
+def elastic_step(model, optimizer, state, x, y, ids, epoch: int) -> tuple[torch.Tensor, dict]:
+    """One step of the elastic tests' train functions: momentum SGD on the MSE loss of ``(x, y)``,
+    counted in ``state.step`` (whose hooks snapshot and pause for a grow), and the step's record
+    ``{pid, attempt, world, rank, step, epoch, ids}`` (the context as it is after the step: a
+    resize renumbers the rank). Returns the loss and the record."""
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    state.step += 1
+    here = rt.get_context()
+    record = {
+        "pid": os.getpid(),
+        "attempt": here.attempt,
+        "world": here.world_size,
+        "rank": here.world_rank,
+        "step": state.step,
+        "epoch": epoch,
+        "ids": ids.tolist(),
+    }
+    return loss, record
 
 
 def _partial_notice(config, rank: int) -> None:
