@@ -193,3 +193,26 @@ def _no_leaks() -> Iterator[None]:
         + _env_leaks(before_env)
     )
     assert not leaks, "test leaked: " + "; ".join(leaks)
+
+
+_SHARED_SCOPES = frozenset({"module", "class", "package"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep every test of a module that shares a launch on one pytest worker: a test using a
+    module- (or class-) scoped fixture, or in a module that caches a run for its tests
+    (``SHARES_RUNS = True``), gets ``xdist_group(<module>)``, so ``--dist loadgroup`` (pyproject
+    ``addopts``) runs that launch once instead of once per pytest worker. Tests that already
+    name a group (the Ray tests) keep theirs."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        shared = any(d.scope in _SHARED_SCOPES for fds in defs for d in fds)
+        if shared or getattr(module, "SHARES_RUNS", False):
+            item.add_marker(pytest.mark.xdist_group(module.__name__))

@@ -183,6 +183,7 @@ def test_prepare_trainer_rejects_other_objects_and_bad_callback_args():
 # ------------------------------------------------------------------- real runs, 2 workers
 
 
+@pytest.mark.xdist_group("test_lightning-clean")  # they share the clean run (_clean)
 def test_metrics_reach_the_driver_and_match_lightnings_own_ddp(tmp_path, tmp_path_factory):
     clean = _clean(tmp_path_factory)
     result = clean["result"]
@@ -218,6 +219,7 @@ def test_metrics_reach_the_driver_and_match_lightnings_own_ddp(tmp_path, tmp_pat
         assert result.metrics[key] == pytest.approx(native_metrics[key], rel=1e-5)
 
 
+@pytest.mark.xdist_group("test_lightning-clean")  # they share the clean run (_clean)
 def test_killed_worker_resumes_from_the_epoch_checkpoint_exactly(tmp_path, tmp_path_factory):
     clean = _clean(tmp_path_factory)
     result, final, entries = _fit(tmp_path, "killed", max_failures=1, kill=[1, 7])

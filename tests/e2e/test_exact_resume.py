@@ -21,6 +21,8 @@ import exact_workloads as ew
 import ringtrain as rt
 from support import run_job
 
+SHARES_RUNS = True  # its tests share cached runs: one pytest worker runs them all (conftest)
+
 EPOCHS = 3  # 10 steps per epoch at every world size; reports at 4, 8, 10, 12, 16, 20, 20, 24...
 
 

@@ -25,6 +25,8 @@ import pytest
 
 import ringtrain.horovod as hvd
 
+SHARES_RUNS = True  # its tests share cached runs: one pytest worker runs them all (conftest)
+
 HERE = Path(__file__).resolve().parents[1]
 
 #: ``horovod/torch/__init__.py`` (v0.28.1): the names it imports when the extension loads.

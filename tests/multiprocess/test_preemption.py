@@ -20,6 +20,8 @@ import preempt_workloads
 from ringtrain.preemption import FileNotice
 from support import assert_bit_identical, read_events, run_job
 
+SHARES_RUNS = True  # its tests share cached runs: one pytest worker runs them all (conftest)
+
 pytestmark = pytest.mark.timeout(240)
 
 SEED = int(os.environ.get("RINGTRAIN_TEST_SEED", random.randrange(2**16)))

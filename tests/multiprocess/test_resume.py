@@ -21,6 +21,8 @@ import ringtrain as rt
 import workloads
 from support import assert_bit_identical, run_job
 
+SHARES_RUNS = True  # its tests share cached runs: one pytest worker runs them all (conftest)
+
 EPOCHS = 3  # 120 samples, batch 6 per rank, 2 ranks: 10 steps per epoch, 30 steps in all
 _baselines: dict[tuple, dict] = {}
 

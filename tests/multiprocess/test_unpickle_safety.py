@@ -35,6 +35,8 @@ import ringtrain as rt
 from ringtrain.checkpoint.dcp_metadata import allowed_globals, load_metadata
 from ringtrain.checkpoint.sharded import load_full, load_into
 
+SHARES_RUNS = True  # its tests share cached runs: one pytest worker runs them all (conftest)
+
 # ----------------------------------------------------------------------------- pickle opcodes
 
 
