@@ -92,7 +92,8 @@ def test_workers_that_finish_before_the_stop_step_end_finished(tmp_path):
     done = [Done(0, 1.0, 0), Done(1, 1.0, 0), Exited(0, 1.0, 0), Exited(1, 1.0, 0)]
     ctl, _ = _preempting(tmp_path, [done])
     t = ctl.step()
-    assert (t.to, t.reason) == (RunState.FINISHED, "every worker finished before the stop step")
+    assert t.to is RunState.FINISHED
+    assert t.reason == "every worker finished before the stop step (Done from ranks [0, 1] of 2)"
 
 
 def test_a_worker_notice_and_a_notice_during_start_are_handled_once_running(tmp_path):

@@ -226,6 +226,8 @@ class Preemption:
             failure = next(iter(gen.failures.values()))
             return Outcome("incomplete", f"{failure.message} before the stop step")
         if not self.saved:
-            return Outcome("finished", "every worker finished before the stop step")
+            # Whose Done came says which side lost what, should this happen unexpectedly.
+            done = f"Done from ranks {sorted(gen.done)} of {gen.world_size}"
+            return Outcome("finished", f"every worker finished before the stop step ({done})")
         missing = sorted(set(range(gen.world_size)) - set(self.saved))
         return Outcome("incomplete", f"ranks {missing} exited without saving")
