@@ -11,7 +11,9 @@ import time
 
 import ringtrain as rt
 import workloads
+from ringtrain.channel import PreemptRequest
 from ringtrain.hooks import WorkerPlugin
+from ringtrain.preempt_worker import PreemptionPlugin
 
 
 class NoticeAt(WorkerPlugin):
@@ -31,8 +33,26 @@ class NoticeAt(WorkerPlugin):
     def on_step(self, state) -> None:
         if self.sent and self.config.get("slow_s"):
             time.sleep(self.config["slow_s"])
+        if self.sent and self.config["how"] != "file":
+            self._hold_until_it_arrives()
         if self.step is not None and state.step == self.step:
             self._send()
+
+    def _hold_until_it_arrives(self) -> None:
+        """Hold this rank's next step until the notice has reached it: its own flag raised
+        (SIGTERM to the workers) or the driver's PreemptRequest on its channel. Without this, a
+        slow driver lets these fast steps run to the end first, and the run rightly ends
+        FINISHED: the test would depend on the machine's speed. The peers wait in the next
+        collective, so every rank stops at one step, as in a real run."""
+        session = rt.session.current_session()
+        plugin = session.hooks.find(PreemptionPlugin)
+        assert plugin is not None
+        deadline = time.monotonic() + 120
+        while plugin.reason is None and time.monotonic() < deadline:
+            session.poll_driver()  # only moves messages to the inbox: the plug-in takes them
+            if any(isinstance(m, PreemptRequest) for m in session.inbox):
+                return
+            time.sleep(0.01)
 
     def on_report(self, metrics, round_) -> None:
         if self.round is not None and round_ == self.round:
