@@ -1,0 +1,78 @@
+"""The train function of ``benchmarks/elastic_overhead.py`` (imported by reference in the workers).
+
+``_goodput_worker.train_fn``'s workload (an MLP 784-1024-1024-10, momentum SGD, DDP, batch 64 per
+worker, an asynchronous ``TrainState`` checkpoint every ``every`` steps), with, when
+``config["profile"]`` is true, timers around what a step boundary runs: the elastic plug-in's
+snapshot copy (``snapshot.take``), its ring replication (``snapshot.replicate_to_neighbour``),
+its grow-flag agreement (``ElasticRuntime._grow_agreed``), the preemption plug-in's flag
+agreement (``PreemptionPlugin._agreed``) and the whole ``TrainState.step`` increment (every
+plug-in's ``on_step``). Each rank writes its totals (seconds) and counts to
+``{log}/profile_rank{R}.json`` when it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import _goodput_worker
+
+import ringtrain as rt
+
+TOTALS: dict[str, float] = defaultdict(float)
+COUNTS: dict[str, int] = defaultdict(int)
+
+
+def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[name] += time.perf_counter() - start
+            COUNTS[name] += 1
+
+    return wrapper
+
+
+def _install_timers() -> None:
+    """Wrap the step-boundary parts named in the module docs (in this worker process only)."""
+    from ringtrain import preempt_worker, session, state
+    from ringtrain.elastic import runtime, snapshot
+
+    for module, name in (
+        (snapshot, "take"),
+        (snapshot, "replicate_to_neighbour"),
+        (snapshot, "take_async"),
+        (snapshot, "finish_pending"),
+    ):
+        if hasattr(module, name) and not hasattr(getattr(module, name), "__wrapped__"):
+            setattr(module, name, _timed(name, getattr(module, name)))
+    for cls, name in (
+        (runtime.ElasticRuntime, "_grow_agreed"),
+        (preempt_worker.PreemptionPlugin, "_agreed"),
+    ):
+        if hasattr(cls, name) and not hasattr(getattr(cls, name), "__wrapped__"):
+            setattr(cls, name, _timed(f"{cls.__name__}.{name}", getattr(cls, name)))
+    if not hasattr(state.step_taken, "__wrapped__"):
+        state.step_taken = _timed("step boundary (all on_step hooks)", session.step_taken)
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    """``_goodput_worker.train_fn``, timed (see the module docs) when ``config["profile"]``."""
+    if config.get("profile"):
+        _install_timers()
+    try:
+        _goodput_worker.train_fn(config)
+    finally:
+        if config.get("profile"):
+            rank = rt.get_context().world_rank
+            path = os.path.join(config["log"], f"profile_rank{rank}.json")
+            with open(path, "w") as f:
+                json.dump({"totals_s": dict(TOTALS), "counts": dict(COUNTS)}, f)
