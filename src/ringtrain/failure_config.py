@@ -31,7 +31,7 @@ class FailureConfig:
             out after torch's default 30 minutes).
         snapshot_interval_steps: elastic runs only (``ScalingConfig(num_workers=(min, max))``):
             every this many ``TrainState.step`` increments each worker copies its TrainState to
-            host memory (its per-rank part is also sent to its ring neighbour), which is what a
+            host memory (a copy into reused buffers, no communication), which is what a
             resize in place rolls back to (docs/elastic.md). Ignored with an int ``num_workers``.
         preemption_grace_s: after a preemption notice (SIGTERM or SIGUSR1 to the driver, SIGTERM
             to the workers, a ``notice_sources`` entry), the seconds the workers get to reach one

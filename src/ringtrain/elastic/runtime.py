@@ -147,13 +147,12 @@ class ElasticRuntime(WorkerPlugin):
 
     def _take(self, state: TrainState, ctx: DistributedContext) -> snapshots.Snapshot:
         """Snapshot ``state`` (reusing the buffers of the snapshot it replaces; on a mesh the
-        newest two are kept) and replicate its per-rank part to the ring neighbour."""
+        newest two are kept). No communication: every survivor holds what it resumes from."""
         if ctx.config.mesh is None:
             self.snapshot = snapshots.take(state, self.snapshot)
         else:
             snap = snapshots.take(state, self.previous)
             self.previous, self.snapshot = self.snapshot, snap
-        snapshots.replicate_to_neighbour(self.snapshot, ctx.world_rank, ctx.world_size)
         return self.snapshot
 
     def on_batch_start(self) -> None:

@@ -1,17 +1,20 @@
-"""In-memory TrainState snapshots, replicated to the ring neighbour.
+"""In-memory TrainState snapshots.
 
 A snapshot is what a disk checkpoint of a :class:`~ringtrain.TrainState` holds, kept in host
 memory instead of written: the shared payload (model, optimizer, LR scheduler, ... , step, epoch,
 extras; identical on every DDP rank, so any survivor's copy will do) and this rank's payload (its
 RNG states, data position and per-rank model state). Tensors are copied into buffers the snapshot
-owns and reuses from one snapshot to the next (``TrainState.to_payload(staged=True)``, the payload
-a disk checkpoint writes), so a snapshot costs one host-memory copy of the state, no serialisation
-and no storage I/O.
+owns and reuses from one snapshot to the next (:func:`~ringtrain.state_files.stage`, as for the
+payload a disk checkpoint writes), so a snapshot costs one host-memory copy of the state, no
+serialisation, no storage I/O and no communication.
 
-The per-rank payload is also sent to the next rank of the ring (rank ``r`` keeps the payload of
-rank ``r - 1 mod W``), so the RNG streams and data position of a rank that dies are still held by
-a live process. A worker that joins later receives the shared payload and the (global) data
-position by broadcast, and fresh RNG streams (:func:`joiner_rng`).
+Nothing of a rank that dies is needed by the survivors: the shared payload is every survivor's
+own, the data position in it is global (re-partitioned over the new world size on restore), each
+survivor keeps its own RNG streams and per-rank state, and a worker that joins later receives the
+shared payload and the data position by broadcast, and fresh RNG streams (:func:`joiner_rng`).
+So no part of a snapshot is sent to a peer while training runs (an earlier version sent the
+per-rank payload to the ring neighbour at every snapshot, which nothing read: 2-6 ms a step on
+``benchmarks/elastic_overhead.py``'s workload).
 
 FSDP-sharded objects (``prepare_model(parallel_strategy="fsdp")`` on an elastic
 ``ParallelConfig(dp_replicate=-1, dp_shard=G)``: :mod:`ringtrain.replica_groups`) are kept as
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import logging
 import random
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.session import get_context
 from ringtrain.state import TrainState
-from ringtrain.state_files import STATE_FILE, capture_rng, rank_file, restore_rng
+from ringtrain.state_files import STATE_FILE, capture_rng, rank_file, restore_rng, stage
 
 logger = logging.getLogger("ringtrain")
 
@@ -53,8 +55,6 @@ class Snapshot:
         shared: the shared part of ``TrainState.to_payload()`` (``train_state.pt``'s content,
             host-memory tensors).
         rank: this rank's part (``rank_NNNNN.pt``'s content).
-        neighbour_rank: the rank whose per-rank payload ``neighbour`` is (``None``: none yet).
-        neighbour: that rank's per-rank payload, serialised with ``torch.save`` (bytes).
         shards: this rank's local shards of the FSDP-sharded objects (``{"model": ...,
             "optimizer": ...}``, the DCP state dict with every ``DTensor`` replaced by a copy of
             its local tensor; ``None``: nothing is sharded).
@@ -63,15 +63,12 @@ class Snapshot:
     step: int
     shared: dict[str, Any]
     rank: dict[str, Any]
-    neighbour_rank: int | None = None
-    neighbour: bytes | None = None
     shards: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
         """Host memory the snapshot's tensors occupy (bytes)."""
-        held = _tensor_bytes(self.shared) + _tensor_bytes(self.rank) + _tensor_bytes(self.shards)
-        return held + len(self.neighbour or b"")
+        return _tensor_bytes(self.shared) + _tensor_bytes(self.rank) + _tensor_bytes(self.shards)
 
     def files(self, rank: int) -> dict[str, Any]:
         """The snapshot as the TrainState payload of ``rank`` (``{file name: content}``)."""
@@ -80,14 +77,28 @@ class Snapshot:
 
 def take(state: TrainState, previous: Snapshot | None) -> Snapshot:
     """Snapshot ``state`` (its payload with the shared part, on every rank), copying into
-    ``previous``'s buffers when shapes match."""
+    ``previous``'s buffers when shapes match.
+
+    The RNG states are kept as :func:`~ringtrain.state_files.capture_rng` returns them (new
+    objects it owns: nothing to copy); walking Python's 625-int state tuple element by element
+    took a third of a snapshot's time on ``benchmarks/elastic_overhead.py``'s 1.86 M-parameter
+    MLP.
+    """
     rank = get_context().world_rank
-    reuse = previous.files(rank) if previous is not None else None
-    payload = state.to_payload(shared=True, staged=True, reuse=reuse)
+    reuse = previous.files(rank) if previous is not None else {}
+    payload = state.to_payload(shared=True)  # live tensors; staged below
+    per_rank = dict(payload[rank_file(rank)])
+    rng = per_rank.pop("rng", None)
+    staged_rank = stage(per_rank, reuse.get(rank_file(rank)))
+    if rng is not None:
+        staged_rank["rng"] = rng
+    shared = stage(payload[STATE_FILE], reuse.get(STATE_FILE))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # stage() copied CUDA tensors with non_blocking=True
     return Snapshot(
         step=int(state.step),
-        shared=payload[STATE_FILE],
-        rank=payload[rank_file(rank)],
+        shared=shared,
+        rank=staged_rank,
         shards=local_shards(state) if state.sharded else None,
     )
 
@@ -177,41 +188,6 @@ def _fill(current: Any, saved: Any, where: str) -> Any:
     return saved
 
 
-def replicate_to_neighbour(snapshot: Snapshot, rank: int, world_size: int) -> None:
-    """Send this rank's per-rank payload to rank ``rank + 1`` and keep rank ``rank - 1``'s
-    (two point-to-point exchanges over the default process group: sizes, then bytes).
-
-    Raises:
-        RuntimeError: from the collective when a peer is lost (the caller's elastic handling
-            takes over; the snapshot's own parts are already complete).
-    """
-    if world_size < 2:
-        return
-    buffer = io.BytesIO()
-    torch.save(snapshot.rank, buffer)
-    data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
-    size_out = torch.tensor([data.numel()], dtype=torch.int64)
-    size_in = torch.zeros(1, dtype=torch.int64)
-    ops = [dist.P2POp(dist.isend, size_out, nxt), dist.P2POp(dist.irecv, size_in, prev)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    incoming = torch.empty(int(size_in.item()), dtype=torch.uint8)
-    ops = [dist.P2POp(dist.isend, data, nxt), dist.P2POp(dist.irecv, incoming, prev)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    snapshot.neighbour_rank = prev
-    snapshot.neighbour = incoming.numpy().tobytes()
-
-
-def neighbour_payload(snapshot: Snapshot) -> dict[str, Any] | None:
-    """The ring predecessor's per-rank payload held by ``snapshot`` (``None``: none)."""
-    if snapshot.neighbour is None:
-        return None
-    loaded = torch.load(io.BytesIO(snapshot.neighbour), weights_only=True)
-    return loaded if isinstance(loaded, dict) else None
-
-
 def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int = 0) -> Snapshot:
     """Make every rank of the (new) default process group hold ``source``'s snapshot: its shared
     payload and its data position (global, re-partitioned over the new world size on restore).
@@ -254,8 +230,8 @@ def joiner_rng(source_rng: Any, rank: int, generation: int) -> dict[str, Any]:
     """Fresh RNG streams (Python, NumPy, torch, CUDA when in use) for a worker that joins a
     running group as ``rank``: seeded from a hash of the source rank's torch RNG state, the new
     rank and the generation, so they follow the run's own seed, differ from every other rank's
-    and are the same when the run is repeated. (A dead rank's streams, held by its ring
-    neighbour, are stale by the time capacity returns and would not map to a new rank number.)
+    and are the same when the run is repeated. (A dead rank's streams are not kept: they
+    would be stale by the time capacity returns and would not map to a new rank number.)
     """
     digest = hashlib.sha256(f"ringtrain-join/{rank}/{generation}/".encode())
     state = source_rng.get("torch") if isinstance(source_rng, dict) else None
