@@ -342,8 +342,9 @@ class WorkerChannel:
     def recv(self) -> Any:
         return self.conn.recv()
 
-    def close(self) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close the channel once the driver has read everything sent on it (it closes its end
+        at end of file), waiting ``timeout_s`` seconds at most
+        (:func:`ringtrain.handshake.close_gracefully`). Never raises."""
+        with self.lock:  # not in the middle of another thread's send
+            handshake.close_gracefully(self.conn, timeout_s)

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import selectors
 import socket
@@ -72,6 +73,55 @@ def listen_socket(host: str, backlog: int = 128) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def no_delay(sock: socket.socket) -> None:
+    """Turn Nagle's algorithm off on a TCP ``sock`` (``TCP_NODELAY``; no-op on other sockets).
+
+    The channel's messages are small and each one matters at once. With Nagle on, a message sent
+    while an earlier one is not yet acknowledged waits in the sender's queue (up to the peer's
+    delayed-ACK timer, ~40 ms on Linux); and a socket closed while data from its peer is still
+    unread is *reset*, which discards that queue: a worker's last messages (``CheckpointDone``,
+    ``PreemptSaved``, ``Done``) were lost that way when the driver's ``PreemptRequest`` was still
+    unread at its exit (the intermittent workers-SIGTERM preemption failure, issue 19).
+    """
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def close_gracefully(conn: Connection, timeout_s: float = 5.0) -> None:
+    """Close a channel connection without losing what was sent on it.
+
+    ``shutdown(SHUT_WR)`` first, which pushes every queued byte out followed by a FIN; then read
+    and discard what the peer still sends until it closes its end (the driver's reader does at
+    end of file) or ``timeout_s`` seconds pass; then close. A plain ``close()`` with unread data
+    from the peer sends a TCP reset instead, and a reset discards the bytes still queued for
+    sending (see :func:`no_delay`). Never raises :class:`OSError`.
+    """
+    try:
+        fd = conn.fileno()
+    except OSError:
+        return  # already closed
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        with contextlib.suppress(OSError):
+            conn.close()
+        return
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(65536):
+                break  # the peer closed its end: nothing of ours is in flight any more
+    except OSError:
+        pass  # not connected any more, reset by the peer, or the timeout: close anyway
+    finally:
+        sock.close()
+        with contextlib.suppress(OSError):
+            conn.close()
 
 
 def _digest(key: bytes, side: bytes, s_nonce: bytes, c_nonce: bytes) -> bytes:
@@ -133,6 +183,7 @@ def connect(host: str, port: int, key: bytes, timeout_s: float) -> Connection:
             try:
                 client_handshake(sock, key)
                 sock.settimeout(None)  # blocking, as Connection expects
+                no_delay(sock)
             except BaseException:
                 sock.close()
                 raise
@@ -299,6 +350,7 @@ class HandshakeListener:
         except OSError:
             p.sock.close()
             return
+        no_delay(p.sock)
         conn = Connection(p.sock.detach())
         try:
             self._on_connection(conn)

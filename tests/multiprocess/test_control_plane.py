@@ -208,6 +208,7 @@ def test_a_wrong_key_is_refused_and_nothing_it_sent_is_unpickled(tmp_path):
         assert wait_until(lambda: len(got.conns) == 1, timeout_s=30)
         ok.send(Hello(rank=0, pid=os.getpid(), hostname="h"))
         assert got.conns[0].recv() == Hello(rank=0, pid=os.getpid(), hostname="h")
+        got.close()  # the driver's end first: a worker's close waits for it (close_gracefully)
         ok.close()
     finally:
         listener.close()
@@ -241,6 +242,7 @@ def test_a_stalled_handshake_is_dropped_without_delaying_others():
         ok = WorkerChannel.connect(listener.address, key, timeout_s=60)
         assert wait_until(lambda: len(got.conns) == 1, timeout_s=30)
         assert listener.handshakes.pending() == 2, "the stalled handshakes ended too early"
+        got.close()  # the driver's end first: a worker's close waits for it (close_gracefully)
         ok.close()
     finally:
         listener.close()
@@ -288,6 +290,7 @@ def test_the_backlog_covers_the_world_size():
             t.join(timeout=180)
         assert not errors, errors[:3]
         assert wait_until(lambda: len(got.conns) == 300, timeout_s=60)
+        got.close()  # the driver's ends first: a worker's close waits for its driver's
         for ch in chans:
             ch.close()
     finally:

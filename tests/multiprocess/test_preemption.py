@@ -102,21 +102,12 @@ def _check_saved_at_the_step_reached(run_path, result, why):
     return event
 
 
-_WORKERS_SIGTERM_RACE = pytest.mark.xfail(
-    strict=False,
-    reason="known intermittent bug (issue 19, open): with SIGTERM sent to every worker's process "
-    "group from inside rank 0's step, about 1 run in 20 on a loaded machine ends FINISHED: both "
-    "ranks write the stop round's files and exit 0, but after round 0's reports the driver reads "
-    "nothing more from either channel (no CheckpointDone, Report, PreemptSaved); cause not found",
-)
-
-
 @pytest.mark.parametrize(
     ("workers", "how"),
     [
         (2, "driver-SIGTERM"),
         (3, "driver-SIGUSR1"),
-        pytest.param(2, "workers-SIGTERM", marks=_WORKERS_SIGTERM_RACE),
+        (2, "workers-SIGTERM"),
     ],
 )
 def test_a_notice_loses_no_step(tmp_path, tmp_path_factory, workers, how):
