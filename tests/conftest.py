@@ -7,6 +7,7 @@ has its own conftest (``tests/unit/conftest.py`` refuses to start a process)."""
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import ringtrain as rt
 import support
 from ringtrain import session as session_mod
+from ringtrain.launch import shared_pool
 from support import child_pids, wait_until
 
 # Variables that torchrun/torch and ringtrain's own launch contract set in worker processes: a
@@ -91,6 +93,23 @@ def _private_signing_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     yield
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "own_pool: the test's fits start their own warm pools (or none), outside the session's "
+        "shared rt.warm_pool (tests of the pool, start-up, cold starts, process hygiene)",
+    )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _warm_pool(_private_signing_key: None, _example_data: None) -> Iterator[rt.WarmPool]:
+    """The in-process fits of this pytest worker fork their workers from one warm pool
+    (``rt.warm_pool``: one ``import torch`` per session, not one per fit; it starts at the
+    first fit); a test marked ``own_pool`` runs outside it (``_no_leaks``)."""
+    with rt.warm_pool() as pool:
+        yield pool
+
+
 @pytest.fixture
 def run_job(tmp_path: Path) -> Callable[..., rt.Result]:
     """``run_job(train_fn, workers=2, **config) -> Result``: ``train_fn`` on real worker
@@ -142,9 +161,10 @@ def _watched_thread(t: threading.Thread) -> bool:
     return t.is_alive() and (not t.daemon or t.name.startswith("ringtrain"))
 
 
-def _thread_leaks(before: set[threading.Thread]) -> list[str]:
+def _thread_leaks(before: set[threading.Thread], pool: rt.WarmPool) -> list[str]:
     def new() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t not in before and _watched_thread(t)]
+        mine = before | pool.helper_threads()  # a zygote started by this test is the session's
+        return [t for t in threading.enumerate() if t not in mine and _watched_thread(t)]
 
     wait_until(lambda: not new(), timeout_s=5)  # a thread may be finishing its last lines
     return [f"{t.name} ({'daemon' if t.daemon else 'non-daemon'})" for t in new()]
@@ -158,10 +178,19 @@ def _process_group_leak(before: bool) -> list[str]:
     return [f"an initialized torch.distributed default process group ({backend})"]
 
 
-def _child_leaks(before: set[int]) -> list[str]:
-    if child_pids() - before:
-        wait_until(lambda: not (child_pids() - before), timeout_s=5)
-    return [f"child process {pid}" for pid in sorted(child_pids() - before)]
+def _child_leaks(before: set[int], pool: rt.WarmPool) -> list[str]:
+    """Children of this process the test left, and workers the session's shared zygote forked
+    for the test and still runs (the zygote itself and its reaper are expected)."""
+
+    def left() -> dict[int, str]:
+        found = {pid: "child process" for pid in child_pids() - before - pool.helper_pids()}
+        for helper in pool.helper_pids():
+            found.update({pid: f"worker forked by zygote {helper}" for pid in child_pids(helper)})
+        return found
+
+    if left():
+        wait_until(lambda: not left(), timeout_s=5)
+    return [f"{what} {pid}" for pid, what in sorted(left().items())]
 
 
 @pytest.fixture(autouse=True)
@@ -175,20 +204,24 @@ def _builtin_print() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _no_leaks() -> Iterator[None]:
+def _no_leaks(request: pytest.FixtureRequest, _warm_pool: rt.WarmPool) -> Iterator[None]:
     """Fail the test that leaves a child process, a watched thread, a torch.distributed default
     process group, a changed ``RINGTRAIN_*``/``HOROVOD_*``/distributed variable or a session
-    behind, naming each (and undo what can be undone, so later tests start clean)."""
+    behind, naming each (and undo what can be undone, so later tests start clean). The session's
+    shared warm pool is expected; a worker it forked for the test is a leak. A test marked
+    ``own_pool`` runs with the shared pool suspended."""
+    own_pool = request.node.get_closest_marker("own_pool") is not None
     before_children = child_pids()
     before_threads = set(threading.enumerate())
     before_env = _watched_env()
     before_group = dist.is_available() and dist.is_initialized()
     session_mod._reset_session()
-    yield
+    with shared_pool.suspended() if own_pool else contextlib.nullcontext():
+        yield
     session_mod._reset_session()
     leaks = (
-        _child_leaks(before_children)
-        + _thread_leaks(before_threads)
+        _child_leaks(before_children, _warm_pool)
+        + _thread_leaks(before_threads, _warm_pool)
         + _process_group_leak(before_group)
         + _env_leaks(before_env)
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import ringtrain as rt
 import workloads
@@ -17,3 +18,19 @@ def parent_fn(config):
     with open(path, "w") as f:
         json.dump({"pid": os.getpid(), "ppid": os.getppid()}, f)
     workloads.exact_fn(config)
+
+
+def probe_fn(config):
+    """Write what a worker's interpreter fixed at start-up and who forked it to
+    ``{out}/{tag}.rank{R}.json``: ``{"pid", "ppid", "hash", "path"}`` (``hash("ringtrain")``
+    follows the ``PYTHONHASHSEED`` its interpreter started with)."""
+    ctx = rt.get_context()
+    record = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "hash": hash("ringtrain"),
+        "path": sys.path,
+    }
+    with open(os.path.join(config["out"], f"{config['tag']}.rank{ctx.world_rank}.json"), "w") as f:
+        json.dump(record, f)
+    rt.report({"rank": ctx.world_rank})

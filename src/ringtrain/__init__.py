@@ -3,6 +3,7 @@
 The public API; nothing outside this list is public::
 
     Trainer, Result, TrainingFailedError, WorkerFailure, NoValidCheckpointError
+    warm_pool, WarmPool                              (one warm worker pool for several fits)
     ScalingConfig, RunConfig, CheckpointConfig, FailureConfig, MonitorConfig
     get_context, report, get_checkpoint, Checkpoint
     prepare_model, prepare_data_loader, get_device, TrainState
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from ringtrain.checkpoint.manager import NoValidCheckpointError
     from ringtrain.export import export_model
     from ringtrain.fsdp import FSDPConfig
+    from ringtrain.launch.shared_pool import WarmPool, warm_pool
     from ringtrain.monitor.integrations import MLflowCallback, WandbCallback
     from ringtrain.monitor.sinks import CSVCallback, TensorBoardCallback
     from ringtrain.parallel import DDPStrategy, FSDPStrategy, ParallelStrategy
@@ -56,6 +58,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "Trainer": "ringtrain.trainer",
     "NoValidCheckpointError": "ringtrain.checkpoint.manager",
+    "warm_pool": "ringtrain.launch.shared_pool",
+    "WarmPool": "ringtrain.launch.shared_pool",
     "prepare_model": "ringtrain.prepare",
     "prepare_data_loader": "ringtrain.prepare",
     "get_device": "ringtrain.prepare",
@@ -98,6 +102,7 @@ __all__ = [
     "Trainer",
     "TrainingFailedError",
     "WandbCallback",
+    "WarmPool",
     "WorkerFailure",
     "__version__",
     "accumulate",
@@ -112,6 +117,7 @@ __all__ = [
     "prepare_optimizer",
     "prepare_pipeline",
     "report",
+    "warm_pool",
 ]
 
 

@@ -5,6 +5,9 @@ cold-start run; the workers are the zygote's children; script mode works; the zy
 listening socket (only the driver's end of its socketpair reaches it); a killed zygote makes the
 launcher start workers cold, said once. That nothing outlives the driver on every exit path is
 tests/multiprocess/test_process_hygiene.py's job, which runs with the pool (the default).
+
+``rt.warm_pool()``: fits in one block fork their workers from one zygote, which is replaced when
+the driver's start-up state changed or it died, and nothing of the block outlives it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -23,7 +28,7 @@ import workloads
 from ringtrain.launch.local import LocalLauncher
 from ringtrain.launch.pool import WorkerPool
 from ringtrain.trainer import run_workers
-from support import assert_bit_identical, job_configs, pid_alive, wait_until
+from support import assert_bit_identical, child_pids, job_configs, pid_alive, wait_until
 
 
 def _exact(tmp_path, name, workers, launcher=None, kill=None, **scaling):
@@ -156,3 +161,67 @@ def test_script_mode_no_listener_and_cold_fallback(tmp_path, capfd):
 def test_warm_start_is_validated():
     with pytest.raises(ValueError, match="warm_start"):
         rt.ScalingConfig(warm_start="no")  # type: ignore[arg-type]
+
+
+def _probe_fit(tmp_path, tag, workers):
+    """A ``pool_workloads.probe_fn`` run of ``workers`` ranks; their records, by rank."""
+    out = tmp_path / "probe"
+    out.mkdir(exist_ok=True)
+    s, r = job_configs(workers, tag, str(tmp_path / "runs"), {})
+    config = {"out": str(out), "tag": tag}
+    result = rt.Trainer(pool_workloads.probe_fn, s, r, train_loop_config=config).fit()
+    assert result.status == "FINISHED", result.error
+    return [json.loads((out / f"{tag}.rank{k}.json").read_text()) for k in range(workers)]
+
+
+def _hash_with_seed(seed):
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    cmd = [sys.executable, "-c", "print(hash('ringtrain'))"]
+    return int(subprocess.check_output(cmd, env=env))
+
+
+@pytest.mark.own_pool  # the block under test, not the session's
+@pytest.mark.timeout(300)
+def test_fits_in_a_warm_pool_block_share_one_zygote(tmp_path, monkeypatch):
+    before = child_pids()
+    with rt.warm_pool() as block:
+        assert block.zygote_pid is None  # it starts at the first fit
+        a, b = _probe_fit(tmp_path, "a", 2), _probe_fit(tmp_path, "b", 3)
+        first = block.zygote_pid
+        assert {r["ppid"] for r in a + b} == {first}, (a, b, first)
+        assert block.started == 1 and not block.reasons
+        assert not child_pids(first)  # each fit's workers are gone at its end
+        with rt.warm_pool() as inner:  # a nested block joins the open one
+            assert inner is block
+        assert pid_alive(first)
+        # What the zygote's interpreter fixed at start-up changed: the next fit gets a fresh
+        # zygote that starts with the driver's state of now, and the old one stops.
+        extra = tmp_path / "extra"
+        extra.mkdir()
+        monkeypatch.setenv("PYTHONHASHSEED", "1234")
+        monkeypatch.syspath_prepend(str(extra))
+        c = _probe_fit(tmp_path, "c", 2)
+        second = block.zygote_pid
+        assert second != first and {r["ppid"] for r in c} == {second}, (c, first, second)
+        assert {r["hash"] for r in c} == {_hash_with_seed("1234")}, c
+        assert all(str(extra) in r["path"] for r in c), c
+        assert wait_until(lambda: not pid_alive(first), timeout_s=30)
+        assert "PYTHONHASHSEED" in block.reasons[0] and "sys.path" in block.reasons[0]
+        # The zygote dies between fits: the next fit gets a fresh one, and says why.
+        os.kill(second, signal.SIGKILL)
+        assert wait_until(lambda: not pid_alive(second), timeout_s=30)
+        d = _probe_fit(tmp_path, "d", 2)
+        third = block.zygote_pid
+        assert {r["ppid"] for r in d} == {third} and third not in (first, second)
+        assert block.started == 3 and "is gone" in block.reasons[1], block.reasons
+        helpers = block.helper_pids()
+        assert third in helpers and len(helpers) == 2  # the zygote and its reaper
+    # The block's exit leaves no process: zygotes, reapers, workers.
+    assert block.zygote_pid is None and not block.helper_pids()
+    everyone = helpers | {r["pid"] for r in a + b + c + d}
+    assert wait_until(lambda: not any(map(pid_alive, everyone)), timeout_s=30)
+    assert wait_until(lambda: not (child_pids() - before), timeout_s=30)
+    # Outside the block a fit starts (and stops) its own pool, as before.
+    e = _probe_fit(tmp_path, "e", 2)
+    (own,) = {r["ppid"] for r in e}
+    assert own not in (first, second, third) and not pid_alive(own)

@@ -31,6 +31,9 @@ import hygiene_workloads
 import ringtrain as rt
 from support import pid_alive, pids_with_environ, wait_until
 
+# Process hygiene of a run as a user runs it: each fit starts (and ends) its own warm pool.
+pytestmark = pytest.mark.own_pool
+
 MARK = "RT_HYGIENE_TEST"
 GRACE_S = 1.0  # the requirement: nothing of the run alive 1 s after the driver is gone
 

@@ -33,6 +33,7 @@ from typing import IO, Any, Protocol
 
 from ringtrain.channel import DriverListener, Event, Exited, new_authkey
 from ringtrain.env import loopback_environment, worker_environment
+from ringtrain.launch import shared_pool
 from ringtrain.launch.base import ChannelGroup, WorkerSpec, start_store
 from ringtrain.launch.pool import PooledProcess, PoolUnavailable, WorkerPool
 from ringtrain.launch.reaper import Reaper, wait_unreaped
@@ -61,7 +62,10 @@ class LocalLauncher:
             False workers inherit the driver's stdout/stderr directly.
         warm_start: fork workers from a warm pool (a zygote that imported torch once); the
             launcher starts it now, so its imports overlap the driver's set-up, and
-            :meth:`close` stops it. False: a fresh interpreter per worker.
+            :meth:`close` stops it. Inside an :func:`ringtrain.warm_pool` block it uses the
+            block's zygote instead (started or replaced as needed: see
+            :mod:`ringtrain.launch.shared_pool`), and :meth:`close` gives it back. False: a
+            fresh interpreter per worker.
         pool: a pool to use instead (a sweep's, shared by its trials; the caller closes it).
 
     Raises:
@@ -77,9 +81,12 @@ class LocalLauncher:
         self._cold_listener: Callable[[str], None] | None = None
         self._cold_reasons: list[str] = []  # said before a listener was attached
         self._cold_pools: set[int] = set()  # ids of the pools this launcher fell back from
-        if self._own_pool:
+        self._shared = shared_pool.active() if self._own_pool else None
+        if self._shared is not None:
+            self._own_pool = False
+        if self._own_pool or self._shared is not None:
             try:
-                self.pool = WorkerPool()
+                self.pool = self._shared.acquire() if self._shared else WorkerPool()
             except OSError as exc:
                 self._cold(f"the warm worker pool could not start ({exc})", key=0)
 
@@ -107,9 +114,12 @@ class LocalLauncher:
             self._cold_listener(reason)
 
     def close(self) -> None:
-        """Stop the launcher's own pool (idempotent; a shared pool is left to its owner)."""
+        """Stop the launcher's own pool, or give a :func:`ringtrain.warm_pool` block's back
+        (idempotent; a pool given to the constructor is left to its owner)."""
         pool, self.pool = self.pool, None
-        if pool is not None and self._own_pool:
+        if pool is not None and self._shared is not None:
+            self._shared.release(pool)
+        elif pool is not None and self._own_pool:
             pool.close()
 
 

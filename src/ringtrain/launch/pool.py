@@ -153,6 +153,17 @@ class WorkerPool:
     def alive(self) -> bool:
         return self._alive and self._proc.poll() is None
 
+    @property
+    def reader_thread(self) -> threading.Thread:
+        """The driver thread that reads the zygote's replies and exits (``ringtrain-pool``)."""
+        return self._reader
+
+    def helper_pids(self) -> set[int]:
+        """The driver's children this pool holds: the zygote and the pool's reaper (while
+        alive; the workers are the zygote's children)."""
+        pids = {self._proc.pid} if self._proc.poll() is None else set()
+        return pids | ({self.reaper.pid} if self.reaper.pid is not None else set())
+
     def spawn(
         self,
         argv: Sequence[str],

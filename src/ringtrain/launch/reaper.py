@@ -62,6 +62,12 @@ class Reaper:
         )
         self._pipe: IO[bytes] | None = self._proc.stdin
 
+    @property
+    def pid(self) -> int | None:
+        """The reaper process's pid, or ``None`` after :meth:`close`."""
+        proc = self._proc
+        return proc.pid if proc is not None else None
+
     def environment(self) -> dict[str, str]:
         """The variables that mark a worker (and its children) as this run's."""
         return {TOKEN_ENV: self.token}
