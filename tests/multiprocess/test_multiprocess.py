@@ -14,6 +14,7 @@ import torch
 
 import ringtrain as rt
 import workloads
+from ctrl_c import AS_AT_A_TERMINAL, ctrl_c_driver, sigint_ignored
 from support import pid_alive, wait_until
 
 
@@ -117,7 +118,7 @@ def test_sigkilled_worker_is_reported_as_such(tmp_path):
     assert info.value.failures[-1].kind == "signal"
 
 
-_DRIVER = textwrap.dedent(
+_DRIVER = AS_AT_A_TERMINAL + textwrap.dedent(
     """
     import sys, workloads, ringtrain as rt
     rt.Trainer(workloads.sleeper_fn, rt.ScalingConfig(num_workers=2),
@@ -134,8 +135,8 @@ def _start_sleeping_driver(tmp_path):
     pid_dir.mkdir()
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, *sys.path]))
-    driver = subprocess.Popen(
-        [sys.executable, "-c", _DRIVER, str(tmp_path), str(pid_dir)],
+    driver = subprocess.Popen(  # with SIGINT ignored, as a backgrounded session's child
+        ctrl_c_driver(_DRIVER, str(tmp_path), str(pid_dir)),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -155,6 +156,7 @@ def test_no_orphan_workers_when_the_driver_dies(tmp_path, driver_signal):
     try:
         workers = [int(p.read_text()) for p in pid_dir.iterdir()]
         assert all(pid_alive(p) for p in workers)
+        assert not sigint_ignored(driver.pid)  # as a foreground job (tests/ctrl_c.py)
         driver.send_signal(driver_signal)
         driver.wait(timeout=30)
         assert wait_until(lambda: not any(pid_alive(p) for p in workers), timeout_s=15), (
