@@ -4,7 +4,8 @@
 worker, an asynchronous ``TrainState`` checkpoint every ``every`` steps), with, when
 ``config["profile"]`` is true, timers around what a step boundary runs: the elastic plug-in's
 snapshot copy (``snapshot.take``), its ring replication (``snapshot.replicate_to_neighbour``),
-its grow-flag agreement (``ElasticRuntime._grow_agreed``), the preemption plug-in's flag
+its grow-flag agreement (``ElasticRuntime._grow_agreed`` in the old code; now the start,
+``_start_grow_agreement``, and the wait for the result), the preemption plug-in's flag
 agreement (``PreemptionPlugin._agreed``) and the whole ``TrainState.step`` increment (every
 plug-in's ``on_step``). Each rank writes its totals (seconds) and counts to
 ``{log}/profile_rank{R}.json`` when it returns.
@@ -54,6 +55,16 @@ def _install_timers() -> None:
     ):
         if hasattr(module, name) and not hasattr(getattr(module, name), "__wrapped__"):
             setattr(module, name, _timed(name, getattr(module, name)))
+    start = getattr(runtime.ElasticRuntime, "_start_grow_agreement", None)
+    if start is not None and not hasattr(start, "__wrapped__"):
+
+        @functools.wraps(start)
+        def timed_start(*args: Any, **kwargs: Any) -> Callable[[], bool]:
+            return _timed(
+                "grow flag: wait for the result", _timed("grow flag: start", start)(*args, **kwargs)
+            )
+
+        runtime.ElasticRuntime._start_grow_agreement = timed_start  # type: ignore[method-assign]
     for cls, name in (
         (runtime.ElasticRuntime, "_grow_agreed"),
         (preempt_worker.PreemptionPlugin, "_agreed"),

@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -141,8 +142,11 @@ class ElasticRuntime(WorkerPlugin):
                     "the disk checkpoint"
                 )
             return
+        # The grow flag's allreduce runs while the snapshot is copied (the ranks reach the
+        # boundary at different times; the early one copies instead of waiting).
+        grow_agreed = self._start_grow_agreement(ctx)
         snap = self._take(state, ctx)
-        if self._grow_agreed(ctx):
+        if grow_agreed():
             self.pause_at = snap.step
 
     def _take(self, state: TrainState, ctx: DistributedContext) -> snapshots.Snapshot:
@@ -219,19 +223,30 @@ class ElasticRuntime(WorkerPlugin):
         if token is not None and checkpoint is self.session.latest_checkpoint:
             module.__dict__[RESTORED_ATTR] = token
 
-    def _grow_agreed(self, ctx: DistributedContext) -> bool:
-        """Whether any member has a GrowRequest (an allreduce MAX of the flag, so that every
-        member pauses after the same step). The driver sends one to grow the group back, and to
-        let the ranks of a partial preemption notice leave in place (at any size: so the flag
-        is agreed on at every snapshot boundary, one 4-byte allreduce)."""
+    def _start_grow_agreement(self, ctx: DistributedContext) -> Callable[[], bool]:
+        """Start agreeing whether any member has a GrowRequest (an allreduce MAX of the flag,
+        asynchronous), so that every member pauses after the same step; call the returned
+        function, at this same step boundary, for the result (it waits for the allreduce).
+        The driver sends a GrowRequest to grow the group back, and to let the ranks of a partial
+        preemption notice leave in place (at any size: so the flag is agreed on at every
+        snapshot boundary, one 4-byte allreduce).
+
+        Raises (from the returned function):
+            RuntimeError: from the collective when a peer is lost (elastic handling follows).
+        """
         self._poll_driver()
         flag = self.grow_requested
-        if ctx.world_size > 1:
-            device = ctx.device if ctx.use_gpu else torch.device("cpu")
-            box = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-            dist.all_reduce(box, op=dist.ReduceOp.MAX)
-            flag = bool(box.item())
-        return flag
+        if ctx.world_size <= 1:
+            return lambda: flag
+        device = ctx.device if ctx.use_gpu else torch.device("cpu")
+        box = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        work = dist.all_reduce(box, op=dist.ReduceOp.MAX, async_op=True)
+
+        def agreed() -> bool:
+            work.wait()
+            return bool(box.item())
+
+        return agreed
 
     def _poll_driver(self) -> None:
         """Take the GrowRequests of this generation among the driver messages waiting (read
