@@ -29,6 +29,7 @@ import pytest
 
 import hygiene_workloads
 import ringtrain as rt
+from ctrl_c import AS_AT_A_TERMINAL, ctrl_c_driver, sigint_ignored
 from support import pid_alive, pids_with_environ, wait_until
 
 # Process hygiene of a run as a user runs it: each fit starts (and ends) its own warm pool.
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.own_pool
 MARK = "RT_HYGIENE_TEST"
 GRACE_S = 1.0  # the requirement: nothing of the run alive 1 s after the driver is gone
 
-_DRIVER = textwrap.dedent(
+_DRIVER = AS_AT_A_TERMINAL + textwrap.dedent(
     """
     import sys, hygiene_workloads, ringtrain as rt
     rt.Trainer(hygiene_workloads.loader_fn, rt.ScalingConfig(num_workers=2),
@@ -80,8 +81,8 @@ def _start_driver(tmp_path, mode: str):
     pid_dir.mkdir()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *sys.path]), **{MARK: token})
-    driver = subprocess.Popen(
-        [sys.executable, "-c", _DRIVER, str(tmp_path / "runs"), str(pid_dir), mode],
+    driver = subprocess.Popen(  # with SIGINT ignored, as a backgrounded session's child
+        ctrl_c_driver(_DRIVER, str(tmp_path / "runs"), str(pid_dir), mode),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -125,6 +126,7 @@ def test_nothing_outlives_the_driver(tmp_path, mode, how):
         if mode == "hang":  # driver, reaper, 2 workers, 4 loader workers, 1 escaped
             assert len(_marked(token)) >= 9, _describe(_marked(token))
         if how is not None:
+            assert not sigint_ignored(driver.pid)  # as a foreground job (tests/ctrl_c.py)
             driver.send_signal(how)
         driver.wait(timeout=120)
         exited_at = time.monotonic()
