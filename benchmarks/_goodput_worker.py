@@ -8,10 +8,14 @@ It trains until ``state.step`` reaches ``steps``.
 For the benchmark's fault injector and its accounting, every process
 
 - writes its pid to ``{log}/rank{R}.pid`` when it enters the train function (``R``: its rank then);
-- appends one line per completed step to ``{log}/steps.jsonl`` while it is rank 0 of its group
-  (before ``state.step += 1``, so a step lost in a failure is logged again when re-trained):
-  ``{"step": S, "time": t, "world": W, "pid": p}`` (the step's ``optimizer.step()`` has returned).
-  A step executed twice (lost in a failure and trained again) appears twice.
+- appends one line per completed step to ``{log}/steps.jsonl``, every rank (before
+  ``state.step += 1``, so a step lost in a failure is logged again when re-trained):
+  ``{"step": S, "time": t, "world": W, "rank": R, "pid": p, "group": [d, a, g]}`` (the step's
+  ``optimizer.step()`` has returned; ``group`` names the group that trained it: the driver's pid,
+  the restart attempt and the elastic generation). A step's execution is one ``(group, step)``
+  pair: a step lost in a failure and trained again appears under two groups. (Only rank 0 logged
+  before, which missed a step whose allreduce completed on the survivor while rank 0 was killed
+  before its line: "recomputed -2 steps" in the 10-minute elastic-kill run.)
 """
 
 from __future__ import annotations
@@ -57,19 +61,30 @@ def train_fn(config: dict) -> None:
             loss.backward()
             optimizer.step()
             done = time.time()
-            if rt.get_context().world_rank == 0:
-                # Logged before the step counter moves (the moment its snapshot/checkpoint can
-                # include it): a kill after this line re-trains the step and logs it again.
-                record = {
-                    "step": state.step + 1,
-                    "time": done,
-                    "world": rt.get_context().world_size,
-                    "pid": os.getpid(),
-                }
-                with open(steps_log, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            # Logged before the step counter moves (the moment its snapshot/checkpoint can
+            # include it): a kill after this line re-trains the step and logs it again.
+            here = rt.get_context()
+            record = {
+                "step": state.step + 1,
+                "time": done,
+                "world": here.world_size,
+                "rank": here.world_rank,
+                "pid": os.getpid(),
+                "group": _group_id(here),
+            }
+            with open(steps_log, "a") as f:
+                f.write(json.dumps(record) + "\n")
             state.step += 1
             if state.step % config["every"] == 0:
                 rt.report({"loss": loss.item()}, checkpoint=state)
             if state.step >= config["steps"]:
                 return
+
+
+def _group_id(ctx: rt.DistributedContext) -> list[int]:
+    """The group that trains now: [driver pid, restart attempt, elastic generation]."""
+    from ringtrain.elastic.worker import current_runtime
+
+    runtime = current_runtime()
+    generation = runtime.generation if runtime is not None else 0
+    return [ctx.config.driver_pid or 0, ctx.attempt, generation]

@@ -3,8 +3,10 @@
 Goodput = useful step time / wall time, where useful step time = ``N`` (the steps the run must
 train) x the median step period of an undisturbed run at full world size, and wall time runs from
 the first driver start to the end of the last one (automatic resumes included). Steps recomputed =
-steps executed (by rank 0 of the group, logged after ``optimizer.step()``) - ``N``: work lost in a
-failure and trained again.
+steps executed - ``N``: work lost in a failure and trained again. A step's execution is one
+(group, step) pair of the workers' log (every rank logs each step after its ``optimizer.step()``,
+with the group that trained it: driver, restart attempt, elastic generation), so a step counts
+once per group that trained it, whichever of its ranks lived to log it.
 
 The machine's load can change between the calibration and a mode's run (other jobs on a shared
 machine), which would read as lost or won goodput. So every mode also reports its goodput at its
@@ -152,12 +154,12 @@ def timeline(
     ``step_s_here`` is the median step period at the full world size in this very run (between
     two consecutive steps of one world-2 stretch), so a machine whose load changed since the
     calibration does not read as lost (or won) goodput."""
-    with open(steps_log) as f:
-        steps = [json.loads(line) for line in f]
-    times = [s["time"] for s in steps]
+    steps = _read_steps(steps_log)
+    times = sorted(s["time"] for s in steps)
+    rank0 = [s for s in steps if s.get("rank", 0) == 0]
     periods = [
         b["time"] - a["time"]
-        for a, b in itertools.pairwise(steps)
+        for a, b in itertools.pairwise(rank0)
         if a["world"] == b["world"] == 2 and a["pid"] == b["pid"] and b["step"] == a["step"] + 1
     ]
     step_s = statistics.median(periods)
@@ -169,6 +171,22 @@ def timeline(
     startup, tail = times[0] - wall[0], wall[1] - times[-1]
     faults = (wall[1] - wall[0]) - startup - tail - restarts - useful_steps * step_s
     return Timeline(step_s, startup, tail, restarts, faults)
+
+
+def _read_steps(steps_log: str) -> list[dict]:
+    """The workers' step lines (``_goodput_worker``), in the order written."""
+    with open(steps_log) as f:
+        return [json.loads(line) for line in f]
+
+
+def executed_steps(steps: list[dict]) -> int:
+    """Step executions: distinct (group, step) pairs (a line without ``group``, from an older
+    worker, counts as its own execution)."""
+    seen = set()
+    for i, s in enumerate(steps):
+        group = tuple(s["group"]) if "group" in s else ("line", i)
+        seen.add((group, s["step"]))
+    return len(seen)
 
 
 def _alive(pid: int) -> bool:
@@ -276,8 +294,7 @@ def run_mode(mode: str, steps: int, step_s: float, args: argparse.Namespace) -> 
         last = time.time()
         injector.done.set()
         injector.join()
-        with open(os.path.join(log, "steps.jsonl")) as f:
-            executed = sum(1 for _ in f)
+        executed = executed_steps(_read_steps(os.path.join(log, "steps.jsonl")))
         statuses = _statuses(log)
         if code != EXIT_FINISHED:
             with open(os.path.join(log, "driver.err"), errors="replace") as f:
@@ -324,8 +341,8 @@ def calibrate(args: argparse.Namespace) -> tuple[float, float]:
         if _start(spec).wait() != EXIT_FINISHED:
             raise SystemExit("the calibration run failed")
         wall = time.monotonic() - start
-        with open(os.path.join(log, "steps.jsonl")) as f:
-            times = [json.loads(line)["time"] for line in f]
+        steps = _read_steps(os.path.join(log, "steps.jsonl"))
+        times = [s["time"] for s in steps if s["rank"] == 0]
         periods = [b - a for a, b in itertools.pairwise(times)]
         return statistics.median(periods), wall
 
