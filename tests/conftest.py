@@ -105,9 +105,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def _warm_pool(_private_signing_key: None, _example_data: None) -> Iterator[rt.WarmPool]:
     """The in-process fits of this pytest worker fork their workers from one warm pool
     (``rt.warm_pool``: one ``import torch`` per session, not one per fit; it starts at the
-    first fit); a test marked ``own_pool`` runs outside it (``_no_leaks``)."""
+    first fit); a test marked ``own_pool`` runs outside it (``_no_leaks``).
+    ``RINGTRAIN_TEST_SHARED_POOL=0 python -m pytest``: every fit starts its own pool, as a
+    fit outside a block does (to compare the suite's time, or to rule the sharing out)."""
     with rt.warm_pool() as pool:
-        yield pool
+        if os.environ.get("RINGTRAIN_TEST_SHARED_POOL", "1") == "0":
+            with shared_pool.suspended():
+                yield pool
+        else:
+            yield pool
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import torch.distributed
+
 import ringtrain as rt
 import workloads
 
@@ -34,3 +36,6 @@ def probe_fn(config):
     with open(os.path.join(config["out"], f"{config['tag']}.rank{ctx.world_rank}.json"), "w") as f:
         json.dump(record, f)
     rt.report({"rank": ctx.world_rank})
+    # No rank leaves before every rank's gloo mesh is up (a rank that exited while another was
+    # still connecting made that one fail with "Connection closed by peer").
+    torch.distributed.barrier()
