@@ -426,7 +426,7 @@ def test_own_files_split_a_sharded_checkpoint_between_ranks(tmp_path):
     ],
 )
 def test_sharded_strategy_matches_one_process_and_resumes_from_its_checkpoint(
-    tmp_path, strategy, kwargs, workers, parallel, dp
+    tmp_path, monkeypatch, strategy, kwargs, workers, parallel, dp
 ):
     """Rank 1 is SIGKILLed after step 7; the restarted group resumes from the checkpoint of
     step 5 (every rank's shards, from the run directory, verified) and every step's loss (the
@@ -435,8 +435,12 @@ def test_sharded_strategy_matches_one_process_and_resumes_from_its_checkpoint(
 
     losses = str(tmp_path / "losses")
     extra = {}
+    extensions = tmp_path / "torch_extensions"
     if strategy == "deepspeed":
         pytest.importorskip("deepspeed", reason="DeepSpeedStrategy needs deepspeed")
+        # Where DeepSpeed would JIT-compile its CPU shared-memory allreduce (~75 s of C++ on a
+        # fresh machine): RingtrainDeepSpeedStrategy must compile nothing.
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     if parallel is not None:
         extra["parallel"] = rt.ParallelConfig(dp_shard=parallel[0], tp=parallel[1])
     config = {"strategy": strategy, "strategy_kwargs": kwargs, "losses": losses, "kill": [1, 7]}
@@ -451,6 +455,8 @@ def test_sharded_strategy_matches_one_process_and_resumes_from_its_checkpoint(
     )
     assert result.error is None, result.error
     assert [(f.rank, f.kind) for f in result.failures] == [(1, "signal")]
+    built = sorted(p.name for p in extensions.rglob("*")) if extensions.exists() else []
+    assert not built, f"compiled during the run: {built}"
     ckpt = result.checkpoint
     assert ckpt is not None
     listed = set(ckpt.verified_files())

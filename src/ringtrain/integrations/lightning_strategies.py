@@ -172,8 +172,14 @@ class RingtrainDeepSpeedStrategy(DeepSpeedStrategy):
             return
         from lightning.fabric.utilities.seed import reset_seed
 
+        from ringtrain.parallel.deepspeed import no_compiled_ops
+
         reset_seed()
         self.set_world_ranks()
+        # Else DeepSpeed's CPU backend JIT-compiles its shared-memory allreduce here, on first
+        # use on a machine: ~75 s of C++ on 2 cores (the Lightning DeepSpeed parity test took
+        # 100 s in a fresh CI, 23-35 s with the build cached).
+        no_compiled_ops()
         self._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:

@@ -89,10 +89,12 @@ def _use_cpu_accelerator() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def _no_compiled_ops() -> None:
+def no_compiled_ops() -> None:
     """On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory allreduce (C++,
     ninja, minutes on a cold cache) that only its inference path uses; mark it incompatible so
-    that nothing is compiled: training collectives go through the gloo group."""
+    that nothing is compiled: training collectives go through the gloo group. Used by
+    :func:`prepare_deepspeed` and by Lightning's ``RingtrainDeepSpeedStrategy``. A no-op with a
+    GPU."""
     if torch.cuda.is_available():
         return
     import deepspeed.ops
@@ -150,7 +152,7 @@ def prepare_deepspeed(
         raise ImportError(
             "prepare_deepspeed needs DeepSpeed: pip install 'ringtrain[deepspeed]'"
         ) from exc
-    _no_compiled_ops()
+    no_compiled_ops()
     if not torch.distributed.is_initialized():  # one process: a group of one, no rendezvous
         torch.distributed.init_process_group(
             "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
