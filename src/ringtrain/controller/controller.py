@@ -182,11 +182,13 @@ class Controller:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Result:
-        """Step until the job finishes or the FailurePolicy says stop."""
-        self.progress.start(self.run_dir.name, self.world_size, self.run_dir.uri)
-        self._write_result()
-        self.preemption.start()
+        """Step until the job finishes or the FailurePolicy says stop. A Ctrl-C at any point,
+        set-up included (result.json says RUNNING, the notice sources hold SIGTERM), ends it
+        ``ABORTED``: the group stopped, the handlers restored, the end recorded, then raised."""
         try:
+            self.progress.start(self.run_dir.name, self.world_size, self.run_dir.uri)
+            self._write_result()
+            self.preemption.start()
             while not self.state.terminal:
                 self.step(self._due_notice())
         except BaseException as exc:
@@ -196,10 +198,18 @@ class Controller:
                 self._enter(Transition(self.current, Aborted(type(exc).__name__), repr(exc)))
             raise
         finally:
+            result = self._end()
+        return result
+
+    def _end(self) -> Result:
+        """Stop the notice sources and the group, then record the end; the end is recorded even
+        when stopping is cut short (a second Ctrl-C while the group stops: still raised)."""
+        try:
             self.preemption.stop()
-            if self.group is not None:
-                self.group.stop(grace_s=self.stop_grace_s)
-                self.group = None
+            group, self.group = self.group, None
+            if group is not None:
+                group.stop(grace_s=self.stop_grace_s)
+        finally:
             result = self.result()
             self.run_dir.write(
                 RunEndEvent(status=self.state.value, duration_s=time.time() - self.start_time)
@@ -207,8 +217,8 @@ class Controller:
             self._write_result()
             self.run_dir.close()
             self.progress.close(self.state.value)
-            if self.state is not RunState.ABORTED:
-                self.callback("on_end", result)
+        if self.state is not RunState.ABORTED:
+            self.callback("on_end", result)
         return result
 
     def step(self, event: Event | PreemptionNotice | None = None) -> Transition:
