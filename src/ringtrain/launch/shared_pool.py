@@ -207,11 +207,18 @@ def warm_pool() -> Iterator[WarmPool]:
     """Share one warm worker pool among the local fits of this process while the block is
     open (see the module docstring); the pool stops when the block exits.
 
-    The block covers every ``Trainer.fit()`` (and ``ringtrain.Tuner`` is not affected: a sweep
-    shares its own pool among its trials) with ``backend="local"`` and ``warm_start=True``
-    made in this process while it is open, on any thread. A nested block (or one opened on
-    another thread meanwhile) joins the open one, whose pool stops when the last block exits.
-    Fits with ``warm_start=False``, on Ray, or given their own ``launcher=`` are unaffected.
+    The block covers every ``Trainer.fit()`` with ``backend="local"`` and ``warm_start=True``
+    (the defaults) made in this process while it is open, on any thread. A nested block (or
+    one opened on another thread meanwhile) joins the open one, whose pool stops when the last
+    block exits. Fits with ``warm_start=False``, on Ray, or given their own ``launcher=`` are
+    unaffected, and a ``ringtrain.tune.Tuner`` sweep shares its own pool among its trials.
+
+    Example::
+
+        with rt.warm_pool() as pool:
+            rt.Trainer(train_a, rt.ScalingConfig(num_workers=2)).fit()
+            rt.Trainer(train_b, rt.ScalingConfig(num_workers=4)).fit()  # same zygote
+            print(pool.zygote_pid, pool.started, pool.reasons)
 
     Yields:
         WarmPool: the block's handle (``zygote_pid``, ``started``, ``reasons``).
