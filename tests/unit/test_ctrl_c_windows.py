@@ -7,18 +7,25 @@ Python's SIGINT handler raises on the main thread): while the preemption notice 
 poll of the group (the common case), and a second Ctrl-C while the group is being stopped after
 the first. Before, the first left SIGTERM/SIGUSR1 caught by a dead run's handler and result.json
 saying ``RUNNING`` with no ``run_end``; the third left result.json saying ``RUNNING``.
+
+And a Ctrl-C during code that swallows every error (``import torch``'s NumPy initialisation, the
+driver's first import of torch when it starts workers) is held and raised after it
+(:func:`ringtrain.interrupts.held_ctrl_c`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 
 import pytest
 
 from fakes import FakeGroup, FakeLauncher
 from fakes import controller_events as _events
 from fakes import make_controller as _controller
+from ringtrain.interrupts import held_ctrl_c
 from ringtrain.preemption import SignalNotice
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,3 +78,32 @@ def test_a_ctrl_c_anywhere_ends_the_run_aborted_and_recorded(tmp_path, window):
     assert len(aborted) == 1 and "KeyboardInterrupt" in aborted[0]["reason"], events
     if window != "notice-sources-start":
         assert group.stopped and ctl.group is None
+
+
+def _swallowing_ctrl_c() -> None:
+    """A Ctrl-C during code that swallows any error, as torch's NumPy initialisation does."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(50):  # Python runs the handler between these
+            time.sleep(0.01)
+    except BaseException:
+        pass
+
+
+def test_a_ctrl_c_held_across_code_that_swallows_it_is_raised_after():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's
+    try:
+        _swallowing_ctrl_c()  # unheld: lost, which is what held_ctrl_c is for
+        with pytest.raises(KeyboardInterrupt), held_ctrl_c():
+            _swallowing_ctrl_c()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with held_ctrl_c():  # no Ctrl-C: nothing raised
+            pass
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        seen: list[int] = []
+        signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+        with held_ctrl_c():  # the program's own handler is left alone
+            _swallowing_ctrl_c()
+        assert seen == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)

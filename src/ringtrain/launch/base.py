@@ -93,7 +93,10 @@ def start_store(host: str, world_size: int) -> Any:
     Raises:
         OSError: if ``host`` is not an address of this machine.
     """
-    import torch.distributed as dist
+    from ringtrain.interrupts import held_ctrl_c
+
+    with held_ctrl_c():  # often the driver's first import of torch, which swallows a Ctrl-C
+        import torch.distributed as dist
 
     sock = listen_socket(host, listen_backlog(world_size))
     port = int(sock.getsockname()[1])
