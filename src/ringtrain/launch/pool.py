@@ -112,6 +112,7 @@ class WorkerPool:
         self._procs: dict[int, PooledProcess] = {}
         self._replies: list[int] = []
         self._early_exits: dict[int, int] = {}  # exits seen before spawn() recorded the pid
+        self._unclaimed = 0  # replies still due to requests given up on (Ctrl-C, no answer)
         self._reply_ready = threading.Condition()
         self._alive = True
         self.reaper = Reaper(os.urandom(16).hex())
@@ -226,10 +227,17 @@ class WorkerPool:
                 raise PoolUnavailable(f"the worker pool's zygote is gone: {exc}") from exc
             deadline = time.monotonic() + _START_TIMEOUT_S
             with self._reply_ready:
-                while not self._replies:
-                    if not self._alive or time.monotonic() > deadline:
-                        raise PoolUnavailable("the worker pool's zygote did not answer")
-                    self._reply_ready.wait(0.1)
+                try:
+                    while not self._replies:
+                        if not self._alive or time.monotonic() > deadline:
+                            raise PoolUnavailable("the worker pool's zygote did not answer")
+                        self._reply_ready.wait(0.1)
+                except BaseException:  # its reply must not answer the next request
+                    if self._replies:
+                        self._replies.pop(0)
+                    else:
+                        self._unclaimed += 1
+                    raise
                 pid = self._replies.pop(0)
         if pid <= 0:
             raise PoolUnavailable("the worker pool's zygote could not fork")
@@ -258,6 +266,9 @@ class WorkerPool:
 
     def _dispatch(self, msg: dict[str, int]) -> None:
         with self._reply_ready:
+            if "pid" in msg and self._unclaimed:
+                self._unclaimed -= 1  # nobody waits for that worker: it finds no driver, exits
+                return
             if "pid" in msg:
                 self._replies.append(int(msg["pid"]))
                 self._reply_ready.notify_all()
