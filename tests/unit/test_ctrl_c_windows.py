@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -26,6 +27,8 @@ from fakes import FakeGroup, FakeLauncher
 from fakes import controller_events as _events
 from fakes import make_controller as _controller
 from ringtrain.interrupts import held_ctrl_c
+from ringtrain.launch import local
+from ringtrain.launch.base import WorkerSpec
 from ringtrain.preemption import SignalNotice
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,3 +110,13 @@ def test_a_ctrl_c_held_across_code_that_swallows_it_is_raised_after():
         assert seen == [signal.SIGINT]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_while_the_group_imports_torch_leaves_no_listener(tmp_path, monkeypatch):
+    """The Ctrl-C that :func:`held_ctrl_c` raises after the driver's first torch import (in
+    ``start_store``) closes the channel listener opened just before (its socket and thread)."""
+    monkeypatch.setattr(local, "start_store", _ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        local.LocalWorkerGroup(WorkerSpec(world_size=2, run_dir=str(tmp_path)))
+    accepting = [t for t in threading.enumerate() if t.name == "ringtrain-accept" and t.is_alive()]
+    assert not accepting, "the channel listener of the interrupted group was left open"

@@ -174,7 +174,11 @@ class LocalWorkerGroup(ChannelGroup):
         self._listener = DriverListener(
             self._authkey, self._on_connection, LOOPBACK, world_size=spec.world_size
         )
-        self._store = start_store(LOOPBACK, spec.world_size)
+        try:  # often the driver's first torch import: where a Ctrl-C is raised (interrupts.py)
+            self._store = start_store(LOOPBACK, spec.world_size)
+        except BaseException:
+            self._listener.close()
+            raise
         base_env = dict(os.environ)
         base_env["PYTHONPATH"] = os.pathsep.join(
             [p for p in sys.path if p]
