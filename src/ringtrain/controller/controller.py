@@ -36,7 +36,7 @@ from ringtrain.controller.attempt import root_cause
 from ringtrain.controller.elastic import ElasticCoordinator
 from ringtrain.controller.events import GroupEvents
 from ringtrain.controller.generation import Generation
-from ringtrain.controller.outputs import build_result, write_result
+from ringtrain.controller.outputs import build_result, call_callbacks, write_result
 from ringtrain.controller.policy import Decision, FailurePolicy
 from ringtrain.controller.preempting import Preemption
 from ringtrain.controller.resume import ResumePoint
@@ -394,11 +394,10 @@ class Controller:
             return Transition(state, state)
         if notice.ranks is not None and self.elastic is not None and isinstance(state, Running):
             # Some ranks of an elastic run: they leave in place while min_workers holds.
-            why_not = self.coordinator.leave_refusal(state.generation, notice)
+            leaving = self.coordinator.leaving
+            why_not = leaving.refusal(state.generation, notice)
             if why_not is None:
-                return Transition(
-                    state, state, self.coordinator.start_leave(state.generation, notice)
-                )
+                return Transition(state, state, leaving.start(state.generation, notice))
             logger.warning("preemption notice for ranks %s: %s", list(notice.ranks), why_not)
         group = self.group if isinstance(state, Running | Growing) else None  # else: failing
         return self.preemption.enter(self, state, state.generation, group, notice)
@@ -496,13 +495,5 @@ class Controller:
         write_result(self)
 
     def callback(self, hook: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            fn = getattr(cb, hook, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception:
-                logger.exception(
-                    "callback %s.%s raised; the run continues", type(cb).__name__, hook
-                )
+        """Call ``hook(*args)`` on the run's callbacks (:func:`call_callbacks`)."""
+        call_callbacks(self.callbacks, hook, *args)

@@ -6,8 +6,9 @@ returns the next :class:`~ringtrain.controller.generation.Generation` instead of
 controller's state. The protocol is in docs/elastic.md and :mod:`ringtrain.elastic.worker`.
 
 A preemption notice that covers only some ranks makes them *leave* in place when ``min_workers``
-still holds without them (:meth:`leave_refusal`, :meth:`start_leave`): the coordinator's
-:class:`~ringtrain.controller.leaving.Leaving` pauses the members as for a grow, and
+still holds without them: the coordinator's ``leaving``
+(:class:`~ringtrain.controller.leaving.Leaving`, whose ``refusal`` and ``start`` the controller
+calls) pauses the members as for a grow, and
 :meth:`grow_resize` re-forms the group from the others."""
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from ringtrain.controller.leaving import Leaving
 from ringtrain.controller.policy import Decision
 from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
 from ringtrain.launch.base import GrowableGroup
-from ringtrain.preemption import PreemptionNotice
 from ringtrain.result import WorkerFailure
 from ringtrain.rundir.schema import (
     GrowFailedEvent,
@@ -434,14 +434,3 @@ class ElasticCoordinator:
         for rank in range(new_world):
             ctl.progress.worker_state(rank, "running")
         return new
-
-    # ------------------------------------------------------------------ leaving (partial notice)
-    def leave_refusal(self, gen: Generation, notice: PreemptionNotice) -> str | None:
-        """Why the ranks of the partial ``notice`` cannot leave ``gen`` in place (``None``: they
-        can; otherwise the caller preempts the whole run): :meth:`Leaving.refusal`."""
-        return self.leaving.refusal(gen, notice)
-
-    def start_leave(self, gen: Generation, notice: PreemptionNotice) -> str:
-        """Let the ranks of ``notice`` leave in place (:meth:`Leaving.start`); returns the reason,
-        for the log. Call it when :meth:`leave_refusal` is None."""
-        return self.leaving.start(gen, notice)

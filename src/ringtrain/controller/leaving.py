@@ -5,10 +5,10 @@ reach (a :class:`~ringtrain.channel.GrowRequest`, as for a grow), and the group 
 others (no disk round trip; the global batch kept by the elastic batch policy); the leaving
 processes are stopped.
 
-:class:`Leaving` is owned by :class:`ringtrain.controller.elastic.ElasticCoordinator`, whose
-:meth:`~ringtrain.controller.elastic.ElasticCoordinator.leave_refusal` and
-:meth:`~ringtrain.controller.elastic.ElasticCoordinator.start_leave` the controller calls when a
-notice arrives, and whose ``grow_tick`` drives a leave in progress (:meth:`Leaving.tick`)."""
+:class:`Leaving` is owned by :class:`ringtrain.controller.elastic.ElasticCoordinator`
+(its ``leaving``); the controller calls :meth:`Leaving.refusal` and :meth:`Leaving.start` when a
+notice arrives, and the coordinator's ``grow_tick`` drives a leave in progress
+(:meth:`Leaving.tick`)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ringtrain.result import Result
 from ringtrain.rundir.schema import ResultRecord
@@ -59,3 +61,18 @@ def write_result(ctl: Controller) -> None:
             preemptions=result.preemptions,
         )
     )
+
+
+def call_callbacks(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
+    """Call ``hook(*args)`` on every callback that defines it; one that raises is logged and
+    the run continues."""
+    for cb in callbacks:
+        fn = getattr(cb, hook, None)
+        if fn is None:
+            continue
+        try:
+            fn(*args)
+        except Exception:
+            logging.getLogger("ringtrain").exception(
+                "callback %s.%s raised; the run continues", type(cb).__name__, hook
+            )
