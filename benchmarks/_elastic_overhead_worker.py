@@ -16,12 +16,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import _goodput_worker
+import torch
 
 import ringtrain as rt
 
@@ -73,6 +75,42 @@ def _install_timers() -> None:
             setattr(cls, name, _timed(f"{cls.__name__}.{name}", getattr(cls, name)))
     if not hasattr(state.step_taken, "__wrapped__"):
         state.step_taken = _timed("step boundary (all on_step hooks)", session.step_taken)
+    _time_step_phases()
+
+
+def _time_step_phases() -> None:
+    """Time each step's phases: forward; loss + backward (DDP's allreduce included);
+    ``optimizer.step()``; and the rest of the iteration (the step log, the step boundary, the
+    next batch), from hooks on the prepared model and torch's global optimizer hooks."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    marks: dict[str, float] = {}
+
+    def mark(name: str, since: str | None = None, part: str | None = None) -> None:
+        now = time.perf_counter()
+        if since is not None and part is not None and since in marks:
+            TOTALS[part] += now - marks[since]
+            COUNTS[part] += 1
+        marks[name] = now
+
+    prepare = rt.prepare_model
+
+    def timed_prepare(model: Any, *args: Any, **kwargs: Any) -> Any:
+        wrapped = prepare(model, *args, **kwargs)
+        wrapped.register_forward_pre_hook(
+            lambda *_: mark("fwd0", "opt1", "phase: rest (log, boundary, next batch)")
+        )
+        wrapped.register_forward_hook(lambda *_: mark("fwd1", "fwd0", "phase: forward"))
+        return wrapped
+
+    rt.prepare_model = timed_prepare  # type: ignore[assignment]
+    register_optimizer_step_pre_hook(
+        lambda *_: mark("opt0", "fwd1", "phase: loss + backward (allreduce)")
+    )
+    register_optimizer_step_post_hook(lambda *_: mark("opt1", "opt0", "phase: optimizer.step"))
 
 
 def train_fn(config: dict[str, Any]) -> None:
@@ -86,4 +124,15 @@ def train_fn(config: dict[str, Any]) -> None:
             rank = rt.get_context().world_rank
             path = os.path.join(config["log"], f"profile_rank{rank}.json")
             with open(path, "w") as f:
-                json.dump({"totals_s": dict(TOTALS), "counts": dict(COUNTS)}, f)
+                json.dump(
+                    {
+                        "totals_s": dict(TOTALS),
+                        "counts": dict(COUNTS),
+                        "threads": torch.get_num_threads(),
+                        "interop": torch.get_num_interop_threads(),
+                        "omp": os.environ.get("OMP_NUM_THREADS"),
+                        "cpu_s": time.process_time(),
+                        "threads_alive": threading.active_count(),
+                    },
+                    f,
+                )
