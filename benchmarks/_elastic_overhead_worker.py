@@ -106,7 +106,7 @@ def _time_step_phases() -> None:
         wrapped.register_forward_hook(lambda *_: mark("fwd1", "fwd0", "phase: forward"))
         return wrapped
 
-    rt.prepare_model = timed_prepare  # type: ignore[assignment]
+    rt.prepare_model = timed_prepare
     register_optimizer_step_pre_hook(
         lambda *_: mark("opt0", "fwd1", "phase: loss + backward (allreduce)")
     )

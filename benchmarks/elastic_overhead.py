@@ -10,15 +10,16 @@ adds to a full-world step is lost goodput, failures or not.
 Workload: ``benchmarks/goodput.py``'s (``_goodput_worker.train_fn``: an MLP 784-1024-1024-10,
 1.86 M parameters, momentum SGD, DDP on gloo, batch 64 per worker, a ``TrainState`` checkpoint
 every ``--every`` steps written asynchronously), 2 local workers, ``--steps`` steps, no failure.
-The runs alternate plain, elastic, plain, elastic, ... (``--runs`` of each), so a change of the
+The runs alternate plain, elastic, elastic, plain, ... (``--runs`` of each), so a change of the
 machine's load hits both alike. A run's step period is the median of the periods between
 consecutive steps of rank 0 (the time its ``optimizer.step()`` returned); the figure of a mode
 is the median over its runs, and the ratio elastic / plain is the overhead.
 
 ``--profile`` times, in every worker, the parts a step boundary runs
-(``_elastic_overhead_worker``): the snapshot copy, the ring replication, the grow-flag and
-preemption-flag agreements and the whole ``TrainState.step`` increment, and prints them per
-step (ms, mean over ranks and runs).
+(``_elastic_overhead_worker``): the snapshot copy, the ring replication (before it was removed),
+the grow-flag and preemption-flag agreements and the whole ``TrainState.step`` increment, and
+each step's phases (forward, loss + backward with DDP's allreduce, ``optimizer.step()``, the
+rest), and prints them per call (ms, mean over ranks and runs).
 
 Usage::
 
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> int:
     periods: dict[str, list[float]] = {mode: [] for mode in MODES}
     parts: dict[str, dict[str, list[float]]] = {mode: defaultdict(list) for mode in MODES}
     for run in range(args.runs):
-        for mode in MODES:
+        for mode in MODES if run % 2 == 0 else MODES[::-1]:  # ABBA: no mode always first
             period, profile = one_run(mode, args)
             periods[mode].append(period)
             for part, ms in profile.items():
