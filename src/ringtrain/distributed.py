@@ -23,8 +23,9 @@ def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) 
     """Initialise the default process group for ``ctx`` if it is not initialised yet.
 
     NCCL with ``cuda:{local_rank}`` as the current device when ``ctx.use_gpu``, gloo otherwise;
-    rendezvous through ``env://`` (``MASTER_ADDR``/``MASTER_PORT``). Does nothing for a single
-    process.
+    rendezvous through ``env://`` (``MASTER_ADDR``/``MASTER_PORT``). A gloo group ends with one
+    barrier, so that no rank returns before every rank's connections are up. Does nothing for a
+    single process.
 
     Args:
         ctx: the worker's context.
@@ -59,6 +60,13 @@ def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) 
         timeout=timedelta(seconds=timeout_s or collective_timeout_s(ctx.worker_timeout_s)),
         **kwargs,
     )
+    if backend == "gloo":
+        # Gloo connects every pair in the constructor, and a rank whose own connections are up
+        # returns while a peer may still be finishing its end: a train function that runs no
+        # collective could then leave, and the peer's set-up failed with "Gloo connectFullMesh
+        # failed ... Connection closed by peer" (a spurious failure, seen under load). One
+        # barrier here lets no rank start the train function before every rank's mesh is up.
+        dist.barrier()
 
 
 def destroy_process_group() -> None:
