@@ -60,7 +60,7 @@ def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) 
         timeout=timedelta(seconds=timeout_s or collective_timeout_s(ctx.worker_timeout_s)),
         **kwargs,
     )
-    if backend == "gloo":
+    if not ctx.use_gpu:  # gloo
         # Gloo connects every pair in the constructor, and a rank whose own connections are up
         # returns while a peer may still be finishing its end: a train function that runs no
         # collective could then leave, and the peer's set-up failed with "Gloo connectFullMesh
