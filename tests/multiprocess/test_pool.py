@@ -225,3 +225,20 @@ def test_fits_in_a_warm_pool_block_share_one_zygote(tmp_path, monkeypatch):
     e = _probe_fit(tmp_path, "e", 2)
     (own,) = {r["ppid"] for r in e}
     assert own not in (first, second, third) and not pid_alive(own)
+
+
+@pytest.mark.own_pool  # the block under test, not the session's
+@pytest.mark.timeout(300)
+def test_a_block_opened_with_start_has_its_zygote_up_before_the_first_fit(tmp_path):
+    before = child_pids()
+    with rt.warm_pool(start=True) as block:
+        early = block.zygote_pid
+        assert early is not None and early in child_pids(), (early, child_pids())
+        block.start()  # up already, for this environment, sys.path and cwd: nothing new
+        assert block.zygote_pid == early and block.started == 1
+        a = _probe_fit(tmp_path, "a", 2)
+        assert {r["ppid"] for r in a} == {early}, (a, early)  # the first fit used it
+        assert block.started == 1 and not block.reasons
+    assert block.zygote_pid is None
+    assert wait_until(lambda: not pid_alive(early), timeout_s=30)
+    assert wait_until(lambda: not (child_pids() - before), timeout_s=30)

@@ -10,6 +10,9 @@ the first fit) and stops when the block exits::
         rt.Trainer(train_a, scaling).fit()
         rt.Trainer(train_b, scaling).fit()   # no second `import torch`
 
+With ``warm_pool(start=True)`` the zygote starts when the block opens, so that its imports
+overlap the driver's own (a preemptible job's driver, started again after each notice).
+
 A fit inside the block behaves as one outside it. What a worker gets per spawn (its whole
 environment, cwd, argv, output pipes, the run's ``RINGTRAIN_*`` and torch variables) is sent
 with each request; what the zygote fixed when it started (the environment its interpreter and
@@ -118,6 +121,20 @@ class WarmPool:
             pools = [self._pool, *self._users]
         return {pool.reader_thread for pool in pools if pool is not None}
 
+    def start(self) -> None:
+        """Start the block's zygote now instead of at the first fit (a no-op when a zygote that
+        can serve this process's environment, ``sys.path`` and cwd is already up), so that its
+        ``import torch`` overlaps whatever the driver does before its first ``fit()``, e.g.
+        its own imports (:func:`warm_pool` with ``start=True``).
+
+        Raises:
+            PoolUnavailable: the block has ended, or this is a forked copy of the driver.
+            OSError: the zygote could not start (the first fit then tries again, and starts its
+                workers cold if that fails too).
+        """
+        with self._lock:
+            self._current()
+
     def acquire(self) -> WorkerPool:
         """The zygote for a fit starting now (started or replaced first if needed); give it
         back with :meth:`release` when the fit ends.
@@ -127,21 +144,27 @@ class WarmPool:
             OSError: a fresh zygote could not start (the fit then starts its workers cold).
         """
         with self._lock:
-            if self._closed or os.getpid() != self._owner_pid:
-                raise PoolUnavailable("the warm_pool block this handle belongs to has ended")
-            key = PoolKey.now()
-            reason = self._stale(key)
-            if reason is not None:
-                self._retire_current()
-                pool = WorkerPool()
-                self._pool, self._key = pool, key
-                if self._started:
-                    self.reasons.append(reason)
-                    logger.info("warm_pool: %s: starting a fresh one", reason)
-                self._started.append(pool)
-            assert self._pool is not None
-            self._users[self._pool] = self._users.get(self._pool, 0) + 1
-            return self._pool
+            pool = self._current()
+            self._users[pool] = self._users.get(pool, 0) + 1
+            return pool
+
+    def _current(self) -> WorkerPool:
+        """The zygote that serves this process as it is now, started (or replaced) first if
+        needed; the caller holds the lock."""
+        if self._closed or os.getpid() != self._owner_pid:
+            raise PoolUnavailable("the warm_pool block this handle belongs to has ended")
+        key = PoolKey.now()
+        reason = self._stale(key)
+        if reason is not None:
+            self._retire_current()
+            pool = WorkerPool()
+            self._pool, self._key = pool, key
+            if self._started:
+                self.reasons.append(reason)
+                logger.info("warm_pool: %s: starting a fresh one", reason)
+            self._started.append(pool)
+        assert self._pool is not None
+        return self._pool
 
     def release(self, pool: WorkerPool) -> None:
         """The fit that got ``pool`` from :meth:`acquire` ended; a pool that was replaced
@@ -203,9 +226,20 @@ def active() -> WarmPool | None:
 
 
 @contextlib.contextmanager
-def warm_pool() -> Iterator[WarmPool]:
+def warm_pool(start: bool = False) -> Iterator[WarmPool]:
     """Share one warm worker pool among the local fits of this process while the block is
     open (see the module docstring); the pool stops when the block exits.
+
+    Args:
+        start: start the zygote when the block opens instead of at the first fit, so that its
+            ``import torch`` (~1-2 s of one core) runs while the driver imports its own modules.
+            A driver that is started again and again (a preemptible job resumed after each
+            notice, a requeued SLURM job) opens the block before it imports torch and the
+            train function's module, and its workers are forked ~1.5 s sooner on 2 cores
+            (docs/fault-tolerance.md, "Resuming fast"). If the driver then changes its
+            environment, ``sys.path`` or cwd before the first fit, that fit starts a fresh
+            zygote (as without ``start``). A zygote that cannot start is not an error here:
+            the first fit tries again, then starts its workers cold.
 
     The block covers every ``Trainer.fit()`` with ``backend="local"`` and ``warm_start=True``
     (the defaults) made in this process while it is open, on any thread. A nested block (or
@@ -230,6 +264,13 @@ def warm_pool() -> Iterator[WarmPool]:
             shared = _active = WarmPool()
         shared.depth += 1
     try:
+        if start:
+            try:
+                shared.start()
+            except OSError as exc:
+                logger.info(
+                    "warm_pool: the zygote could not start now (%s); the first fit tries again", exc
+                )
         yield shared
     finally:
         with _active_lock:
