@@ -204,3 +204,35 @@ def test_run_checkpoint_retention_flags(tmp_path):
     assert proc.returncode == 0, proc.stderr
     kept = sorted(p.name for p in (tmp_path / "runs" / "keep").glob("checkpoint_*"))
     assert kept == ["checkpoint_000001", "checkpoint_000003"]  # best (0.9) and latest
+
+
+@pytest.mark.parametrize("as_command", [True, False])
+def test_the_command_freezes_the_gc_before_its_process_exits(tmp_path, as_command):
+    """``ringtrain`` itself (``main()`` with no argv: its process exits next) freezes the GC's
+    generations, so the interpreter's shutdown does not walk torch's objects again and again;
+    ``main(argv)`` called by a program that goes on does not."""
+    code = textwrap.dedent(
+        """
+        import atexit, gc, sys
+        import torch.distributed  # what a `ringtrain run` driver holds at exit
+        from ringtrain.cli import main
+        atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0, flush=True))
+        args = ["ls", sys.argv[2]]
+        if sys.argv[1] == "command":
+            sys.argv = ["ringtrain", *args]
+            status = main()
+        else:
+            status = main(args)
+        print("status", status, flush=True)
+        """
+    )
+    mode = "command" if as_command else "library"
+    out = subprocess.run(
+        [sys.executable, "-c", code, mode, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split("\n")
+    assert "status 0" in out, out
+    assert f"frozen {as_command}" in out, out

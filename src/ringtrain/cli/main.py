@@ -8,6 +8,7 @@ Each subcommand lives in its own module (``run``, ``runs`` for ls/show, ``bench`
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -69,7 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``ringtrain ARGV...`` (default: ``sys.argv[1:]``); returns the exit status."""
+    """Run ``ringtrain ARGV...`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Called with no ``argv`` (the ``ringtrain`` command itself, whose process exits next), it
+    freezes the garbage collector's generations before returning (:func:`gc.freeze`): the
+    interpreter's shutdown then clears every module without walking torch's object graph
+    over and over. With torch loaded (the driver imports it for its rendezvous store), that
+    walk took 0.5-2 s of each exit on 2 busy cores (0.13-0.16 s frozen), on the path of every
+    requeued or retried preemptible job. Atexit handlers and module teardown run as usual;
+    only cyclic garbage left at exit is not collected (the process is ending)."""
+    status = _main(argv)
+    if argv is None:
+        gc.freeze()
+    return status
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     argv, bench_script_args = split_bench_args(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
