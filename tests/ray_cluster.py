@@ -7,6 +7,12 @@ from typing import Any
 
 from support import wait_until
 
+# The shared cluster's head (tests/backends/conftest.py): a lost node is noticed within about a
+# second (test_ray.py's node death test), not after Ray's default of ~30 s.
+SHARED_HEAD_ARGS: dict[str, Any] = {
+    "_system_config": {"health_check_period_ms": 300, "health_check_failure_threshold": 3}
+}
+
 
 def start_cluster(head_args: dict[str, Any] | None = None, attempts: int = 3) -> Any:
     """A head and a worker node, 2 CPUs each, the head with a dashboard (the state API needs it);
@@ -30,6 +36,25 @@ def start_cluster(head_args: dict[str, Any] | None = None, attempts: int = 3) ->
                 raise
             print(f"the Ray test cluster did not start ({exc}); starting it again")
     raise AssertionError("unreachable")
+
+
+def restore_worker_node(c: Any) -> None:
+    """Give cluster ``c`` one live, schedulable worker node again: a test may have removed it
+    (test_ray.py's node death) or drained it (test_ray_drain.py; Ray stops a drained node once it
+    is idle), and the next module expects a head and a worker node, 2 CPUs each. A worker node
+    that is dead or draining is killed (whatever of it is left) and replaced.
+
+    Raises:
+        TimeoutError: if the new node does not register with the GCS within 120 s.
+    """
+    live = c.global_state._live_node_ids()
+    draining = {str(n) for n in c.global_state.get_draining_nodes()}
+    for node in list(c.worker_nodes):
+        if node.node_id not in live or node.node_id in draining:
+            c.remove_node(node, allow_graceful=False)
+    if not c.worker_nodes:
+        c.add_node(num_cpus=2)
+    c.wait_for_nodes(timeout=120)
 
 
 def leftovers() -> tuple[list, list]:

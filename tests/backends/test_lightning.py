@@ -245,19 +245,9 @@ def test_stateful_loader_resumes_mid_epoch_exactly(tmp_path, tmp_path_factory):
     assert_same_parameters(final, clean["final"])
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A single-node Ray instance with 2 CPUs (started before the leak check's snapshot)."""
-    ray = pytest.importorskip(
-        "ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'"
-    )
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
+# cluster: the backends tier's two-node Ray cluster (tests/backends/conftest.py).
 @pytest.mark.xdist_group("ray")  # one local Ray cluster at a time (pyproject addopts)
-def test_ray_backend_gives_the_same_parameters(tmp_path, tmp_path_factory, ray_local):
+def test_ray_backend_gives_the_same_parameters(tmp_path, tmp_path_factory, cluster):
     clean = _clean(tmp_path_factory)
     result, final, _ = _fit(tmp_path, "ray", backend="ray")
     assert [m["step"] for m in result.metrics_history] == [5, 10]

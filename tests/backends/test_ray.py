@@ -1,8 +1,10 @@
 """The Ray backend on a real two-node Ray cluster started on this machine by the tests.
 
 One cluster (``ray.cluster_utils.Cluster``: a head and a worker node, 2 CPUs each, from
-tests/backends/conftest.py) serves the whole module; it starts before the first test, so its
-processes predate every test's leak check. The exact-resume tests run ``workloads.exact_fn`` and
+tests/backends/conftest.py, shared with the tier's other Ray modules) serves the whole module;
+it starts before the first test, so its processes predate every test's leak check. Its head
+notices a lost node within about a second (``ray_cluster.SHARED_HEAD_ARGS``: the node death
+test). The exact-resume tests run ``workloads.exact_fn`` and
 compare, tensor by tensor, with an uninterrupted run on the *local* backend: the Ray backend must
 give the very same parameters. The module also checks where the rendezvous store listens (issue
 18), on this cluster rather than on one of its own.
@@ -39,12 +41,6 @@ pytestmark = pytest.mark.xdist_group("ray")
 
 EPOCHS = 3  # exact_fn: 30 steps, a report every 4 steps and at each epoch's end: 10 rounds
 _finals: dict[str, dict] = {}
-
-
-# notice a lost node within about a second (test_node_death_...)
-RAY_HEAD_ARGS = {
-    "_system_config": {"health_check_period_ms": 300, "health_check_failure_threshold": 3}
-}
 
 
 def _run_config(tmp_path, name, **kwargs):

@@ -9,9 +9,9 @@ workers' ``sys.path`` for these runs only. The ported fashion-MNIST loop gives, 
 and rank by rank, the very metrics Ray's ``TorchTrainer`` gives running the same installed file
 unchanged on the same data, and the names Ray Train code calls exist with Ray's meaning.
 
-The Ray comparison starts one local Ray instance for the module (before the first test, so its
-processes predate every test's leak check); it is skipped when Ray Train cannot be imported
-(``pip install 'ray[train]'``: Ray Train needs pyarrow).
+The Ray comparison runs on the tier's two-node Ray cluster (tests/backends/conftest.py, started
+before the test, so its processes predate the leak check); it is skipped when Ray Train cannot
+be imported (``pip install 'ray[train]'``: Ray Train needs pyarrow).
 """
 
 from __future__ import annotations
@@ -265,19 +265,21 @@ def make_ray_loop():
 
 
 @pytest.fixture(scope="module")
-def ray_train():
-    """A local Ray instance (4 logical CPUs: 2 workers and Train's controller), or a skip."""
-    ray = pytest.importorskip(
-        "ray", reason="the Ray comparison needs Ray: pip install 'ray[train]'"
-    )
+def ray_train(cluster):
+    """Ray, initialised on the tier's two-node cluster (tests/backends/conftest.py: 4 CPUs, for
+    the 2 workers and Train's controller), or a skip without Ray Train."""
+    import ray
+
     try:
         import ray.train
         import ray.train.torch
     except ImportError as exc:
         pytest.skip(f"Ray Train cannot be imported ({exc}): pip install 'ray[train]'")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
-    ray.shutdown()
+    # Ray Train leaves detached, named actors of its own alive after a run (Ray Data's
+    # AutoscalingCoordinator): the next module on the shared cluster must find none.
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
 
 
 @pytest.mark.timeout(480)

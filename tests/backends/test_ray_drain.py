@@ -7,7 +7,8 @@ The test drains the worker node through the GCS, as the autoscaler does for a sp
 creates a file, the test then drains the node, and every rank waits for the driver's answer, so
 the stop step is the next one however loaded the machine. The run ends ``PREEMPTED`` with the
 checkpoint of the stop step; no step is lost. The draining node is gone after the test (Ray
-stops a drained node once it is idle), so this module starts its own cluster.
+stops a drained node once it is idle): the shared cluster (tests/backends/conftest.py) replaces
+it before the next module.
 """
 
 from __future__ import annotations
