@@ -235,7 +235,7 @@ def warm_pool(start: bool = False) -> Iterator[WarmPool]:
             ``import torch`` (~1-2 s of one core) runs while the driver imports its own modules.
             A driver that is started again and again (a preemptible job resumed after each
             notice, a requeued SLURM job) opens the block before it imports torch and the
-            train function's module, and its workers are forked ~1.5 s sooner on 2 cores
+            train function's module, and its workers are up 1-1.5 s sooner on 2 cores
             (docs/fault-tolerance.md, "Resuming fast"). If the driver then changes its
             environment, ``sys.path`` or cwd before the first fit, that fit starts a fresh
             zygote (as without ``start``). A zygote that cannot start is not an error here:
