@@ -287,18 +287,22 @@ class Injector(threading.Thread):
                 self.injected += 1
 
 
-def _statuses(log: str) -> list[str]:
-    """The statuses the drivers wrote (one line each time fit() returned)."""
+def _status_lines(log: str) -> list[dict]:
+    """The lines the drivers wrote to ``status.jsonl`` (one each time ``fit()`` returned:
+    ``status``, ``imported``, ``fit_end``), in order."""
     with contextlib.suppress(OSError), open(os.path.join(log, "status.jsonl")) as f:
-        return [json.loads(line)["status"] for line in f]
+        return [json.loads(line) for line in f]
     return []
+
+
+def _statuses(log: str) -> list[str]:
+    """The statuses the drivers wrote."""
+    return [line["status"] for line in _status_lines(log)]
 
 
 def _fit_ends(log: str) -> list[float]:
     """When each driver's ``fit()`` returned (Unix seconds), in order."""
-    with contextlib.suppress(OSError), open(os.path.join(log, "status.jsonl")) as f:
-        return [json.loads(line)["fit_end"] for line in f]
-    return []
+    return [line["fit_end"] for line in _status_lines(log)]
 
 
 def _start(spec: dict) -> subprocess.Popen[bytes]:
