@@ -19,6 +19,18 @@ useful time: every mode, and a run with no fault at all, then lost 5-12 % to the
 cadence, and a calibration taken on a slower or faster machine than the mode's run read as
 +-10-20 % of goodput. The median-based figure is still printed, as ``goodput_median``.)
 
+**Goodput paired in time** (``goodput_local``, added 2026-11-25): the calibrations bracket a
+10-minute mode, but this machine's step period moves by 10-30 % within it, so the calibration
+figure is uncertain by that much. ``local_useful`` values each useful step at the steady
+full-world period of the mode's own run **in the same minute** (the steps of that minute that no
+fault touched), so drift cancels; the cost a mode adds to *every* step (an elastic run's
+snapshot) is then divided out by ``snapshot_ratio``, an undisturbed elastic run over a plain
+run, each pair run back to back before and after the mode. ``goodput_local_equal`` also charges
+back what a shrunk group's steps won against full-world steps on this 2-core machine (one worker
+with the whole batch is faster here than two sharing the cores; on a cluster with a device per
+worker it is the reverse). Mode ``none`` (no fault, ``--modes none``) is the control: every
+figure should read ~100 % less start-up and tail.
+
 Every mode also reports its goodput at its own step period: ``N`` x the mean period between
 consecutive full-world steps of that very run (``step_s_here``), and splits its wall time into
 start-up (first driver start -> first step), useful time, faults (detection, re-forming, steps
@@ -55,6 +67,7 @@ Usage::
     python benchmarks/goodput.py --duration 120 --modes restart-kill,elastic-kill
     python benchmarks/goodput.py --json /tmp/goodput.json
     python benchmarks/goodput.py --duration 90 --modes elastic-kill --keep /tmp/gp   # keep logs
+    python benchmarks/goodput.py --duration 120 --modes none,elastic-kill   # with the control
 
 Linux only (``/proc``). Each mode's run directory lives in a temporary directory, removed after
 (``--keep DIR``: in ``DIR/<mode>``, with the workers' logs, for a timeline from ``events.jsonl``).
@@ -82,6 +95,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 MODES = ("restart-kill", "elastic-kill", "restart-preempt", "elastic-preempt")
+CONTROL = "none"  # no fault: the measurement's control (goodput ~100 % less start-up and tail)
 EXIT_FINISHED, EXIT_PREEMPTED, EXIT_OTHER = 0, 3, 1
 
 
@@ -108,6 +122,11 @@ class ModeResult:
     exits_s: float
     calibration_s: tuple[float, float]
     goodput_median: float
+    goodput_local: float
+    goodput_local_equal: float
+    snapshot_ratio: float
+    shrunk_gain_s: float
+    local_periods_s: tuple[float, float]
 
 
 @dataclass
@@ -144,7 +163,7 @@ def _fit(rt: Any, train_fn: Any, spec: dict, imported: float) -> int:
     }
     if "preemption_grace_s" in rt.FailureConfig.__dataclass_fields__:
         failure["preemption_grace_s"] = 30.0
-    elastic = spec["mode"].startswith("elastic")
+    elastic = spec.get("elastic", spec["mode"].startswith("elastic"))
     result = rt.Trainer(
         train_fn,
         rt.ScalingConfig(
@@ -225,6 +244,87 @@ def timeline(
     return Timeline(step_s, startup, tail, restarts, faults, exits)
 
 
+@dataclass
+class LocalUseful:
+    """``local_useful``'s answer (seconds): ``useful_s`` the useful step time; ``shrunk_gain_s``
+    what the steps of a smaller world size saved against the full world's period at the same
+    time (negative: they cost more); ``periods_s`` each time bin's steady period."""
+
+    useful_s: float
+    shrunk_gain_s: float
+    periods_s: list[float]
+
+
+def local_useful(
+    steps: list[dict], useful_steps: int, world: int = 2, bin_s: float = 60.0, warmup: int = 20
+) -> LocalUseful:
+    """Useful step time measured against the run's own undisturbed steps *at the same time*, so
+    that a machine whose speed drifts over minutes is paired with itself.
+
+    The run's steady steps: the periods between consecutive rank-0 steps of one process at the
+    full world size ``world`` (same pid and world, step + 1), less the first ``warmup`` steps
+    after each start, re-form or grow (a group's first steps are slower: allocator, caches;
+    those costs are the fault's, so they stay lost time). They are binned by time (``bin_s``
+    seconds from the first step); a bin's period is their mean, so the periodic checkpoints
+    inside it count as useful, as in an undisturbed run. Each useful step ``s`` in
+    ``1..useful_steps`` is then worth the period of the bin holding its **last** execution (the
+    one that stayed; earlier executions are recomputation, lost); a bin without steady steps
+    (all of it spent in a fault or at a smaller world size) borrows its nearest bin's period.
+
+    A smaller group's steps (an elastic run shrunk after a fault) are worth the full world's
+    period like any other; ``shrunk_gain_s`` says how much faster (or slower) they ran, since
+    on this 2-core machine one worker training the whole global batch beats two sharing the
+    cores (25 vs 35 ms a step), which a cluster with a device per worker would not see.
+
+    Limits: a slowdown that lasts for minutes and is caused by the mode itself (e.g. an elastic
+    run's per-step snapshot) counts as useful here; ``run_mode`` divides it out with a paired
+    ratio (``Calibration``, elastic modes) and reports the calibration-based figure beside it.
+
+    Raises ``ValueError`` if the log holds no steady step or misses a useful step."""
+    rank0 = [s for s in steps if s.get("rank", 0) == 0]
+    if not rank0:
+        raise ValueError("no step of rank 0 in the log")
+    t0 = min(s["time"] for s in steps)
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    run = 0
+    for a, b in itertools.pairwise(rank0):
+        steady = a["world"] == b["world"] == world and a["pid"] == b["pid"]
+        if not (steady and b["step"] == a["step"] + 1):
+            run = 0
+            continue
+        run += 1
+        if run <= warmup:
+            continue
+        k = int((b["time"] - t0) // bin_s)
+        sums[k] = sums.get(k, 0.0) + (b["time"] - a["time"])
+        counts[k] = counts.get(k, 0) + 1
+    if not counts:
+        raise ValueError(f"no steady step at world size {world} in the log")
+    period = {k: sums[k] / counts[k] for k in counts}
+    last: dict[int, float] = {}
+    for s in steps:
+        if s["time"] > last.get(s["step"], -1.0):
+            last[s["step"]] = s["time"]
+    missing = [s for s in range(1, useful_steps + 1) if s not in last]
+    if missing:
+        raise ValueError(f"{len(missing)} useful steps never logged (first: {missing[0]})")
+    known = sorted(period)
+
+    def at(t: float) -> float:
+        k = int((t - t0) // bin_s)
+        return period[k] if k in period else period[min(known, key=lambda j: (abs(j - k), j))]
+
+    useful = sum(at(last[s]) for s in range(1, useful_steps + 1))
+    # Time a smaller group won (or lost) against a full one, step for step, inside a stretch.
+    shrunk = sum(
+        at(b["time"]) - (b["time"] - a["time"])
+        for a, b in itertools.pairwise(rank0)
+        if a["pid"] == b["pid"] and a["world"] == b["world"] < world and b["step"] == a["step"] + 1
+    )
+    return LocalUseful(useful, shrunk, [period[k] for k in known])
+
+
 def _read_steps(steps_log: str) -> list[dict]:
     """The workers' step lines (``_goodput_worker``), in the order written."""
     with open(steps_log) as f:
@@ -272,6 +372,8 @@ class Injector(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(self.every_s):
+            if self.kind == "none":
+                continue
             if self.kind == "preempt-driver":
                 if self.driver_pid is not None and _alive(self.driver_pid):
                     os.kill(self.driver_pid, signal.SIGTERM)
@@ -339,8 +441,13 @@ def run_mode(
             "elastic-kill": "kill",
             "restart-preempt": "preempt-driver",
             "elastic-preempt": "preempt-worker",
+            CONTROL: "none",
         }[mode]
         every = args.kill_every if kind == "kill" else args.preempt_every
+        elastic = mode.startswith("elastic")
+        # An elastic mode's step carries its snapshot: an undisturbed elastic run right after
+        # the plain calibration (and right before the plain one after the mode) pairs the two.
+        elastic_before = calibrate(args, elastic=True) if elastic else None
         injector = Injector(kind, every, log, args.seed)
         start, first = time.monotonic(), time.time()
         injector.start()
@@ -373,7 +480,14 @@ def run_mode(
         where = timeline(
             os.path.join(log, "steps.jsonl"), (first, last), drivers, _fit_ends(log), steps
         )
+        local = local_useful(_read_steps(os.path.join(log, "steps.jsonl")), steps)
+    elastic_after = calibrate(args, elastic=True) if elastic else None
     after = calibrate(args)
+    ratio = 1.0
+    if elastic_before is not None and elastic_after is not None:
+        ratio = (
+            elastic_before.period_s / before.period_s + elastic_after.period_s / after.period_s
+        ) / 2
     useful = steps * (before.period_s + after.period_s) / 2
     useful_median = steps * (before.median_s + after.median_s) / 2
     result = ModeResult(
@@ -396,17 +510,26 @@ def run_mode(
         exits_s=round(where.exits_s, 2),
         calibration_s=(round(before.period_s, 5), round(after.period_s, 5)),
         goodput_median=round(useful_median / wall, 4),
+        goodput_local=round(local.useful_s / ratio / wall, 4),
+        goodput_local_equal=round(local.useful_s / ratio / (wall + local.shrunk_gain_s), 4),
+        snapshot_ratio=round(ratio, 4),
+        shrunk_gain_s=round(local.shrunk_gain_s, 2),
+        local_periods_s=(round(min(local.periods_s), 5), round(max(local.periods_s), 5)),
     )
     return result, after
 
 
-def calibrate(args: argparse.Namespace) -> Calibration:
-    """An undisturbed run of ``--calibration-steps`` (same workload and checkpoint cadence)."""
+def calibrate(args: argparse.Namespace, elastic: bool = False) -> Calibration:
+    """An undisturbed run of ``--calibration-steps`` (same workload and checkpoint cadence);
+    ``elastic``: as the elastic modes run it (``num_workers=(1, 2)``, a snapshot every
+    ``--snapshot-interval`` steps), at world size 2 throughout."""
     with tempfile.TemporaryDirectory(prefix="rt_goodput_cal_") as tmp:
         log = os.path.join(tmp, "log")
         os.mkdir(log)
         spec = {
             "mode": "calibration",
+            "elastic": elastic,
+            "snapshot_interval": args.snapshot_interval,
             "storage": os.path.join(tmp, "runs"),
             "config": {
                 "steps": args.calibration_steps,
@@ -460,9 +583,9 @@ def main(argv: list[str]) -> int:
     if args.child:
         return child(json.loads(args.child))
     modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
+    unknown = sorted(set(modes) - {*MODES, CONTROL})
     if unknown:
-        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join((*MODES, CONTROL))}")
     first = calibrate(args)
     steps = max(1, int(args.duration / first.period_s))
     print(
@@ -494,6 +617,14 @@ def main(argv: list[str]) -> int:
             f"{r.goodput_here * 100:5.1f} %; wall = start-up {r.startup_s:.1f} s + useful "
             f"{r.steps * r.step_s_here:.1f} s + faults {r.faults_s:.1f} s + resumes "
             f"{r.restarts_s:.1f} s + exits {r.exits_s:.1f} s + tail {r.tail_s:.1f} s",
+            flush=True,
+        )
+        lo, hi = (p * 1000 for p in r.local_periods_s)
+        print(
+            f"{'':16s} goodput paired in time {r.goodput_local * 100:5.1f} % (each step at its "
+            f"minute's steady period, {lo:.1f}-{hi:.1f} ms; / snapshot ratio "
+            f"{r.snapshot_ratio:.3f}); at equal step cost for a smaller world "
+            f"{r.goodput_local_equal * 100:5.1f} % (it won {r.shrunk_gain_s:.1f} s)",
             flush=True,
         )
     if args.json:
