@@ -39,3 +39,20 @@ def probe_fn(config):
     # No rank leaves before every rank's gloo mesh is up (a rank that exited while another was
     # still connecting made that one fail with "Connection closed by peer").
     torch.distributed.barrier()
+
+
+def preload_fn(config):
+    """Write, before importing it, whether ``preload_probe`` was in this worker's modules and
+    which process imported it, to ``{out}/{tag}.rank{R}.json``:
+    ``{"pid", "ppid", "probe_imported_in"}`` (``None``: not imported before the train function)."""
+    ctx = rt.get_context()
+    probe = sys.modules.get("preload_probe")
+    record = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "probe_imported_in": getattr(probe, "IMPORTED_IN", None),
+    }
+    with open(os.path.join(config["out"], f"{config['tag']}.rank{ctx.world_rank}.json"), "w") as f:
+        json.dump(record, f)
+    rt.report({"rank": ctx.world_rank})
+    torch.distributed.barrier()

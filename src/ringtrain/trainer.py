@@ -25,7 +25,7 @@ from ringtrain.driver_signals import (
 from ringtrain.env import detect_source
 from ringtrain.launch.backends import backend_for
 from ringtrain.launch.base import Launcher, NoticeProvider, WorkerSpec
-from ringtrain.launch.pool import ColdStartReporter
+from ringtrain.launch.pool import ColdStartReporter, with_auto_preload
 from ringtrain.monitor.progress import make_progress
 from ringtrain.monitor.sinks import default_sinks
 from ringtrain.monitor.straggler import StragglerDetector
@@ -192,7 +192,7 @@ class Trainer:
             result = run_workers(
                 name=name,
                 entrypoint=entrypoint,
-                scaling_config=self.scaling_config,
+                scaling_config=with_auto_preload(self.scaling_config, self.train_fn),
                 run_config=self.run_config,
                 payload=payload,
                 train_loop_config=self.train_loop_config,
@@ -398,6 +398,7 @@ def run_workers(
                 env=dict(extra_env or {}),
                 checkpoint_files=checkpoints.resume_files if latest is not None else None,
                 config=worker_config,
+                preload=scaling_config.preload_modules,
             )
 
         # TensorBoard and CSV logs: driver-side callbacks, ahead of the user's.

@@ -229,6 +229,10 @@ def test_killed_worker_resumes_from_the_epoch_checkpoint_exactly(tmp_path, tmp_p
     assert entries[1]["ckpt_path"].endswith("checkpoint_000000/lightning.ckpt")
     assert_same_parameters(final, clean["final"])  # dropout too: the RNG states were restored
     assert result.metrics["step"] == 10
+    # Both attempts forked their workers with Lightning imported in the zygote once: the train
+    # function's module uses it (ringtrain.launch.pool.AUTO_PRELOAD).
+    config = json.loads((tmp_path / "runs" / "killed" / "config.json").read_text())
+    assert config["scaling_config"]["preload_modules"] == ["lightning.pytorch"]
 
 
 def test_stateful_loader_resumes_mid_epoch_exactly(tmp_path, tmp_path_factory):

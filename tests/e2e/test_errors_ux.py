@@ -182,6 +182,11 @@ def test_cli_usage_errors_are_one_line_naming_the_flag(tmp_path):
                       env={"RINGTRAIN_DEBUG": "1"})  # fmt: skip
     assert "Traceback (most recent call last)" in debug.stderr, debug.stderr
 
+    proc = ringtrain("run", "--preload", "no_such_module_rt", "train.py", cwd=tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--preload" in proc.stderr and "ScalingConfig" not in proc.stderr, proc.stderr
+    assert "no module named 'no_such_module_rt'" in proc.stderr, proc.stderr
+
     if not _has_cuda():
         proc = ringtrain("run", "--gpu", "-n", "2", "train.py", cwd=tmp_path)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1

@@ -242,3 +242,54 @@ def test_a_block_opened_with_start_has_its_zygote_up_before_the_first_fit(tmp_pa
     assert block.zygote_pid is None
     assert wait_until(lambda: not pid_alive(early), timeout_s=30)
     assert wait_until(lambda: not (child_pids() - before), timeout_s=30)
+
+
+def _preload_fit(tmp_path, tag, workers, **scaling):
+    """A ``pool_workloads.preload_fn`` run; its result and the ranks' records, by rank."""
+    out = tmp_path / "preload"
+    out.mkdir(exist_ok=True)
+    s, r = job_configs(workers, tag, str(tmp_path / "runs"), scaling)
+    config = {"out": str(out), "tag": tag}
+    result = rt.Trainer(pool_workloads.preload_fn, s, r, train_loop_config=config).fit()
+    assert result.status == "FINISHED", result.error
+    return result, [json.loads((out / f"{tag}.rank{k}.json").read_text()) for k in range(workers)]
+
+
+@pytest.mark.own_pool  # a run's own pool, then a block: not the session's
+@pytest.mark.timeout(300)
+def test_preloaded_modules_are_imported_once_in_the_zygote_for_every_worker(tmp_path, capfd):
+    assert "preload_probe" not in sys.modules  # nothing in the driver imports it
+    # A run's own pool imports them when it starts; a module that fails there is left to the
+    # workers (said once), the others are imported all the same.
+    preload = ("preload_broken_probe", "preload_probe")
+    _, records = _preload_fit(tmp_path, "own", 3, preload_modules=preload)
+    (zygote,) = {r["ppid"] for r in records}
+    assert zygote != os.getpid()  # forked from the zygote, not started cold
+    assert [r["probe_imported_in"] for r in records] == [zygote] * 3, records
+    err = capfd.readouterr().err
+    assert err.count("could not preload preload_broken_probe") == 1, err
+    assert "starting workers cold" not in err
+    config = json.loads((tmp_path / "runs" / "own" / "config.json").read_text())
+    assert config["scaling_config"]["preload_modules"] == list(preload)
+    # A block's zygote, already up, imports them at the first request that names them.
+    with rt.warm_pool(start=True) as block:
+        _, plain = _preload_fit(tmp_path, "plain", 2)
+        assert [r["probe_imported_in"] for r in plain] == [None, None], plain
+        _, named = _preload_fit(tmp_path, "named", 2, preload_modules=("preload_probe",))
+        assert {r["ppid"] for r in plain + named} == {block.zygote_pid}
+        assert [r["probe_imported_in"] for r in named] == [block.zygote_pid] * 2, named
+        assert block.started == 1
+    assert "preload_probe" not in sys.modules
+
+
+@pytest.mark.own_pool  # the run's own pool, which the module taints
+@pytest.mark.timeout(300)
+def test_a_preloaded_module_that_starts_a_thread_leaves_the_workers_to_start_cold(tmp_path):
+    _, records = _preload_fit(tmp_path, "thread", 2, preload_modules=("preload_thread_probe",))
+    # The zygote did not fork with a thread running: the workers are the driver's children.
+    assert {r["ppid"] for r in records} == {os.getpid()}, records
+    lines = (tmp_path / "runs" / "thread" / "events.jsonl").read_text().splitlines()
+    cold = [e for e in map(json.loads, lines) if e["type"] == "cold_start"]
+    assert len(cold) == 1 and "thread" in cold[0]["reason"], cold
+    assert "preload_modules" in cold[0]["reason"]
+    assert "preload_thread_probe" not in sys.modules

@@ -23,6 +23,14 @@ def test_defaults_are_valid():
         ({"resources_per_worker": {"TPU": 1}}, ValueError, ["TPU", "'CPU'"]),
         ({"resources_per_worker": {"CPU": 0}}, ValueError, ["positive"]),
         ({"resources_per_worker": {"GPU": 2}, "use_gpu": True}, ValueError, ["exactly one GPU"]),
+        ({"preload_modules": "numpy"}, TypeError, ["preload_modules", "tuple of module names"]),
+        ({"preload_modules": ("a-b",)}, ValueError, ["preload_modules", "'a-b'", "not a module"]),
+        ({"preload_modules": (1,)}, ValueError, ["preload_modules", "1 is not a module"]),
+        (
+            {"preload_modules": ("no_such_module_rt.sub",)},
+            ValueError,
+            ["preload_modules", "no module named 'no_such_module_rt'", "install it"],
+        ),
     ],
 )
 def test_scaling_config_rejects_bad_values(kwargs, error, words):
@@ -104,3 +112,9 @@ def test_use_gpu_without_enough_gpus_fails_before_any_process(tmp_path):
     with pytest.raises(ValueError, match="needs 64 CUDA devices"):
         trainer.fit()
     assert not (tmp_path / "gpu").exists()
+
+
+def test_preload_modules_come_back_as_a_tuple_from_json():
+    s = rt.ScalingConfig(preload_modules=["json", "email.mime"])  # type: ignore[arg-type]
+    assert s.preload_modules == ("json", "email.mime")
+    assert rt.ScalingConfig().preload_modules == ()

@@ -57,6 +57,7 @@ _FLAGS: tuple[tuple[str, str], ...] = (
     (r"ScalingConfig\(use_gpu=True, num_workers=(\d+)\)", r"--gpu with -n \1"),
     (r"ScalingConfig\.num_workers|num_workers=", "-n/--num-workers "),
     (r"ScalingConfig\.resources_per_worker\S*", "--threads"),
+    (r"ScalingConfig\.preload_modules", "--preload"),
     (r"FailureConfig\.max_failures", "--max-failures"),
     (r"FailureConfig\.worker_timeout_s", "--worker-timeout"),
     (r"CheckpointConfig\.num_to_keep", "--num-to-keep"),

@@ -150,6 +150,13 @@ def add_run_parser(sub: Any) -> None:
         "--threads", type=positive_int, help="torch threads per worker (default: cores / N)"
     )
     run.add_argument(
+        "--preload",
+        action="append",
+        metavar="MODULE",
+        help="a module the warm pool imports once before forking the workers, so each worker "
+        "and each restart skips its import (repeatable; e.g. --preload lightning.pytorch)",
+    )
+    run.add_argument(
         "--max-failures",
         type=int,
         default=None,
@@ -292,6 +299,8 @@ def _configs(args: argparse.Namespace, saved: SavedRun | None) -> tuple[ScalingC
         scaling = _with_backend(scaling, args)
         if args.parallel is not None:
             scaling = dataclasses.replace(scaling, parallel=args.parallel)
+        if args.preload:
+            scaling = dataclasses.replace(scaling, preload_modules=tuple(args.preload))
         if args.max_failures is not None:
             failure = dataclasses.replace(failure, max_failures=args.max_failures)
         if args.worker_timeout is not None:

@@ -223,7 +223,10 @@ class LocalBackend:
         starts the run's warm worker pool now, so its imports overlap the driver's set-up."""
         from ringtrain.launch.local import LocalLauncher  # config imports this module
 
-        return LocalLauncher(warm_start=self.scaling.warm_start)
+        return LocalLauncher(
+            warm_start=self.scaling.warm_start,
+            preload=self.scaling.preload_modules,
+        )
 
     def capacity(self) -> Capacity:
         """This machine's cores (its CPU affinity) and CUDA devices."""

@@ -43,6 +43,8 @@ class WorkerSpec:
             ``CUDA_VISIBLE_DEVICES``); configuration goes into ``config``.
         config: the run's :class:`~ringtrain.worker_config.WorkerConfig`; each worker's
             ``Start`` carries :meth:`start_config`.
+        preload: modules a warm pool's zygote imports before forking these workers
+            (``ScalingConfig.preload_modules``; local launcher only).
     """
 
     world_size: int
@@ -58,6 +60,7 @@ class WorkerSpec:
     env: dict[str, str] = field(default_factory=dict)
     checkpoint_files: dict[str, dict[str, Any]] | None = None
     config: WorkerConfig = field(default_factory=WorkerConfig)
+    preload: tuple[str, ...] = ()
 
     @property
     def elastic(self) -> bool:

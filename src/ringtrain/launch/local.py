@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import IO, Any, Protocol
 
@@ -67,13 +67,21 @@ class LocalLauncher:
             :mod:`ringtrain.launch.shared_pool`), and :meth:`close` gives it back. False: a
             fresh interpreter per worker.
         pool: a pool to use instead (a sweep's, shared by its trials; the caller closes it).
+        preload: modules the launcher's own pool imports when it starts
+            (``ScalingConfig.preload_modules``), overlapping the driver's
+            set-up; every spawn request also names the spec's (``WorkerSpec.preload``), which a
+            shared or given pool imports at its first request.
 
     Raises:
         OSError: never for the pool: if the zygote cannot start, workers start cold.
     """
 
     def __init__(
-        self, forward_output: bool = True, warm_start: bool = False, pool: WorkerPool | None = None
+        self,
+        forward_output: bool = True,
+        warm_start: bool = False,
+        pool: WorkerPool | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         self.forward_output = forward_output
         self._own_pool = pool is None and warm_start
@@ -86,7 +94,7 @@ class LocalLauncher:
             self._own_pool = False
         if self._own_pool or self._shared is not None:
             try:
-                self.pool = self._shared.acquire() if self._shared else WorkerPool()
+                self.pool = self._shared.acquire() if self._shared else WorkerPool(modules=preload)
             except OSError as exc:
                 self._cold(f"the warm worker pool could not start ({exc})", key=0)
 
@@ -236,7 +244,12 @@ class LocalWorkerGroup(ChannelGroup):
         pool = self._pool
         if pool is not None:
             try:
-                return pool.spawn(self._args, env, capture_output=self._forward_output)
+                return pool.spawn(
+                    self._args,
+                    env,
+                    capture_output=self._forward_output,
+                    preload=self.spec.preload,
+                )
             except PoolUnavailable as exc:
                 self._pool = None
                 self._on_cold(str(exc), id(pool))

@@ -2,17 +2,18 @@
 
 The zygote (:mod:`ringtrain.launch.zygote`) is ``python -m ringtrain.launch.zygote FD`` started
 with a clean interpreter. It imports torch, ``torch.distributed``, ``torch.nn.parallel`` and
-ringtrain's worker modules once, runs no torch op and starts no thread, then forks a worker for
-each request. The child does what
+ringtrain's worker modules once (and the run's preloaded modules: ``ScalingConfig.preload_modules``,
+``lightning.pytorch`` when the driver imported it), runs no torch op and starts no thread, then
+forks a worker for each request. The child does what
 ``python -m ringtrain.launch.worker`` does (same environment, cwd, argv; stdout/stderr are the
 pipe ends the driver passed with ``SCM_RIGHTS``; its own session; ``PR_SET_PDEATHSIG`` by the
 worker bootstrap), so a worker skips ~1.7 CPU-s of ``import torch``.
 
 Control channel: one ``socketpair`` inherited by the zygote (no listener: no other process can
-reach it). Messages are JSON lines, never pickles. Driver -> zygote: ``{"argv", "env", "cwd"}``
-with two file descriptors (stdout, stderr). Zygote -> driver: ``{"pid": N}`` (the reply) and
-``{"exit": N, "code": C}`` (a child ended; its process group was SIGKILLed before the child was
-reaped, so the group number cannot have been reused).
+reach it). Messages are JSON lines, never pickles. Driver -> zygote: ``{"argv", "env", "cwd",
+"preload"}`` with two file descriptors (stdout, stderr). Zygote -> driver: ``{"pid": N}`` (the
+reply; ``N`` < 0: it did not fork) and ``{"exit": N, "code": C}`` (a child ended; its process
+group was SIGKILLed before the child was reaped, so the group number cannot have been reused).
 
 Python's ``multiprocessing`` forkserver is not used: it re-imports the user's ``__main__`` and is a
 process-wide singleton that outlives the run.
@@ -21,6 +22,7 @@ process-wide singleton that outlives the run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -30,13 +32,55 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
-from typing import IO, Protocol, runtime_checkable
+from types import ModuleType, TracebackType
+from typing import IO, Protocol, TypeVar, runtime_checkable
 
 from ringtrain.launch.reaper import Reaper
 
 _MAX_MSG = 1 << 20
 _START_TIMEOUT_S = 120.0
+# Imported by the zygote for a train function that uses them (a global of its module names
+# one of the packages listed): the Lightning bridge's train functions import Lightning in every
+# worker, ~3 CPU-seconds per worker start on 2 cores.
+AUTO_PRELOAD: dict[str, tuple[str, ...]] = {
+    "lightning.pytorch": ("lightning", "ringtrain.integrations.lightning"),
+}
+_TAINTED = -2  # the zygote's answer once a thread runs in it (it no longer forks)
+
+_Config = TypeVar("_Config")
+
+
+def with_auto_preload(scaling: _Config, train_fn: object) -> _Config:
+    """``scaling`` (a :class:`~ringtrain.config.ScalingConfig`) with each module of
+    :data:`AUTO_PRELOAD` that ``train_fn`` uses added to its ``preload_modules`` (after the
+    user's), when this driver has imported it: a train function uses a package when a global
+    of its module is that package, one of its modules, or an object defined in one. The run's
+    ``config.json`` then names them, and ``--resume`` keeps them."""
+    requested = tuple(getattr(scaling, "preload_modules", ()))
+    used = _packages_used(train_fn)
+    auto = [
+        module
+        for module, packages in AUTO_PRELOAD.items()
+        if module in sys.modules and module not in requested and used & set(packages)
+    ]
+    if not auto:
+        return scaling
+    return dataclasses.replace(scaling, preload_modules=(*requested, *auto))  # type: ignore[type-var]
+
+
+def _packages_used(train_fn: object) -> set[str]:
+    """Every dotted prefix of the modules ``train_fn``'s globals are, or were defined in."""
+    names: set[str] = set()
+    for value in getattr(train_fn, "__globals__", {}).values():
+        try:  # a global's __getattr__ may raise anything
+            module = isinstance(value, ModuleType)
+            name = value.__name__ if module else getattr(value, "__module__", None)
+        except Exception:
+            continue
+        if isinstance(name, str):
+            parts = name.split(".")
+            names.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+    return names
 
 
 class PoolUnavailable(OSError):
@@ -102,12 +146,14 @@ class WorkerPool:
 
     Args:
         preload: import torch etc. in the zygote (False: ringtrain modules only; for tests).
+        modules: more modules it imports when it starts (``ScalingConfig.preload_modules``);
+            a request may name more (:meth:`spawn`'s ``preload``).
 
     Raises:
         OSError: if the zygote process cannot be started.
     """
 
-    def __init__(self, preload: bool = True) -> None:
+    def __init__(self, preload: bool = True, modules: Sequence[str] = ()) -> None:
         self._lock = threading.Lock()  # one spawn request at a time
         self._procs: dict[int, PooledProcess] = {}
         self._replies: list[int] = []
@@ -128,6 +174,7 @@ class WorkerPool:
         cmd = [sys.executable, "-m", "ringtrain.launch.zygote", str(theirs.fileno())]
         if not preload:
             cmd.append("--no-preload")
+        cmd += [f"--import={name}" for name in modules]
         try:
             self._proc = subprocess.Popen(
                 cmd,
@@ -171,6 +218,7 @@ class WorkerPool:
         env: Mapping[str, str],
         cwd: str | None = None,
         capture_output: bool = True,
+        preload: Sequence[str] = (),
     ) -> PooledProcess:
         """Fork a worker running ``python -m ringtrain.launch.worker ARGV`` in ``env``.
 
@@ -179,9 +227,12 @@ class WorkerPool:
             env: the worker's whole environment.
             cwd: its working directory (default: the driver's).
             capture_output: give it stdout/stderr pipes (else it writes to the driver's).
+            preload: modules the zygote imports first, unless it tried them already (it
+                answers at once for those: a shared pool serves fits with different lists).
 
         Raises:
-            PoolUnavailable: if the zygote is gone or does not answer.
+            PoolUnavailable: if the zygote is gone or does not answer, or cannot fork (a
+                module it imported started a thread: every later request is refused too).
         """
         if capture_output:
             out_r, out_w = os.pipe()
@@ -193,6 +244,7 @@ class WorkerPool:
             "argv": list(argv),
             "env": dict(env),
             "cwd": cwd or os.getcwd(),
+            "preload": list(preload),
         }
         try:
             pid = self._request(request, [out_w, err_w])
@@ -240,7 +292,16 @@ class WorkerPool:
                     raise
                 pid = self._replies.pop(0)
         if pid <= 0:
-            raise PoolUnavailable("the worker pool's zygote could not fork")
+            raise PoolUnavailable(
+                "the worker pool's zygote could not fork"
+                + (
+                    " (a thread was running in it, or CUDA was initialised, after it imported "
+                    "the preloaded modules: drop the module that does it from "
+                    "ScalingConfig.preload_modules)"
+                    if pid == _TAINTED
+                    else ""
+                )
+            )
         return pid
 
     def _read(self) -> None:

@@ -1,4 +1,4 @@
-"""The warm pool's zygote: ``python -m ringtrain.launch.zygote FD [--no-preload]``.
+"""The warm pool's zygote: ``python -m ringtrain.launch.zygote FD [--no-preload] [--import=M]...``.
 
 Started by :class:`ringtrain.launch.pool.WorkerPool` (the protocol is described there). It
 imports what a worker's first DDP step needs, then serves fork requests on the inherited socket
@@ -38,6 +38,32 @@ def _preload() -> None:
     # exits here and the launcher starts the workers cold instead.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         raise SystemExit("ringtrain zygote: CUDA was initialised while preloading; cannot fork")
+
+
+_TAINTED = -2  # the answer once a thread runs here (launch/pool.py's _TAINTED)
+
+
+def _import_more(names: list[str], tried: set[str]) -> bool:
+    """Import each module of ``names`` not tried before (a run's preloaded modules). One that
+    fails is left to the worker, which raises its own error if it imports it. Returns False if
+    a Python thread now runs in this process (forking would copy its locks held) or CUDA was
+    initialised (a forked child could not use it): the zygote then stops forking and the
+    driver starts its workers cold."""
+    import importlib
+    import threading
+
+    new = [name for name in dict.fromkeys(names) if name not in tried]
+    if not new:
+        return True  # called only while forking: nothing changed
+    for name in new:
+        tried.add(name)
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the worker's own import shows the error, with its rank
+            print(f"ringtrain zygote: could not preload {name}: {exc!r}", file=sys.stderr)
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    return threading.active_count() == 1 and not cuda
 
 
 def _child(sock: socket.socket, request: dict[str, object], fds: list[int], ready: int) -> None:
@@ -100,7 +126,10 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             sock.sendall(json.dumps({"exit": info.si_pid, "code": code}).encode() + b"\n")
 
 
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, tried: set[str], forking: bool) -> None:
+    """Answer fork requests until the driver closes the channel. ``tried``: the modules
+    imported (or tried) so far; ``forking``: False once a thread runs here (answer ``_TAINTED``).
+    """
     buf = b""
     children: set[int] = set()
     pending: list[int] = []  # the descriptors of the request being read
@@ -116,17 +145,11 @@ def _serve(sock: socket.socket) -> None:
         pending += fds
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            ready_r, ready_w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(ready_r)
-                _child(sock, json.loads(line), pending[:2], ready_w)
-            os.close(ready_w)
-            # Reply once the child has its own session: a killpg(pid) right after spawn (stopping
-            # a group that just started) then reaches it (EOF if the child died first).
-            os.read(ready_r, 1)
-            os.close(ready_r)
-            children.add(pid)
+            request = json.loads(line)
+            preload = request.get("preload") or []
+            if forking and isinstance(preload, list):
+                forking = _import_more([str(name) for name in preload], tried)
+            pid = _fork(sock, request, pending[:2], children) if forking else _TAINTED
             for fd in pending[:2]:
                 os.close(fd)
             pending = pending[2:]
@@ -139,6 +162,24 @@ def _serve(sock: socket.socket) -> None:
             os.waitpid(-1, 0)
         except ChildProcessError:
             break
+
+
+def _fork(
+    sock: socket.socket, request: dict[str, object], fds: list[int], children: set[int]
+) -> int:
+    """Fork the worker of ``request``; its pid once it leads its own session."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        _child(sock, request, fds, ready_w)
+    os.close(ready_w)
+    # Reply once the child has its own session: a killpg(pid) right after spawn (stopping a
+    # group that just started) then reaches it (EOF if the child died first).
+    os.read(ready_r, 1)
+    os.close(ready_r)
+    children.add(pid)
+    return pid
 
 
 _driver = 0  # the driver's pid (this zygote's parent), for the children's signal watch
@@ -156,7 +197,9 @@ def _main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if "--no-preload" not in argv:
         _preload()
-    _serve(sock)
+    tried: set[str] = set()
+    more = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--import=")]
+    _serve(sock, tried, _import_more(more, tried))
     # Every child is reaped and nothing is buffered: leave without the interpreter's
     # finalisation, which with torch loaded took 3-6 s on a loaded 2-core machine, all of it
     # added to the end of every run (the driver waits for the zygote in WorkerPool.close).

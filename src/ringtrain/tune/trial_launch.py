@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.launch.backends import backend_for
+from ringtrain.launch.pool import with_auto_preload
 from ringtrain.rundir import RunDirectory
 from ringtrain.tune.trials import TrialRun
 
@@ -66,7 +67,7 @@ def launch_trial(
     """
     from ringtrain.trainer import _pickle_payload, run_workers
 
-    scaling = trial_scaling(scaling_config)
+    scaling = with_auto_preload(trial_scaling(scaling_config), train_fn)
     extra_env = backend_for(scaling).trial_env(trial.gpus)
     trial_run_config = dataclasses.replace(
         run_config,
