@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -163,14 +164,18 @@ def child(spec: dict) -> int:
 
     As a preemptible job's driver should (docs/fault-tolerance.md, "Resuming fast"), it opens
     ``rt.warm_pool(start=True)`` before it imports torch and the train function's module, so the
-    zygote's ``import torch`` overlaps the driver's own (``--no-early-pool``: at ``fit()``)."""
+    zygote's ``import torch`` overlaps the driver's own (``--no-early-pool``: at ``fit()``), and
+    it freezes the garbage collector before it exits (``--slow-exit``: not)."""
     import ringtrain as rt  # no torch yet
 
     with rt.warm_pool(start=spec.get("early_pool", True)):
         import _goodput_worker
 
         imported = time.time()
-        return _fit(rt, _goodput_worker.train_fn, spec, imported)
+        code = _fit(rt, _goodput_worker.train_fn, spec, imported)
+    if not spec.get("slow_exit", False):
+        gc.freeze()  # the interpreter's shutdown then skips torch's objects (the docs' advice)
+    return code
 
 
 def _fit(rt: Any, train_fn: Any, spec: dict, imported: float) -> int:
@@ -450,6 +455,7 @@ def run_mode(
             "mode": mode,
             "snapshot_interval": args.snapshot_interval,
             "early_pool": not args.no_early_pool,
+            "slow_exit": args.slow_exit,
             "storage": os.path.join(tmp, "runs"),
             "config": {"steps": steps, "every": args.every, "batch": 64, "log": log},
         }
@@ -585,6 +591,11 @@ def main(argv: list[str]) -> int:
         "--no-early-pool",
         action="store_true",
         help="start each driver's warm pool at fit() instead of before its imports",
+    )
+    parser.add_argument(
+        "--slow-exit",
+        action="store_true",
+        help="let each driver's interpreter collect torch's objects at exit (no gc.freeze())",
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--calibration-steps", type=int, default=300)
