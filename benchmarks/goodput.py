@@ -229,20 +229,19 @@ class Timeline:
 
 
 def timeline(
-    steps_log: str,
+    steps: list[dict],
     wall: tuple[float, float],
     drivers: list[tuple[float, float]],
     fit_ends: list[float],
     useful_steps: int,
 ) -> Timeline:
-    """``steps_log``: the workers' ``steps.jsonl``; ``wall``: (first driver start, last exit),
-    Unix seconds; ``drivers``: each driver's (start, exit); ``fit_ends``: when each driver's
-    ``fit()`` returned; ``useful_steps``: N.
+    """``steps``: the workers' ``steps.jsonl`` lines (``_read_steps``); ``wall``: (first
+    driver start, last exit), Unix seconds; ``drivers``: each driver's (start, exit);
+    ``fit_ends``: when each driver's ``fit()`` returned; ``useful_steps``: N.
 
     ``step_s_here`` is the mean step period at the full world size in this very run (between
     two consecutive steps of one world-2 stretch, checkpoints included), so a machine whose
     load changed since the calibration does not read as lost (or won) goodput."""
-    steps = _read_steps(steps_log)
     times = sorted(s["time"] for s in steps)
     rank0 = [s for s in steps if s.get("rank", 0) == 0]
     periods = [
@@ -494,16 +493,15 @@ def run_mode(
         last = time.time()
         injector.done.set()
         injector.join()
-        executed = executed_steps(_read_steps(os.path.join(log, "steps.jsonl")))
+        lines = _read_steps(os.path.join(log, "steps.jsonl"))  # read once, used thrice
+        executed = executed_steps(lines)
         statuses = _statuses(log)
         if code != EXIT_FINISHED:
             with open(os.path.join(log, "driver.err"), errors="replace") as f:
                 sys.stderr.write(f.read()[-4000:])
             raise SystemExit(f"{mode}: the run did not finish (exit {code}, statuses {statuses})")
-        where = timeline(
-            os.path.join(log, "steps.jsonl"), (first, last), drivers, _fit_ends(log), steps
-        )
-        local = local_useful(_read_steps(os.path.join(log, "steps.jsonl")), steps)
+        where = timeline(lines, (first, last), drivers, _fit_ends(log), steps)
+        local = local_useful(lines, steps)
     ratio = (ratio_before + paired_ratio(args)) / 2 if elastic else 1.0
     after = calibrate(args)
     useful = steps * (before.period_s + after.period_s) / 2
