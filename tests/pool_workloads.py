@@ -44,7 +44,8 @@ def probe_fn(config):
 def preload_fn(config):
     """Write, before importing it, whether ``preload_probe`` was in this worker's modules and
     which process imported it, to ``{out}/{tag}.rank{R}.json``:
-    ``{"pid", "ppid", "probe_imported_in"}`` (``None``: not imported before the train function)."""
+    ``{"pid", "ppid", "probe_imported_in"}`` (``None``: not imported before the train function),
+    and with ``config["cuda"]`` ``"cuda_sum"``, the sum of a small CUDA tensor's elements."""
     ctx = rt.get_context()
     probe = sys.modules.get("preload_probe")
     record = {
@@ -52,6 +53,8 @@ def preload_fn(config):
         "ppid": os.getppid(),
         "probe_imported_in": getattr(probe, "IMPORTED_IN", None),
     }
+    if config.get("cuda"):  # a CUDA op in this worker (GPU machines only)
+        record["cuda_sum"] = float(torch.ones(3, device="cuda").mul(2).sum())
     with open(os.path.join(config["out"], f"{config['tag']}.rank{ctx.world_rank}.json"), "w") as f:
         json.dump(record, f)
     rt.report({"rank": ctx.world_rank})

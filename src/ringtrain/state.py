@@ -286,7 +286,7 @@ class TrainState:
         if staged:
             previous = reuse or {}
             payload = {name: stage(obj, previous.get(name)) for name, obj in payload.items()}
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if torch.cuda.is_initialized():
                 torch.cuda.synchronize()
         return payload
 

@@ -166,7 +166,7 @@ def capture_rng() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng
 

@@ -284,12 +284,38 @@ def test_preloaded_modules_are_imported_once_in_the_zygote_for_every_worker(tmp_
 
 @pytest.mark.own_pool  # the run's own pool, which the module taints
 @pytest.mark.timeout(300)
-def test_a_preloaded_module_that_starts_a_thread_leaves_the_workers_to_start_cold(tmp_path):
-    _, records = _preload_fit(tmp_path, "thread", 2, preload_modules=("preload_thread_probe",))
-    # The zygote did not fork with a thread running: the workers are the driver's children.
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [("preload_thread_probe", "a thread was running"), ("preload_cuda_probe", "CUDA")],
+    ids=["thread", "cuda"],
+)
+def test_a_preloaded_module_that_stops_forking_leaves_the_workers_to_start_cold(
+    tmp_path, module, why
+):
+    """A module that starts a thread, or sets up CUDA (emulated on this CPU-only torch:
+    tests/preload_cuda_probe.py), in the zygote: workers start cold, and the run says why."""
+    _, records = _preload_fit(tmp_path, "tainted", 2, preload_modules=(module,))
+    # The zygote did not fork: the workers are the driver's children.
     assert {r["ppid"] for r in records} == {os.getpid()}, records
-    lines = (tmp_path / "runs" / "thread" / "events.jsonl").read_text().splitlines()
+    lines = (tmp_path / "runs" / "tainted" / "events.jsonl").read_text().splitlines()
     cold = [e for e in map(json.loads, lines) if e["type"] == "cold_start"]
-    assert len(cold) == 1 and "thread" in cold[0]["reason"], cold
+    assert len(cold) == 1 and why in cold[0]["reason"], cold
     assert "preload_modules" in cold[0]["reason"]
-    assert "preload_thread_probe" not in sys.modules
+    assert module not in sys.modules
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.own_pool
+@pytest.mark.timeout(300)
+def test_gpu_workers_forked_from_the_zygote_can_use_cuda(tmp_path):
+    """On a GPU machine: the zygote's checks never initialise CUDA (no ``cuInit`` through
+    ``torch.cuda.is_available()``), so its forked workers run CUDA ops."""
+    out = tmp_path / "gpu"
+    out.mkdir()
+    s, r = job_configs(1, "gpu", str(tmp_path / "runs"), {"use_gpu": True})
+    config = {"out": str(out), "tag": "gpu", "cuda": True}
+    result = rt.Trainer(pool_workloads.preload_fn, s, r, train_loop_config=config).fit()
+    assert result.status == "FINISHED", result.error
+    record = json.loads((out / "gpu.rank0.json").read_text())
+    assert record["ppid"] != os.getpid(), record  # forked from the zygote, not cold
+    assert record["cuda_sum"] == 6.0, record

@@ -78,3 +78,25 @@ def test_a_global_whose_attributes_raise_is_skipped(lightning_imported):
 
     fn = _train_fn_with_globals(hostile=Hostile(), pl=lightning_imported)
     assert with_auto_preload(rt.ScalingConfig(), fn).preload_modules == ("lightning.pytorch",)
+
+
+def test_the_zygotes_imports_and_checks_never_ask_cuda_for_its_devices(monkeypatch):
+    """``torch.cuda.is_available()`` and ``device_count()`` may initialise the CUDA driver
+    (``cuInit``), after which no forked worker can use CUDA: the zygote's preload and its
+    fork check call neither (the check asks torch's bad-fork state in a probe instead)."""
+    import threading
+
+    import torch
+
+    from ringtrain.launch import zygote
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the zygote asked CUDA for its devices")
+
+    monkeypatch.setattr(torch.cuda, "is_available", refuse)
+    monkeypatch.setattr(torch.cuda, "device_count", refuse)
+    monkeypatch.setattr(threading, "active_count", lambda: 1)  # pytest-xdist runs threads
+    zygote._preload()
+    assert zygote._fork_blocker() == 0
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert zygote._fork_blocker() == zygote._CUDA

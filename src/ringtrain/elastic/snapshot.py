@@ -93,7 +93,7 @@ def take(state: TrainState, previous: Snapshot | None) -> Snapshot:
     if rng is not None:
         staged_rank["rng"] = rng
     shared = stage(payload[STATE_FILE], reuse.get(STATE_FILE))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # stage() copied CUDA tensors with non_blocking=True
     return Snapshot(
         step=int(state.step),

@@ -45,7 +45,9 @@ _START_TIMEOUT_S = 120.0
 AUTO_PRELOAD: dict[str, tuple[str, ...]] = {
     "lightning.pytorch": ("lightning", "ringtrain.integrations.lightning"),
 }
-_TAINTED = -2  # the zygote's answer once a thread runs in it (it no longer forks)
+# The zygote's answers instead of a pid once it stopped forking (launch/zygote.py's):
+_THREAD = -2  # a Python thread runs in it (a fork would copy the locks the thread holds)
+_CUDA = -3  # a child forked from it could not use CUDA (an import there initialised it)
 
 _Config = TypeVar("_Config")
 
@@ -292,13 +294,13 @@ class WorkerPool:
                     raise
                 pid = self._replies.pop(0)
         if pid <= 0:
+            why = {_THREAD: "a thread was running in it", _CUDA: "CUDA was initialised in it"}
             raise PoolUnavailable(
                 "the worker pool's zygote could not fork"
                 + (
-                    " (a thread was running in it, or CUDA was initialised, after it imported "
-                    "the preloaded modules: drop the module that does it from "
-                    "ScalingConfig.preload_modules)"
-                    if pid == _TAINTED
+                    f" ({why[pid]} after its imports: if a module of "
+                    "ScalingConfig.preload_modules does it, drop it)"
+                    if pid in why
                     else ""
                 )
             )

@@ -15,6 +15,7 @@ import select
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 _MAX_MSG = 1 << 20
 
@@ -26,44 +27,73 @@ def _preload() -> None:
     import torch.nn.parallel
 
     with contextlib.suppress(ImportError):
-        import torch._dynamo
+        import torch._dynamo  # noqa: F401
     import cloudpickle  # noqa: F401
 
     import ringtrain.launch.worker
     import ringtrain.session  # noqa: F401
 
-    # GPU workers: a process that initialised CUDA cannot fork usable children. Importing torch
-    # does not initialise it; each forked worker does, after the fork, with its own environment
-    # (CUDA_VISIBLE_DEVICES included). Should an import above ever initialise it, the zygote
-    # exits here and the launcher starts the workers cold instead.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise SystemExit("ringtrain zygote: CUDA was initialised while preloading; cannot fork")
+
+def _fork_blocker() -> int:
+    """0 when a child forked now can be a worker; else why not, the zygote's answer instead of
+    a pid: :data:`_THREAD`, a Python thread runs here besides this one (a fork would copy the
+    locks it holds), or :data:`_CUDA`, a child could not use CUDA.
+
+    CUDA: a process that initialised the CUDA driver (``cuInit``) cannot fork children that use
+    it; torch marks such children "in bad fork" and their first CUDA call raises "Cannot
+    re-initialize CUDA in forked subprocess". ``torch.cuda.is_available()`` itself calls
+    ``cuInit`` (unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which :func:`_main` sets here), so
+    this check never calls it: it asks a forked probe whether torch considers it in bad fork
+    (torch's own answer, whatever imported module touched CUDA). A CPU-only torch build has no
+    such state and needs no probe."""
+    import threading
+
+    if threading.active_count() != 1:
+        return _THREAD
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0
+    if torch.cuda.is_initialized():
+        return _CUDA
+    return 0 if _child_cuda_ok(getattr(torch._C, "_cuda_isInBadFork", None)) else _CUDA
 
 
-_TAINTED = -2  # the answer once a thread runs here (launch/pool.py's _TAINTED)
+def _child_cuda_ok(in_bad_fork: Callable[[], bool] | None) -> bool:
+    """Fork a probe that exits 0 unless ``in_bad_fork()`` is true in it (``None``: no CUDA in
+    this torch build, nothing to probe)."""
+    if in_bad_fork is None:
+        return True
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 1 if in_bad_fork() else 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+# The answers instead of a pid once forking stopped (launch/pool.py's _THREAD and _CUDA).
+_THREAD = -2  # a Python thread runs in the zygote
+_CUDA = -3  # a forked child could not use CUDA
 
 
 def _import_more(names: list[str], tried: set[str]) -> bool:
     """Import each module of ``names`` not tried before (a run's preloaded modules). One that
-    fails is left to the worker, which raises its own error if it imports it. Returns False if
-    a Python thread now runs in this process (forking would copy its locks held) or CUDA was
-    initialised (a forked child could not use it): the zygote then stops forking and the
-    driver starts its workers cold."""
+    fails is left to the worker, which raises its own error if it imports it. Returns whether
+    any was new (then :func:`_fork_blocker` must be asked again: an import may start a thread or
+    touch CUDA; the zygote then stops forking and the driver starts its workers cold)."""
     import importlib
-    import threading
 
     new = [name for name in dict.fromkeys(names) if name not in tried]
-    if not new:
-        return True  # called only while forking: nothing changed
     for name in new:
         tried.add(name)
         try:
             importlib.import_module(name)
         except Exception as exc:  # the worker's own import shows the error, with its rank
             print(f"ringtrain zygote: could not preload {name}: {exc!r}", file=sys.stderr)
-    torch = sys.modules.get("torch")
-    cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
-    return threading.active_count() == 1 and not cuda
+    return bool(new)
 
 
 def _child(sock: socket.socket, request: dict[str, object], fds: list[int], ready: int) -> None:
@@ -126,10 +156,10 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             sock.sendall(json.dumps({"exit": info.si_pid, "code": code}).encode() + b"\n")
 
 
-def _serve(sock: socket.socket, tried: set[str], forking: bool) -> None:
+def _serve(sock: socket.socket, tried: set[str], blocked: int) -> None:
     """Answer fork requests until the driver closes the channel. ``tried``: the modules
-    imported (or tried) so far; ``forking``: False once a thread runs here (answer ``_TAINTED``).
-    """
+    imported (or tried) so far; ``blocked``: :func:`_fork_blocker`'s answer (0: forking), given
+    instead of a pid once not 0."""
     buf = b""
     children: set[int] = set()
     pending: list[int] = []  # the descriptors of the request being read
@@ -147,9 +177,10 @@ def _serve(sock: socket.socket, tried: set[str], forking: bool) -> None:
             line, buf = buf.split(b"\n", 1)
             request = json.loads(line)
             preload = request.get("preload") or []
-            if forking and isinstance(preload, list):
-                forking = _import_more([str(name) for name in preload], tried)
-            pid = _fork(sock, request, pending[:2], children) if forking else _TAINTED
+            names = [str(name) for name in preload] if isinstance(preload, list) else []
+            if not blocked and _import_more(names, tried):
+                blocked = _fork_blocker()
+            pid = blocked or _fork(sock, request, pending[:2], children)
             for fd in pending[:2]:
                 os.close(fd)
             pending = pending[2:]
@@ -195,11 +226,14 @@ def _main(argv: list[str]) -> int:
     # be to die and so SIGKILL its workers (their PR_SET_PDEATHSIG) before they could save,
     # ignores it. It still ends with the driver: PR_SET_PDEATHSIG, or its channel closing.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Any torch.cuda.is_available() an import below calls asks NVML, not cuInit, so it does not
+    # stop this process from forking GPU workers (each child's environment replaces this one).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if "--no-preload" not in argv:
         _preload()
     tried: set[str] = set()
-    more = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--import=")]
-    _serve(sock, tried, _import_more(more, tried))
+    _import_more([a.split("=", 1)[1] for a in argv[1:] if a.startswith("--import=")], tried)
+    _serve(sock, tried, _fork_blocker())
     # Every child is reaped and nothing is buffered: leave without the interpreter's
     # finalisation, which with torch loaded took 3-6 s on a loaded 2-core machine, all of it
     # added to the end of every run (the driver waits for the zygote in WorkerPool.close).

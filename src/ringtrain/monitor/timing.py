@@ -324,7 +324,7 @@ def memory_stats() -> dict[str, Any]:
         "gpu_util": None,
     }
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch is not None and torch.cuda.is_initialized():
         stats["gpu_allocated_bytes"] = int(torch.cuda.memory_allocated())
         stats["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated())
         try:
