@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import signal
 import sys
+import threading
 
 import pytest
 from rich.console import Console
@@ -199,6 +202,39 @@ def test_rich_close_stops_live_after_exception() -> None:
     assert sys.stdout is stdout_before
     assert not isinstance(sys.stdout, FileProxy)
     assert p._live is None
+
+
+class CtrlCMidWrite(TTYStringIO):
+    """A terminal where a Ctrl-C (a real SIGINT to this process) arrives in the middle of the
+    main thread's write of the first frame that shows ``ABORTED``, as when that write blocks on
+    a busy terminal."""
+
+    armed = True
+
+    def write(self, s: str) -> int:
+        if self.armed and "ABORTED" in s and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            half = len(s) // 2
+            written = super().write(s[:half])
+            os.kill(os.getpid(), signal.SIGINT)
+            return written + super().write(s[half:])
+        return super().write(s)
+
+
+def test_rich_close_writes_the_final_frame_whole_and_raises_a_ctrl_c_after() -> None:
+    """A Ctrl-C during the final frame's write does not cut it mid-row (the CLI's next line
+    would continue that row): the frame ends with its bottom border, then the Ctrl-C raises."""
+    buf = CtrlCMidWrite()
+    console = Console(file=buf, force_terminal=True, width=120, color_system=None)
+    p = RichProgress(console, refresh_per_second=0.01, clock=FakeClock())  # no redraw thread frame
+    p.start("run", 2, "runs/run")
+    p.report(0, 0, {"loss": 1.5})
+    with pytest.raises(KeyboardInterrupt):
+        p.close("ABORTED")
+    assert not buf.armed  # the SIGINT was sent inside the final frame's write
+    final = buf.getvalue()[buf.getvalue().rindex("ABORTED") :]
+    assert "╰" in final, final  # the bottom border: the frame was written to its end
+    assert p._live is None and not isinstance(sys.stdout, FileProxy)
 
 
 def test_rich_drawing_error_does_not_break_close() -> None:

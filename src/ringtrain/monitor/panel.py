@@ -23,6 +23,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from ringtrain.interrupts import held_ctrl_c
 from ringtrain.monitor.eta import RunProgress
 from ringtrain.monitor.render import format_duration, format_metrics, format_value
 
@@ -219,7 +220,11 @@ class RichProgress(_ReporterBase):
                     self._progress.finish()
         finally:
             if live is not None:
-                live.stop()
+                # The final frame is written whole: a Ctrl-C raised inside its write (blocked
+                # on a busy terminal) would cut it mid-row, and the next line printed (the CLI's
+                # "run stopped") would continue that row. A Ctrl-C during it is raised after.
+                with held_ctrl_c():
+                    live.stop()
 
     # -- drawing ---------------------------------------------------------------------------
 
