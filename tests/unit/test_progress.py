@@ -210,9 +210,11 @@ class CtrlCMidWrite(TTYStringIO):
     a busy terminal."""
 
     armed = True
+    marker = "ABORTED"
 
     def write(self, s: str) -> int:
-        if self.armed and "ABORTED" in s and threading.current_thread() is threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        if self.armed and self.marker in s and main:
             self.armed = False
             half = len(s) // 2
             written = super().write(s[:half])
@@ -413,3 +415,22 @@ def test_rich_mode_forces_terminal_on_plain_stream() -> None:
     text = out.getvalue()
     assert "ringtrain · forced" in text
     assert "\x1b[" in text  # drawn with terminal control codes
+
+
+def test_sweep_display_close_writes_the_final_frame_whole_too() -> None:
+    """The sweep's live table, closed by a Ctrl-C path, likewise: the last frame is whole."""
+    from ringtrain.tune.progress import SweepDisplay, TrialRow
+
+    buf = CtrlCMidWrite()
+    buf.armed, buf.marker = False, "trial"
+    display = SweepDisplay("sweep", "val_acc", "max", ["lr"], stream=buf, mode_display="rich")
+    display.start("2 trials at a time")
+    display.add(TrialRow(number=0, params={"lr": 0.1}))
+    display.update(0, status="RUNNING")
+    buf.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        display.close()
+    assert not buf.armed  # the SIGINT was sent inside the final frame's write
+    out = buf.getvalue()
+    row = out.rfind("RUNNING")  # the last frame's trial row
+    assert row >= 0 and "└" in out[row:], out[-600:]  # and its bottom border after it

@@ -16,6 +16,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from ringtrain.interrupts import held_ctrl_c
+
 STATUS_STYLES = {
     "PENDING": "dim",
     "RUNNING": "bold cyan",
@@ -145,8 +147,11 @@ class SweepDisplay:
 
     def close(self) -> None:
         if self._live is not None:
-            self._live.stop()
-            self._live = None
+            # As RichProgress.close: a Ctrl-C inside the final frame's write would cut it
+            # mid-row; it is held while the frame is written and raised right after.
+            live, self._live = self._live, None
+            with held_ctrl_c():
+                live.stop()
 
     # ------------------------------------------------------------------ rendering
     def best_row(self) -> TrialRow | None:
