@@ -49,8 +49,10 @@ class Tmux:
         )
         return proc.stdout
 
-    def start(self, name: str, width: int, command: str) -> None:
+    def start(self, name: str, width: int, command: str, raw: Path | None = None) -> None:
         self("new-session", "-d", "-s", name, "-x", str(width), "-y", "50", command)
+        if raw is not None:  # every byte the pane's programs write, for a failure's message
+            self("pipe-pane", "-t", name, "-o", f"cat > {raw}")
 
     def screen(self, name: str) -> str:
         # -J joins lines the terminal wrapped: a line wider than the pane shows as one.
@@ -82,6 +84,13 @@ def _too_wide(screen: str, width: int) -> list[str]:
     return [line for line in screen.splitlines() if len(line.rstrip()) > width]
 
 
+def _raw_tail(raw: Path, n: int = 6000) -> str:
+    """The last ``n`` bytes a pane's programs wrote (escape sequences shown), to tell a frame
+    cut mid-write from one drawn whole and then moved over."""
+    data = raw.read_bytes() if raw.exists() else b""
+    return f"last {min(n, len(data))} of {len(data)} bytes written to the pane:\n{data[-n:]!r}"
+
+
 @pytest.mark.timeout(420)
 def test_live_panel_in_tmux_at_80_and_200_columns(tmp_path: Path) -> None:
     """Two real runs side by side: at 80 columns to the end, at 200 columns stopped by Ctrl-C
@@ -102,7 +111,10 @@ def test_live_panel_in_tmux_at_80_and_200_columns(tmp_path: Path) -> None:
     )
     try:
         tmux.start("w80", 80, f"cd {tmp_path} && {run.format(name='w80')} --epochs 4{tail}")
-        tmux.start("w200", 200, f"cd {tmp_path} && {run.format(name='w200')} --epochs 40{tail}")
+        raw200 = tmp_path / "w200.raw"
+        tmux.start(
+            "w200", 200, f"cd {tmp_path} && {run.format(name='w200')} --epochs 40{tail}", raw200
+        )
 
         # While running: a bar with an ETA, in both panes.
         running80 = _wait_for(tmux, "w80", lambda s: "ETA" in s or "EXIT-" in s, 300)
@@ -121,7 +133,9 @@ def test_live_panel_in_tmux_at_80_and_200_columns(tmp_path: Path) -> None:
             plain.communicate()
 
     for width, screen in ((80, running80), (200, running200), (80, end80), (200, end200)):
-        assert not _too_wide(screen, width), f"lines wider than {width} columns:\n{screen}"
+        assert not _too_wide(screen, width), (
+            f"lines wider than {width} columns:\n{screen}\n{_raw_tail(raw200)}"
+        )
     assert "ETA" in running80 and "━" in running80, running80
     assert "ETA" in running200 and "━" in running200, running200
 
@@ -148,7 +162,9 @@ def test_live_panel_in_tmux_at_80_and_200_columns(tmp_path: Path) -> None:
 
     # 200 columns, Ctrl-C: one final panel, ABORTED, no worker left "running".
     assert "RINGTRAIN-EXIT-0" not in end200, end200
-    assert end200.count(TOP) == 1, f"the panel's top border is on screen twice:\n{end200}"
+    assert end200.count(TOP) == 1, (
+        f"the panel's top border is on screen twice:\n{end200}\n{_raw_tail(raw200)}"
+    )
     panel = _panel(end200)
     assert "ABORTED" in panel and "2 stopped" in panel and "running" not in panel, end200
     shown = [line for line in end200.splitlines() if line.startswith("(rank 0) epoch")]

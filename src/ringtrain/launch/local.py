@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from typing import IO, Any, Protocol
 
 from ringtrain.channel import DriverListener, Event, Exited, new_authkey
+from ringtrain.console_io import write_whole
 from ringtrain.env import loopback_environment, worker_environment
 from ringtrain.launch import shared_pool
 from ringtrain.launch.base import ChannelGroup, WorkerSpec, start_store
@@ -425,8 +426,8 @@ def _forward(rank: int, pipe: IO[bytes], stream_name: str) -> None:
     def write(lines: list[str]) -> None:
         stream = sys.stdout if stream_name == "stdout" else sys.stderr
         with _OUTPUT_LOCK:
-            try:
-                stream.write("".join(prefix + line for line in lines))
+            try:  # whole: a traceback block is often longer than one 2048-byte tty write
+                write_whole(stream, "".join(prefix + line for line in lines))
                 stream.flush()
             except (ValueError, OSError):
                 pass  # the driver's stream was closed (interpreter shutting down)

@@ -23,6 +23,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from ringtrain.console_io import whole_writes
 from ringtrain.interrupts import held_ctrl_c
 from ringtrain.monitor.eta import RunProgress
 from ringtrain.monitor.render import format_duration, format_metrics, format_value
@@ -94,7 +95,8 @@ class RichProgress(_ReporterBase):
     rich's refresh thread, which only reads a snapshot taken under a lock.
 
     Args:
-        console: The console to draw on; a new ``Console()`` (stdout) if None.
+        console: The console to draw on; if None, one on stdout whose writes are never cut
+            short (:class:`ringtrain.console_io.WholeWrites`).
         refresh_per_second: Redraws per second.
         clock: Monotonic clock in seconds (injectable for tests).
         max_worker_rows: Show at most this many workers in the table; the rest are summarised.
@@ -110,7 +112,7 @@ class RichProgress(_ReporterBase):
         max_worker_rows: int = 16,
         max_metric_columns: int = 6,
     ) -> None:
-        self._console = console if console is not None else Console()
+        self._console = console if console is not None else Console(file=whole_writes())
         self._refresh_per_second = refresh_per_second
         self._clock = clock
         self._max_worker_rows = max(1, max_worker_rows)
@@ -223,6 +225,8 @@ class RichProgress(_ReporterBase):
                 # The final frame is written whole: a Ctrl-C raised inside its write (blocked
                 # on a busy terminal) would cut it mid-row, and the next line printed (the CLI's
                 # "run stopped") would continue that row. A Ctrl-C during it is raised after.
+                # (A write that a signal cuts short is finished by the console's file,
+                # console_io.WholeWrites, when the console is make_progress's or the default.)
                 with held_ctrl_c():
                     live.stop()
 

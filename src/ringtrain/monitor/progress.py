@@ -24,6 +24,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 
 from rich.console import Console
 
+from ringtrain.console_io import whole_writes
 from ringtrain.monitor.eta import RunProgress
 from ringtrain.monitor.panel import (
     _FIRST_KEYS,
@@ -301,9 +302,9 @@ def make_progress(mode: str = "auto", stream: TextIO | None = None) -> ProgressR
     if mode == "plain":
         return PlainProgress(stream)
     if mode == "rich":
-        return RichProgress(Console(file=stream, force_terminal=True))
+        return RichProgress(Console(file=whole_writes(stream), force_terminal=True))
     if mode == "auto":
-        console = Console(file=stream)
+        console = Console(file=whole_writes(stream))
         if console.is_terminal and not console.is_dumb_terminal:
             return RichProgress(console)
         return PlainProgress(stream)

@@ -16,6 +16,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from ringtrain.console_io import whole_writes
 from ringtrain.interrupts import held_ctrl_c
 
 STATUS_STYLES = {
@@ -100,7 +101,9 @@ class SweepDisplay:
             raise ValueError(
                 f"progress mode must be 'auto', 'rich', 'plain' or 'off', not {mode_display!r}"
             )
-        console = Console(file=self._stream, force_terminal=True if display == "rich" else None)
+        console = Console(
+            file=whole_writes(self._stream), force_terminal=True if display == "rich" else None
+        )
         if display == "auto":
             display = "rich" if console.is_terminal and not console.is_dumb_terminal else "plain"
         self.display = display
@@ -255,7 +258,9 @@ class SweepDisplay:
             self._live.update(final, refresh=True)
             self.close()
             return
-        console = self.console if self.display == "rich" else Console(file=self._stream)
+        console = self.console
+        if self.display != "rich":
+            console = Console(file=whole_writes(self._stream))
         console.print(final)
 
 

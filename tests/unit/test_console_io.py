@@ -1,0 +1,169 @@
+"""Tests for ringtrain.console_io: terminal writes are never cut short.
+
+The bug they guard against: under ``PYTHONUNBUFFERED=1`` a write to ``sys.stdout`` that a signal
+cut short (Linux stops a tty write between two 2048-byte chunks when a signal is pending) lost
+the rest of the text silently; the live panel's final frame was left cut mid-row.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import select
+import signal
+import threading
+import time
+import tty
+from typing import Any
+
+import pytest
+from rich.console import Console
+from rich.file_proxy import FileProxy
+
+from ringtrain import console_io
+from ringtrain.console_io import WholeWrites, write_all, write_whole
+
+
+def test_write_all_finishes_partial_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that takes at most 1000 bytes per write(2): every byte still arrives, in order."""
+    taken: list[bytes] = []
+
+    def short_write(fd: int, data: Any) -> int:
+        chunk = bytes(data[:1000])
+        taken.append(chunk)
+        return len(chunk)
+
+    monkeypatch.setattr(console_io.os, "write", short_write)
+    data = bytes(range(256)) * 40  # 10240 bytes
+    write_all(99, data)
+    assert b"".join(taken) == data and len(taken) == 11
+
+
+def test_write_all_waits_for_a_full_non_blocking_pipe() -> None:
+    """A non-blocking pipe that fills up (EAGAIN): the writer waits for room instead of
+    dropping the rest or raising BlockingIOError."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    data = os.urandom(1 << 20)  # 16 times a pipe's default 64 KiB
+    got = bytearray()
+
+    def read_slowly() -> None:
+        while len(got) < len(data):
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            got.extend(chunk)
+            time.sleep(0.001)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    try:
+        write_all(w, data)
+    finally:
+        os.close(w)
+        reader.join(timeout=60)
+        os.close(r)
+    assert bytes(got) == data
+
+
+def _unbuffered_stdout(fd: int) -> io.TextIOWrapper:
+    """What ``sys.stdout`` is under ``PYTHONUNBUFFERED=1``: a text layer over an unbuffered file."""
+    return io.TextIOWrapper(
+        io.FileIO(fd, "w", closefd=False), encoding="utf-8", line_buffering=True, write_through=True
+    )
+
+
+def test_a_terminal_write_interrupted_by_signals_arrives_whole() -> None:
+    """A real pseudo-terminal read slowly, and a signal sent to the writing thread every
+    millisecond while it writes 256 KiB through WholeWrites: the reader gets every byte, in
+    order (the signals did arrive during the write)."""
+    master, slave = pty.openpty()
+    tty.setraw(slave)  # no newline translation: bytes out == bytes in
+    stream = _unbuffered_stdout(slave)
+    text = "".join(f"{i:07d}\n" for i in range(32768))  # 256 KiB: far more than the pty holds
+    got = bytearray()
+    done = threading.Event()
+    delivered: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: delivered.append(signum))
+
+    def read_slowly() -> None:  # until the writer is done and nothing more comes
+        while len(got) < len(text):
+            if select.select([master], [], [], 0.2)[0]:
+                got.extend(os.read(master, 4096))
+                time.sleep(0.0005)
+            elif done.is_set():
+                break
+
+    def write() -> None:
+        try:
+            WholeWrites(stream).write(text)
+        finally:
+            done.set()
+
+    writer = threading.Thread(target=write)
+    reader = threading.Thread(target=read_slowly)
+    try:
+        writer.start()
+        reader.start()
+        assert writer.ident is not None
+        while not done.is_set():
+            signal.pthread_kill(writer.ident, signal.SIGUSR1)
+            time.sleep(0.001)
+        writer.join(timeout=60)
+        reader.join(timeout=60)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        os.close(slave)
+        os.close(master)
+    assert delivered, "no signal reached the writer during its write: the test proved nothing"
+    assert got.decode() == text
+
+
+def test_write_whole_goes_through_the_descriptor_after_what_the_stream_holds(
+    tmp_path: Any,
+) -> None:
+    """Buffered text first, then the whole write, in the stream's encoding; stderr's
+    ``backslashreplace`` is kept for characters the encoding lacks."""
+    path = tmp_path / "out.txt"
+    with open(path, "w", encoding="ascii", errors="backslashreplace") as stream:
+        stream.write("held in the buffer; ")
+        write_whole(stream, "then whole: \u2501\n")
+    assert path.read_text() == "held in the buffer; then whole: \\u2501\n"
+
+
+def test_streams_without_a_descriptor_and_live_proxies_get_plain_writes() -> None:
+    """A StringIO has no descriptor; rich's FileProxy (a live display's sys.stdout) has the
+    terminal's, but must draw the text itself (above the display), so it gets ``write``."""
+    buf = io.StringIO()
+    write_whole(buf, "plain\n")
+    assert buf.getvalue() == "plain\n"
+
+    r, w = os.pipe()
+    try:
+        behind = io.TextIOWrapper(io.FileIO(w, "w", closefd=False), write_through=True)
+        printed = io.StringIO()
+        proxy = FileProxy(Console(file=printed, width=40), behind)
+        assert proxy.fileno() == w  # it would have been written past the display otherwise
+        write_whole(proxy, "from a worker\n")  # type: ignore[arg-type]
+        assert "from a worker" in printed.getvalue()
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 100)  # nothing went to the descriptor directly
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_console_on_whole_writes_sees_the_streams_terminal() -> None:
+    """rich detects a terminal, its encoding and descriptor through WholeWrites as it would on
+    the stream itself (the live panel still starts on a terminal, plain lines elsewhere)."""
+    master, slave = pty.openpty()
+    try:
+        on_tty = _unbuffered_stdout(slave)
+        assert Console(file=WholeWrites(on_tty)).is_terminal
+        assert WholeWrites(on_tty).fileno() == slave and WholeWrites(on_tty).encoding == "utf-8"
+        assert not Console(file=WholeWrites(io.StringIO())).is_terminal
+    finally:
+        os.close(slave)
+        os.close(master)
