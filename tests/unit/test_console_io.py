@@ -7,6 +7,7 @@ the rest of the text silently; the live panel's final frame was left cut mid-row
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pty
@@ -167,3 +168,77 @@ def test_a_console_on_whole_writes_sees_the_streams_terminal() -> None:
     finally:
         os.close(slave)
         os.close(master)
+
+
+def test_the_final_panel_frame_arrives_whole_while_signals_arrive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CI failure this module fixes, end to end: the live panel (as ``make_progress``
+    makes it) on a 200-column pseudo-terminal that is read slowly, stdout unbuffered as under
+    ``PYTHONUNBUFFERED=1``, signals arriving at the main thread while ``close`` writes the
+    final frame: the frame arrives whole (its bottom border, then the newline) and nothing of
+    it is lost."""
+    from ringtrain.monitor.progress import RichProgress, make_progress
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("LINES", "50")
+    master, slave = pty.openpty()
+    tty.setraw(slave)
+    stream = _unbuffered_stdout(slave)
+    got = bytearray()
+    closed = threading.Event()
+    stop_reading = threading.Event()
+    delivered: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: delivered.append(signum))
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def read_slowly() -> None:  # a terminal too busy to keep up: 256 bytes per millisecond
+        time.sleep(0.3)  # close() is blocked on the full terminal by then
+        while not stop_reading.is_set():
+            if select.select([master], [], [], 0.05)[0]:
+                got.extend(os.read(master, 256))
+                time.sleep(0.001)
+
+    def signal_main() -> None:
+        while not closed.is_set():
+            signal.pthread_kill(main, signal.SIGUSR1)
+            time.sleep(0.0002)
+
+    # make_progress's console, in a panel that does not redraw by itself meanwhile (a redraw
+    # blocked on the full terminal would hold the panel, and the write under test would be its).
+    made = make_progress("rich", stream)
+    assert isinstance(made, RichProgress)
+    progress = RichProgress(made.console, refresh_per_second=0.01)
+    reader = threading.Thread(target=read_slowly)
+    signaller = threading.Thread(target=signal_main)
+    try:
+        progress.start("w200", 16, "runs/w200")  # 16 rows: a frame of ~6 KB, three tty chunks
+        for rank in range(16):
+            progress.worker_state(rank, "running")
+            progress.report(rank, 0, {"loss": 1.25})
+        os.set_blocking(slave, False)  # fill the terminal, so that the final frame must wait
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(slave, b"." * 1024)
+        os.set_blocking(slave, True)
+        reader.start()
+        signaller.start()
+        progress.close("ABORTED")
+        closed.set()
+        signaller.join(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not got.endswith(b"\x1b[?25h"):
+            time.sleep(0.05)  # the reader catches up with the last frame
+    finally:
+        closed.set()
+        stop_reading.set()
+        signal.signal(signal.SIGUSR1, previous)
+        reader.join(timeout=10)
+        os.close(slave)
+        os.close(master)
+    assert delivered, "no signal arrived during close(): the test proved nothing"
+    last = bytes(got).decode("utf-8", errors="replace").rsplit("\r\x1b[2K", 1)[-1]
+    assert "ABORTED" in last and "16 stopped" in last, last[-2000:]
+    assert last.count("\u256d") == 1 and last.count("\u2570") == 1, last[-2000:]  # ╭ and ╰
+    assert last.endswith("\n\x1b[?25h"), repr(last[-300:])  # the line after it, cursor shown
