@@ -146,6 +146,16 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _wait_for_own_checkpoint_write() -> None:
+    """Wait (up to 120 s) until this rank's background checkpoint write is on storage and its
+    CheckpointDone sent: a kill after it cannot cost the round, however slow the machine."""
+    from ringtrain.session import installed_session
+
+    session = installed_session()
+    if session is not None:
+        session.wait_for_checkpoint(120)
+
+
 def _arm_kill_during_write(round_: int, after_bytes: int) -> None:
     """SIGKILL this process once it has written ``after_bytes`` bytes of a file of checkpoint
     round ``round_``: a real half-written file on disk."""
@@ -390,7 +400,8 @@ def elastic_fn(config):
     """Deterministic momentum-SGD regression with a TrainState (a report with a checkpoint every
     ``every`` steps). Per step, every rank appends ``{pid, attempt, world, rank, step, epoch, ids,
     loss}`` to ``{config["log"]}/{pid}.jsonl``. On attempt 0 at the first world size, the ranks
-    in ``config["kill_ranks"]`` SIGKILL themselves right after step ``config["kill_step"]``.
+    in ``config["kill_ranks"]`` SIGKILL themselves right after step ``config["kill_step"]``
+    (``kill_after_own_write``: once their own background checkpoint write is done).
     ``stop_at``: return after that step's report. Rank 0 saves the final parameters to
     ``config["out"]`` (every rank to ``{out}.rank{r}`` with ``save_every_rank``).
     ``unrestored_reentry``: after a resize, build the model with a per-rank seed and skip
@@ -421,6 +432,8 @@ def elastic_fn(config):
                 f.write(json.dumps(record) + "\n")
             kills = config.get("kill_ranks", ())
             if first_world and ctx.world_rank in kills and state.step == config["kill_step"]:
+                if config.get("kill_after_own_write"):
+                    _wait_for_own_checkpoint_write()
                 _kill_self()
             if first_world and state.step == config.get("notice_step"):
                 _partial_notice(config, ctx.world_rank)

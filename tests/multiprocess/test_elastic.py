@@ -198,7 +198,11 @@ def test_deferred_sync_only_when_reentering_with_a_snapshot(tmp_path):
 
 
 def test_below_min_falls_back_to_a_full_restart_from_disk(tmp_path):
-    result, records, final = _fit(tmp_path, "fallback", (2, 3), kill_ranks=[1, 2], kill_step=7)
+    # The kills wait for the ranks' own write of the step-5 checkpoint (on a loaded machine the
+    # background write could still run at step 7, and the round would then be lost with them).
+    result, records, final = _fit(
+        tmp_path, "fallback", (2, 3), kill_ranks=[1, 2], kill_step=7, kill_after_own_write=True
+    )
     assert result.error is None and final["step"] == 10 * EPOCHS
     (fallback,) = _events(result.path, "resize_fallback")
     assert "1 of 3 workers remain, fewer than min=2" in fallback["reason"]
