@@ -129,7 +129,10 @@ def test_worker_sigkill_shrinks_in_place(cluster, tmp_path):
 
 
 def test_below_min_falls_back_to_a_full_restart(cluster, tmp_path):
-    result, records, final = _fit(tmp_path, "ray_fallback", (2, 3), kill_ranks=[1, 2], kill_step=7)
+    # As the local test: the kills wait for the ranks' own write of the step-5 checkpoint.
+    result, records, final = _fit(
+        tmp_path, "ray_fallback", (2, 3), kill_ranks=[1, 2], kill_step=7, kill_after_own_write=True
+    )
     assert result.error is None and final["step"] == STEPS
     (fallback,) = _events(result.path, "resize_fallback")
     assert "1 of 3 workers remain, fewer than min=2" in fallback["reason"]
