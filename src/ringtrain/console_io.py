@@ -17,6 +17,7 @@ waiting for a non-blocking descriptor to take more (:func:`write_all`).
 
 from __future__ import annotations
 
+import io
 import os
 import select
 import sys
@@ -51,11 +52,14 @@ def write_all(fd: int, data: bytes) -> None:
 
 
 def write_whole(stream: TextIO, text: str) -> None:
-    """Write ``text`` to ``stream`` whole: through its file descriptor with :func:`write_all`
-    (what the stream holds is flushed first, so the order is kept), encoded with the stream's
-    encoding and error handler; a stream without a descriptor (``io.StringIO``, a capture) gets
-    ``stream.write(text)``, and so does a live display's stand-in for ``sys.stdout`` (rich's
-    ``FileProxy``, which prints the text above the display, whole, through the console).
+    """Write ``text`` to ``stream`` whole. A ``TextIOWrapper`` on a file descriptor (``sys.stdout``
+    and ``sys.stderr`` of a plain process, a file) is written through the descriptor with
+    :func:`write_all` (what the stream holds is flushed first, so the order is kept), encoded
+    with the stream's encoding and error handler. Any other stream gets ``stream.write(text)``:
+    one without a descriptor (``io.StringIO``, a capture), and those whose ``fileno()`` is not
+    where their text goes: a live display's stand-in for ``sys.stdout`` (rich's ``FileProxy``,
+    which prints above the display) and a Jupyter kernel's ``OutStream`` (whose ``fileno()`` is
+    the kernel's terminal, not the notebook cell).
 
     Args:
         stream: A text stream (``sys.stdout``, ``sys.stderr``, a file, a ``StringIO``).
@@ -66,12 +70,12 @@ def write_whole(stream: TextIO, text: str) -> None:
             handler is ``strict``), as ``stream.write`` would raise.
         OSError: see :func:`write_all`.
     """
-    if hasattr(stream, "rich_proxied_file"):  # a live display's sys.stdout: it draws the text
+    if not isinstance(stream, io.TextIOWrapper):  # its own write decides where the text goes
         stream.write(text)
         return
     try:
         fd = stream.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: both of the last two
+    except (OSError, ValueError):  # io.UnsupportedOperation (a capture over io.BytesIO)
         stream.write(text)
         return
     data = text.encode(

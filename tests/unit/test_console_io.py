@@ -156,6 +156,36 @@ def test_streams_without_a_descriptor_and_live_proxies_get_plain_writes() -> Non
         os.close(w)
 
 
+def test_a_stream_whose_descriptor_is_elsewhere_gets_its_own_write() -> None:
+    """Like a Jupyter kernel's ``OutStream``: a text stream (not a TextIOWrapper) whose
+    ``fileno()`` is the kernel's terminal while its ``write`` goes to the notebook cell. The
+    text must go where ``write`` sends it."""
+    r, w = os.pipe()
+
+    class CellStream(io.TextIOBase):
+        def __init__(self) -> None:
+            self.cell: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.cell.append(text)
+            return len(text)
+
+        def fileno(self) -> int:
+            return w  # the terminal the kernel was started from
+
+    try:
+        stream = CellStream()
+        write_whole(stream, "(rank 0) epoch 1\n")  # type: ignore[arg-type]
+        WholeWrites(stream).write("a frame\n")  # type: ignore[arg-type]
+        assert stream.cell == ["(rank 0) epoch 1\n", "a frame\n"]
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 100)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_a_console_on_whole_writes_sees_the_streams_terminal() -> None:
     """rich detects a terminal, its encoding and descriptor through WholeWrites as it would on
     the stream itself (the live panel still starts on a terminal, plain lines elsewhere)."""
