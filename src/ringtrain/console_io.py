@@ -21,9 +21,14 @@ import io
 import os
 import select
 import sys
-from typing import TextIO, cast
+from typing import TYPE_CHECKING, TextIO, cast
 
-__all__ = ["WholeWrites", "whole_writes", "write_all", "write_whole"]
+from ringtrain.interrupts import held_ctrl_c
+
+if TYPE_CHECKING:
+    from rich.live import Live
+
+__all__ = ["WholeWrites", "stop_live", "whole_writes", "write_all", "write_whole"]
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -128,3 +133,16 @@ def whole_writes(stream: TextIO | None = None) -> TextIO:
     """:class:`WholeWrites` on ``stream`` (``sys.stdout`` if None), typed as the text file
     ``rich.console.Console(file=...)`` takes."""
     return cast(TextIO, WholeWrites(stream))
+
+
+def stop_live(live: Live) -> None:
+    """Stop a rich live display, leaving its final frame on screen whole: a Ctrl-C that comes
+    while the frame is written is held and raised right after (raised inside the write, it
+    would cut the frame mid-row, and the next line printed would continue that row); a write
+    that a signal cuts short is finished by the console's file when it is :class:`WholeWrites`.
+
+    Raises:
+        KeyboardInterrupt: after the frame, if a Ctrl-C came while it was written.
+    """
+    with held_ctrl_c():
+        live.stop()

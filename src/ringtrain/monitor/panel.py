@@ -23,8 +23,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ringtrain.console_io import whole_writes
-from ringtrain.interrupts import held_ctrl_c
+from ringtrain.console_io import stop_live, whole_writes
 from ringtrain.monitor.eta import RunProgress
 from ringtrain.monitor.render import format_duration, format_metrics, format_value
 
@@ -222,13 +221,7 @@ class RichProgress(_ReporterBase):
                     self._progress.finish()
         finally:
             if live is not None:
-                # The final frame is written whole: a Ctrl-C raised inside its write (blocked
-                # on a busy terminal) would cut it mid-row, and the next line printed (the CLI's
-                # "run stopped") would continue that row. A Ctrl-C during it is raised after.
-                # (A write that a signal cuts short is finished by the console's file,
-                # console_io.WholeWrites, when the console is make_progress's or the default.)
-                with held_ctrl_c():
-                    live.stop()
+                stop_live(live)  # the final frame, whole
 
     # -- drawing ---------------------------------------------------------------------------
 

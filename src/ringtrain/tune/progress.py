@@ -16,8 +16,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ringtrain.console_io import whole_writes
-from ringtrain.interrupts import held_ctrl_c
+from ringtrain.console_io import stop_live, whole_writes
 
 STATUS_STYLES = {
     "PENDING": "dim",
@@ -150,11 +149,8 @@ class SweepDisplay:
 
     def close(self) -> None:
         if self._live is not None:
-            # As RichProgress.close: a Ctrl-C inside the final frame's write would cut it
-            # mid-row; it is held while the frame is written and raised right after.
             live, self._live = self._live, None
-            with held_ctrl_c():
-                live.stop()
+            stop_live(live)
 
     # ------------------------------------------------------------------ rendering
     def best_row(self) -> TrialRow | None:
@@ -258,10 +254,7 @@ class SweepDisplay:
             self._live.update(final, refresh=True)
             self.close()
             return
-        console = self.console
-        if self.display != "rich":
-            console = Console(file=whole_writes(self._stream))
-        console.print(final)
+        self.console.print(final)
 
 
 _ENDED = frozenset({"COMPLETE", "PRUNED", "FAILED"})
