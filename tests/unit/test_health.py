@@ -46,3 +46,30 @@ def test_exited_ranks_and_fresh_progress_are_not_hangs() -> None:
     _beat(health, 0, 5.0, 0.2, 10, 3)
     _beat(health, 1, 5.0, 30.0, 1, 0)
     assert health.hung(2.0, {1: 0}, 5.0) is None
+
+
+def test_a_rank_frozen_just_after_a_heartbeat_is_named_frozen_not_stuck() -> None:
+    # Rank 1 made its last progress at t=10.0 (26 events) and its heartbeat thread sent one more
+    # beat at t=10.3 before the process was stopped (SIGSTOP). Rank 0 (progress at t=10.05)
+    # heartbeats on, blocked in the collective. The progress threshold (2 s) is crossed at
+    # t=12.0, before the silence one (t=12.3): the message must still say the process stopped
+    # answering.
+    health = Health(2, check_interval_s=0.0)
+    _beat(health, 1, 10.3, 0.3, 26, 13)
+    for now in (10.4, 11.2, 12.0, 12.1):
+        _beat(health, 0, now, now - 10.05, 27, 13)
+    found = health.hung(2.0, {}, 12.1)
+    assert found is not None
+    rank, how = found
+    assert rank == 1 and how.startswith("stopped answering 1.8 s ago and made no progress for 2.1")
+    assert "frozen or stopped" in how and "ranks [0] are stuck too" in how
+
+
+def test_a_stuck_rank_that_still_heartbeats_is_named_stuck_not_frozen() -> None:
+    # The same timeline, but rank 1's heartbeat thread goes on (a deadlock in Python, a sleep).
+    health = Health(2, check_interval_s=0.0)
+    for now in (10.3, 10.7, 11.1, 11.5, 11.9, 12.1):
+        _beat(health, 1, now, now - 10.0, 26, 13)
+        _beat(health, 0, now, now - 10.1, 27, 13)
+    found = health.hung(2.0, {}, 12.1)
+    assert found is not None and found[0] == 1 and found[1].startswith("made no progress for 2.1")

@@ -52,7 +52,8 @@ class Health:
 
         One that made progress once and then none (its peers usually wait on it inside a
         collective: the one that stopped first, by progress count and then time, is blamed), one
-        whose process stopped answering, or one that never connected (within the timeout, but at
+        whose process stopped answering (silent for the timeout, or, once it is blamed, for half
+        of it: a live rank heartbeats five times per timeout), or one that never connected (within the timeout, but at
         least ``HELLO_TIMEOUT_S``). Start-up, before a rank's first progress, is never a hang:
         collectives there time out on their own. Ranks in ``exited`` are not looked at.
         """
@@ -96,6 +97,16 @@ class Health:
                 how = (
                     f"stopped answering for {now - self.last_seen[rank]:.1f} s "
                     "(the process is frozen or stopped)"
+                )
+            elif now - self.last_seen[rank] > timeout_s / 2:
+                # A live rank heartbeats every timeout/5 (launch/worker.heartbeat_interval), so
+                # one unheard for half the timeout is frozen, even though a heartbeat sent
+                # between its last progress and the freeze lets the progress threshold be
+                # crossed first.
+                how = (
+                    f"stopped answering {now - self.last_seen[rank]:.1f} s ago and made no "
+                    f"progress for {now - self.last_progress[rank]:.1f} s (the process is "
+                    "frozen or stopped)"
                 )
             else:
                 how = (
