@@ -53,9 +53,10 @@ class Health:
         One that made progress once and then none (its peers usually wait on it inside a
         collective: the one that stopped first, by progress count and then time, is blamed), one
         whose process stopped answering (silent for the timeout, or, once it is blamed, for half
-        of it: a live rank heartbeats five times per timeout), or one that never connected (within the timeout, but at
-        least ``HELLO_TIMEOUT_S``). Start-up, before a rank's first progress, is never a hang:
-        collectives there time out on their own. Ranks in ``exited`` are not looked at.
+        of it: a live rank heartbeats five times per timeout), or one that never connected
+        (within the timeout, but at least ``HELLO_TIMEOUT_S``). Start-up, before a rank's first
+        progress, is never a hang: collectives there time out on their own. Ranks in ``exited``
+        are not looked at.
         """
         if now < self._next_check:
             return None
