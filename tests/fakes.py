@@ -27,6 +27,7 @@ class FakeGroup:
         self.world_size = world_size
         self.script = list(script)  # list of event batches, one batch per poll
         self.stopped = False
+        self.dumped: list[int] = []  # ranks asked to print their stacks, in order
 
     def poll(self, timeout_s: float) -> list[Any]:
         if not self.script:
@@ -41,6 +42,10 @@ class FakeGroup:
 
     def pids(self) -> dict[int, int]:
         return {}
+
+    def dump_stacks(self, ranks: list[int]) -> list[int]:
+        self.dumped.extend(ranks)
+        return list(ranks)
 
 
 class FakeLauncher:

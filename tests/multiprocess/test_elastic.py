@@ -378,6 +378,7 @@ def test_policy_decisions():
     assert wait.action is ElasticAction.WAIT
     late = policy.decide(4, lost, {0: _interrupted(0, 3)}, set(), 6.0)
     assert late.action is ElasticAction.FALLBACK and "[2, 3] did not" in late.reason
+    assert late.stuck == (2, 3) and wait.stuck == ()
     everyone = {r: _interrupted(r, 3) for r in (0, 2, 3)}
     ok = policy.decide(4, lost, everyone, set(), 1.0)
     assert ok.action is ElasticAction.RESIZE
@@ -429,6 +430,9 @@ class _ScriptedGroup:
 
     def pids(self):
         return {}
+
+    def dump_stacks(self, ranks):
+        return []
 
     def resize(self, assignment, orders):
         self.calls.append(("resize", dict(assignment), dict(orders)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def test_max_failures_exhausted_raises_with_every_failure(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["hang", "freeze"])
-def test_hung_worker_is_detected_and_the_run_recovers(tmp_path, tmp_path_factory, how):
+def test_hung_worker_is_detected_and_the_run_recovers(tmp_path, tmp_path_factory, capfd, how):
     clean = _baseline(tmp_path_factory)
     job = {"max_failures": 1, "worker_timeout_s": 2.0}
     result, final = _fit(tmp_path, how, (how, 13), job=job)
@@ -114,6 +115,13 @@ def test_hung_worker_is_detected_and_the_run_recovers(tmp_path, tmp_path_factory
     assert failure.kind == "hang" and failure.rank == 1
     expected = "made no progress" if how == "hang" else "stopped answering"
     assert expected in failure.message and "worker_timeout_s=2" in failure.message
+    if how == "hang":
+        # The driver asked the hung rank for its stacks: the line it sleeps on reached the
+        # driver's output with the rank's prefix (a frozen rank answers only once continued).
+        out, err = capfd.readouterr()
+        assert re.search(r"\(rank 1\) +File .*workloads\.py\", line \d+ in ", out + err), (
+            out + err
+        )[-3000:]
     assert_bit_identical(clean, final)
     events = [
         json.loads(line)

@@ -355,6 +355,7 @@ def test_a_rank_without_progress_is_failed_as_hung(tmp_path, max_failures):
     result = ctl.run()
     assert time.monotonic() - start < 25.0  # well before the guard ends the attempt
     assert hung.stopped
+    assert hung.dumped == [1]  # asked for its stacks before it was stopped
     failure = result.failures[0]
     assert failure.kind == "hang" and failure.rank == 1 and failure.attempt == 0
     assert failure.step == 41  # the last step its heartbeat told

@@ -211,6 +211,25 @@ def test_elastic_rank_lost_resizes_then_grows_back(tmp_path):
     assert ctl.world_size == 3 and ctl.generation == 2
 
 
+def test_survivors_that_never_report_the_lost_peer_are_asked_for_their_stacks(tmp_path):
+    # wait_s=0: the first check after rank 2's loss finds ranks 0 and 1 silent and gives up on
+    # resizing in place; before the restart, they are asked where they are stuck.
+    group = ElasticGroup(3)
+    ctl = _controller(
+        tmp_path,
+        FakeLauncher([group]),
+        world_size=3,
+        max_failures=3,
+        elastic=ElasticPolicy(2, 3, wait_s=0.0),
+    )
+    assert ctl.step().to is RunState.RUNNING
+    assert ctl.step(Exited(2, 1.0, -9)).to is RunState.RESIZING
+    assert group.dumped == []
+    t = ctl.step()  # a poll: nothing came
+    assert "ranks [0, 1] did not report a lost peer within 0 s" in t.reason
+    assert t.to is RunState.RESTARTING and group.dumped == [0, 1]
+
+
 def test_transitions_of_a_whole_run_are_written_in_order(tmp_path):
     launcher = FakeLauncher([[[Exited(1, 1.0, -9)]], [[Exited(0, 2.0, 0), Exited(1, 2.0, 0)]]])
     ctl = _controller(tmp_path, launcher, max_failures=1)

@@ -113,6 +113,8 @@ class ElasticCoordinator:
                         ElasticAction.FALLBACK, f"resize in place failed ({exc})"
                     )
         if decision.action is ElasticAction.FALLBACK:
+            if decision.stuck and self.ctl.group is not None:
+                self.ctl.group.dump_stacks(list(decision.stuck))  # where they are stuck
             gen.elastic_fallback = True
             message = f"{decision.reason}; restarting the group from the disk checkpoint"
             logger.warning(message)

@@ -223,6 +223,9 @@ class GroupEvents:
         if found is None:
             return
         rank, how = found
+        if self.ctl.group is not None:
+            # Before the group is stopped: where the rank is stuck reaches the driver's stderr.
+            self.ctl.group.dump_stacks([rank])
         self.on_failure(
             gen,
             WorkerFailure(

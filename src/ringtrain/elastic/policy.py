@@ -45,11 +45,13 @@ class ElasticAction(enum.Enum):
 class ElasticDecision:
     """``survivors``: the old ranks that form the new group, in new-rank order. ``source``: the
     new rank whose snapshot all take (``None``: all hold the same). ``snapshot_step``: the step
-    the new group resumes after."""
+    the new group resumes after. ``stuck``: the survivors that did not report the lost peer in
+    time (a FALLBACK for that reason)."""
 
     action: ElasticAction
     reason: str
     survivors: tuple[int, ...] = ()
+    stuck: tuple[int, ...] = ()
     source: int | None = None
     snapshot_step: int | None = None
 
@@ -161,6 +163,7 @@ class ElasticPolicy:
             return ElasticDecision(
                 ElasticAction.FALLBACK,
                 f"not resizing in place: {what} report a lost peer within {self.wait_s:g} s",
+                stuck=tuple(waiting),
             )
         steps = {r: interrupted[r].snapshot_step for r in survivors}
         if any(s is None for s in steps.values()):

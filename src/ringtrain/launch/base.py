@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
+import signal
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -113,6 +114,13 @@ def start_store(host: str, world_size: int) -> Any:
     )
 
 
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+"""The signal on which a worker started by ``python -m ringtrain.launch.worker`` prints every
+thread's Python stack to its stderr and goes on (:mod:`faulthandler`: a C handler, so it answers
+even while the main thread is stuck in C++). The local backend sends it to a rank it fails as hung
+(:meth:`WorkerGroup.dump_stacks`); ``kill -USR2 <pid>`` does it by hand."""
+
+
 class WorkerGroup(Protocol):
     world_size: int
 
@@ -126,6 +134,16 @@ class WorkerGroup(Protocol):
 
     def pids(self) -> dict[int, int]:
         """rank -> process id of the workers started (for diagnostics and tests)."""
+        ...
+
+    def dump_stacks(self, ranks: list[int]) -> list[int]:
+        """Ask the workers of ``ranks`` to print every thread's Python stack to their stderr
+        (which reaches the driver's, prefixed with the rank), without stopping them: what a
+        stuck rank was doing when the driver gave up on it. Best effort, never raises.
+
+        Returns:
+            the ranks asked (``[]`` where the backend cannot: Ray actors, scripted groups).
+        """
         ...
 
 

@@ -35,7 +35,7 @@ from ringtrain.channel import DriverListener, Event, Exited, new_authkey
 from ringtrain.console_io import write_whole
 from ringtrain.env import loopback_environment, worker_environment
 from ringtrain.launch import shared_pool
-from ringtrain.launch.base import ChannelGroup, WorkerSpec, start_store
+from ringtrain.launch.base import STACK_DUMP_SIGNAL, ChannelGroup, WorkerSpec, start_store
 from ringtrain.launch.pool import PooledProcess, PoolUnavailable, WorkerPool
 from ringtrain.launch.reaper import Reaper, wait_unreaped
 
@@ -354,6 +354,19 @@ class LocalWorkerGroup(ChannelGroup):
     # ------------------------------------------------------------------ contract
     def pids(self) -> dict[int, int]:
         return {rank: p.pid for rank, p in self._procs.items()}
+
+    def dump_stacks(self, ranks: list[int]) -> list[int]:
+        """:data:`~ringtrain.launch.worker.STACK_DUMP_SIGNAL` to each rank's worker process
+        (not its process group: a DataLoader worker would die of it)."""
+        asked = []
+        for rank in ranks:
+            proc = self._procs.get(rank)
+            if proc is None or proc.poll() is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, STACK_DUMP_SIGNAL)
+                asked.append(rank)
+        return asked
 
     def stop(self, grace_s: float = 5.0) -> None:
         with self._lock:
