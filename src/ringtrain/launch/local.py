@@ -356,7 +356,7 @@ class LocalWorkerGroup(ChannelGroup):
         return {rank: p.pid for rank, p in self._procs.items()}
 
     def dump_stacks(self, ranks: list[int]) -> list[int]:
-        """:data:`~ringtrain.launch.worker.STACK_DUMP_SIGNAL` to each rank's worker process
+        """:data:`~ringtrain.launch.base.STACK_DUMP_SIGNAL` to each rank's worker process
         (not its process group: a DataLoader worker would die of it)."""
         asked = []
         for rank in ranks:
