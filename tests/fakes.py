@@ -43,9 +43,8 @@ class FakeGroup:
     def pids(self) -> dict[int, int]:
         return {}
 
-    def dump_stacks(self, ranks: list[int]) -> list[int]:
+    def dump_stacks(self, ranks: list[int]) -> None:
         self.dumped.extend(ranks)
-        return list(ranks)
 
 
 class FakeLauncher:

@@ -170,16 +170,22 @@ def _paused(rank, generation, step, grow):
     )  # fmt: skip
 
 
-def test_elastic_rank_lost_resizes_then_grows_back(tmp_path):
-    group = ElasticGroup(3)
+def _elastic_controller(tmp_path, group, **policy):
+    """A controller over ``group`` (3 workers, elastic between 2 and 3), already RUNNING."""
     ctl = _controller(
         tmp_path,
         FakeLauncher([group]),
         world_size=3,
         max_failures=3,
-        elastic=ElasticPolicy(2, 3, grow_after_s=0.0),
+        elastic=ElasticPolicy(2, 3, **policy),
     )
     assert ctl.step().to is RunState.RUNNING
+    return ctl
+
+
+def test_elastic_rank_lost_resizes_then_grows_back(tmp_path):
+    group = ElasticGroup(3)
+    ctl = _elastic_controller(tmp_path, group, grow_after_s=0.0)
     t = ctl.step(Exited(2, 1.0, -9))
     assert (t.from_, t.to) == (RunState.RUNNING, RunState.RESIZING)
     assert t.reason == "rank 2 was killed by SIGKILL; resizing in place"
@@ -215,14 +221,7 @@ def test_survivors_that_never_report_the_lost_peer_are_asked_for_their_stacks(tm
     # wait_s=0: the first check after rank 2's loss finds ranks 0 and 1 silent and gives up on
     # resizing in place; before the restart, they are asked where they are stuck.
     group = ElasticGroup(3)
-    ctl = _controller(
-        tmp_path,
-        FakeLauncher([group]),
-        world_size=3,
-        max_failures=3,
-        elastic=ElasticPolicy(2, 3, wait_s=0.0),
-    )
-    assert ctl.step().to is RunState.RUNNING
+    ctl = _elastic_controller(tmp_path, group, wait_s=0.0)
     assert ctl.step(Exited(2, 1.0, -9)).to is RunState.RESIZING
     assert group.dumped == []
     t = ctl.step()  # a poll: nothing came

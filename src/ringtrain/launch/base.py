@@ -136,14 +136,11 @@ class WorkerGroup(Protocol):
         """rank -> process id of the workers started (for diagnostics and tests)."""
         ...
 
-    def dump_stacks(self, ranks: list[int]) -> list[int]:
+    def dump_stacks(self, ranks: list[int]) -> None:
         """Ask the workers of ``ranks`` to print every thread's Python stack to their stderr
         (which reaches the driver's, prefixed with the rank), without stopping them: what a
-        stuck rank was doing when the driver gave up on it. Best effort, never raises.
-
-        Returns:
-            the ranks asked (``[]`` where the backend cannot: Ray actors, scripted groups).
-        """
+        stuck rank was doing when the driver gave up on it. Best effort, never raises; nothing
+        where the backend cannot (Ray actors, scripted groups)."""
         ...
 
 

@@ -355,18 +355,14 @@ class LocalWorkerGroup(ChannelGroup):
     def pids(self) -> dict[int, int]:
         return {rank: p.pid for rank, p in self._procs.items()}
 
-    def dump_stacks(self, ranks: list[int]) -> list[int]:
+    def dump_stacks(self, ranks: list[int]) -> None:
         """:data:`~ringtrain.launch.base.STACK_DUMP_SIGNAL` to each rank's worker process
         (not its process group: a DataLoader worker would die of it)."""
-        asked = []
         for rank in ranks:
             proc = self._procs.get(rank)
-            if proc is None or proc.poll() is not None:
-                continue
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(proc.pid, STACK_DUMP_SIGNAL)
-                asked.append(rank)
-        return asked
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(proc.pid, STACK_DUMP_SIGNAL)
 
     def stop(self, grace_s: float = 5.0) -> None:
         with self._lock:

@@ -405,10 +405,9 @@ class RayWorkerGroup(ChannelGroup):
         with self._lock:
             return {r: w.pid for r, w in self._members.items() if w.pid is not None}
 
-    def dump_stacks(self, ranks: list[int]) -> list[int]:
+    def dump_stacks(self, ranks: list[int]) -> None:
         """Nothing: an actor's process may be on another node, and a Ray worker process is
-        Ray's (``ray stack`` on that node prints it). Returns ``[]``."""
-        return []
+        Ray's (``ray stack`` on that node prints it)."""
 
     def node_ranks(self) -> dict[str, list[int]]:
         """Ray node id (hex) -> the ranks of the current members running there (empty once the
