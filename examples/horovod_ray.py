@@ -6,11 +6,16 @@ cpus_per_worker=...)``, ``start()`` it with a per-worker object, ``run`` a funct
 worker (each returns its rank), ``execute`` a method of the per-worker object (the MNIST training
 of ``examples/horovod_mnist.py``, with that script's flags), and ``shutdown()``.
 
-Run it on a local Ray instance::
+Run it on a local Ray instance it starts (and stops)::
 
     python examples/horovod_ray.py --num-proc 2 --epochs 1
 
-(on a cluster, connect with ``ray.init(address="auto")`` instead). Each ``run``/``execute`` is
+or on a running Ray cluster, from one of its nodes (``--address auto``, or the head's
+``HOST:PORT``)::
+
+    python examples/horovod_ray.py --num-proc 2 --epochs 1 --address auto
+
+Each ``run``/``execute`` is
 one ringtrain run on fresh Ray actors: see docs/horovod.md for what that changes against
 Horovod's long-lived actors.
 """
@@ -47,10 +52,19 @@ class MnistJob:
 
 
 def main() -> None:
-    options = build_parser().parse_args()
+    parser = build_parser()
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="a running Ray cluster to connect to ('auto', or the head's HOST:PORT); default: "
+        "start a local Ray instance for this script",
+    )
+    options = parser.parse_args()
     workers = options.num_proc or 2
-    # a local Ray instance with at least one CPU per worker, even on a smaller machine
-    ray.init(num_cpus=max(workers, os.cpu_count() or 1))
+    if options.address:
+        ray.init(address=options.address)
+    else:  # a local Ray instance with at least one CPU per worker, even on a smaller machine
+        ray.init(num_cpus=max(workers, os.cpu_count() or 1))
     try:
         executor = RayExecutor(
             RayExecutor.create_settings(timeout_s=60), num_workers=workers, cpus_per_worker=1

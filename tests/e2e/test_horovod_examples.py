@@ -1,9 +1,10 @@
 """The Horovod-API examples (examples/horovod_*.py) and launch helpers (horovod.run, RayExecutor).
 
 The examples are ringtrain's own scripts written against Horovod's API; each runs here as a user
-would run it (``ringtrain run -np 2 SCRIPT`` with the script's own flags, ``python SCRIPT
---num-proc N`` through ``horovod.run``, or on a local Ray instance), with tiny settings.
-``examples/horovod_mnist.py`` under ``ringtrain run -np 2`` is tests/multiprocess/test_horovod.py's.
+would run it (``ringtrain run -np 2 SCRIPT`` with the script's own flags, or ``python SCRIPT
+--num-proc N`` through ``horovod.run``), with tiny settings. ``examples/horovod_mnist.py`` under
+``ringtrain run -np 2`` is tests/multiprocess/test_horovod.py's; ``examples/horovod_ray.py`` on a
+Ray cluster is tests/backends/test_ray_horovod.py's.
 """
 
 from __future__ import annotations
@@ -174,25 +175,6 @@ def test_synthetic_benchmark_under_ringtrain_run(tmp_path):
     assert "Model: resnet18" in text and "Number of CPUs: 2" in text
     match = re.search(r"Total img/sec on 2 CPU\(s\): ([0-9.]+)", text)
     assert match and float(match.group(1)) > 0, text[-2000:]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.xdist_group("ray")  # one local Ray instance at a time (pyproject addopts)
-def test_ray_executor_example_on_a_local_ray_instance():
-    pytest.importorskip("ray", reason="the Ray path needs Ray: pip install 'ringtrain[ray]'")
-    text = run_cli(
-        [
-            str(EXAMPLES / "horovod_ray.py"),
-            *("--num-proc", "2", "--epochs", "1", "--lr", "0.05", "--max-batches", "10"),
-        ],
-        timeout=280,
-    )
-    assert "RayExecutor.run(my_rank) -> [0, 1]" in text, text[-2000:]
-    assert "Train Epoch: 1 [0/2000" in text
-    executed = re.search(r"RayExecutor.execute\(fit\) -> \[(.*)\]", text)
-    assert executed, text[-2000:]
-    per_rank = [float(x) for x in executed.group(1).split(",")]
-    assert len(per_rank) == 2 and len(set(per_rank)) == 1 and 0.0 < per_rank[0] <= 1.0
 
 
 # ------------------------------------------------------------------------------ horovod.run
