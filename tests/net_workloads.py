@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ringtrain as rt
-from workloads import make_dataset, make_model, save_checkpoint
+from workloads import make_dataset, make_model, report_with_checkpoint
 
 _TCP_LISTEN = "0A"  # the state column of a listening socket (include/net/tcp_states.h)
 
@@ -96,5 +96,6 @@ def steady_fn(config):
         loss.backward()
         opt.step()
         last = step == steps - 1
-        ckpt = save_checkpoint(model) if last and ctx.world_rank == 0 else None
-        rt.report({"step": step, "loss": loss.item()}, checkpoint=ckpt)
+        report_with_checkpoint(
+            {"step": step, "loss": loss.item()}, model if last and ctx.world_rank == 0 else None
+        )

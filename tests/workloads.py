@@ -30,11 +30,17 @@ def make_model(d: int = 8) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(d, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
-def save_checkpoint(model: torch.nn.Module, **extra) -> rt.Checkpoint:
-    d = tempfile.mkdtemp(prefix="rt_test_ckpt_")
-    module = model.module if hasattr(model, "module") else model
-    torch.save({"model": module.state_dict(), **extra}, os.path.join(d, "model.pt"))
-    return rt.Checkpoint.from_directory(d)
+def report_with_checkpoint(metrics: dict, model: torch.nn.Module | None, **extra) -> None:
+    """``rt.report(metrics)``, with a checkpoint of ``model``'s state dict (and ``extra``) unless
+    ``model`` is None. The files are staged in a temporary directory that is removed once
+    ``report`` returns: it has copied them into the run directory by then (docs/guide.md)."""
+    if model is None:
+        rt.report(metrics)
+        return
+    with tempfile.TemporaryDirectory(prefix="rt_test_ckpt_") as d:
+        module = model.module if hasattr(model, "module") else model
+        torch.save({"model": module.state_dict(), **extra}, os.path.join(d, "model.pt"))
+        rt.report(metrics, checkpoint=rt.Checkpoint.from_directory(d))
 
 
 def equivalence_fn(config):
@@ -54,8 +60,8 @@ def equivalence_fn(config):
             step += 1
             if step == config["steps"]:
                 break
-    ckpt = save_checkpoint(model) if rt.get_context().world_rank == 0 else None
-    rt.report({"loss": loss.item(), "steps": step}, checkpoint=ckpt)
+    rank0 = rt.get_context().world_rank == 0
+    report_with_checkpoint({"loss": loss.item(), "steps": step}, model if rank0 else None)
 
 
 def metrics_fn(config):
@@ -65,14 +71,14 @@ def metrics_fn(config):
         t = torch.tensor([float(ctx.world_rank)])
         if ctx.world_size > 1:
             dist.all_reduce(t)
-        rt.report(
+        report_with_checkpoint(
             {
                 "round": i,
                 "rank": ctx.world_rank,
                 "rank_sum": t.item(),
                 "score": config["scores"][i],
             },
-            checkpoint=save_checkpoint(torch.nn.Linear(1, 1)) if ctx.world_rank == 0 else None,
+            torch.nn.Linear(1, 1) if ctx.world_rank == 0 else None,
         )
 
 
@@ -116,8 +122,11 @@ def flaky_fn(config):
         if ctx.attempt == 0 and ctx.world_rank == 1 and step == config["fail_at"]:
             raise RuntimeError("transient failure")
         model = torch.nn.Linear(1, 1)
-        ckpt = save_checkpoint(model, step=step) if ctx.world_rank == 0 else None
-        rt.report({"step": step, "attempt": ctx.attempt, "start": start}, checkpoint=ckpt)
+        report_with_checkpoint(
+            {"step": step, "attempt": ctx.attempt, "start": start},
+            model if ctx.world_rank == 0 else None,
+            step=step,
+        )
 
 
 def threads_fn():
