@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -26,7 +27,7 @@ import net_workloads
 import ringtrain as rt
 import workloads
 from ray_cluster import assert_torn_down, leftovers
-from support import assert_bit_identical, wait_until
+from support import assert_bit_identical, run_job, wait_until
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 'ringtrain[ray]'")
 pytest.importorskip("ray.util.state", reason="the Ray state API needs ray[default]")
@@ -35,6 +36,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from ringtrain.launch.ray import PlacementError  # noqa: E402
 from ringtrain.launch.ray_worker import remote_worker_class  # noqa: E402
+from ringtrain.result import TrainingFailedError  # noqa: E402
 
 # One local Ray cluster at a time: the Ray tests share one pytest worker (pyproject addopts).
 pytestmark = pytest.mark.xdist_group("ray")
@@ -245,6 +247,31 @@ def test_the_rank0_actor_store_binds_the_node_address(cluster):
         del client
     finally:
         ray.kill(actor, no_restart=True)
+    assert_torn_down()
+
+
+def test_a_hung_rank_is_failed_and_its_stack_reaches_the_driver(cluster, tmp_path, capfd):
+    """Hang detection on Ray: rank 1 sleeps after step 3 (``worker_timeout_s=2``); the driver
+    fails it as hung and, before it stops the group, asks rank 1's actor for the worker's stacks
+    (SIGUSR2 to the process, on whatever node it runs): the line it sleeps on reaches the
+    driver's output with the rank's prefix."""
+    config = {"epochs": 1, "out": str(tmp_path / "out.pt"), "kill": ("hang", 3), "kill_rank": 1}
+    with pytest.raises(TrainingFailedError) as failed:
+        run_job(
+            workloads.exact_fn,
+            storage_path=tmp_path / "runs",
+            name="hang",
+            train_loop_config=config,
+            backend="ray",
+            max_failures=0,
+            worker_timeout_s=2.0,
+            progress="off",
+        )
+    [failure] = failed.value.failures
+    assert failure.kind == "hang" and failure.rank == 1, failed.value.failures
+    out, err = capfd.readouterr()
+    found = re.search(r"\(rank 1\) +File .*workloads\.py\", line \d+ in ", out + err)
+    assert found, (out + err)[-3000:]
     assert_torn_down()
 
 

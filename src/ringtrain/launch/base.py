@@ -117,8 +117,9 @@ def start_store(host: str, world_size: int) -> Any:
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 """The signal on which a worker started by ``python -m ringtrain.launch.worker`` prints every
 thread's Python stack to its stderr and goes on (:mod:`faulthandler`: a C handler, so it answers
-even while the main thread is stuck in C++). The local backend sends it to a rank it fails as hung
-(:meth:`WorkerGroup.dump_stacks`); ``kill -USR2 <pid>`` does it by hand."""
+even while the main thread is stuck in C++). The driver has it sent to a rank it fails as hung
+(:meth:`WorkerGroup.dump_stacks`; on Ray by the rank's actor); ``kill -USR2 <pid>`` does it by
+hand."""
 
 
 class WorkerGroup(Protocol):
@@ -140,7 +141,7 @@ class WorkerGroup(Protocol):
         """Ask the workers of ``ranks`` to print every thread's Python stack to their stderr
         (which reaches the driver's, prefixed with the rank), without stopping them: what a
         stuck rank was doing when the driver gave up on it. Best effort, never raises; nothing
-        where the backend cannot (Ray actors, scripted groups)."""
+        where the backend cannot (scripted groups)."""
         ...
 
 

@@ -406,8 +406,17 @@ class RayWorkerGroup(ChannelGroup):
             return {r: w.pid for r, w in self._members.items() if w.pid is not None}
 
     def dump_stacks(self, ranks: list[int]) -> None:
-        """Nothing: an actor's process may be on another node, and a Ray worker process is
-        Ray's (``ray stack`` on that node prints it)."""
+        """Ask the actors of ``ranks`` to signal their worker processes for their stacks
+        (:meth:`RayWorker.dump_stacks <ringtrain.launch.ray_worker.RayWorker.dump_stacks>`,
+        on whatever node they run), and wait (at most 10 s) until each has handed the output
+        to its watcher, which prints it with the rank's prefix. Best effort, never raises."""
+        with self._lock:
+            actors = [self._members[r].actor for r in ranks if r in self._members]
+        if not actors:
+            return
+        with contextlib.suppress(Exception):
+            refs = [a.dump_stacks.remote() for a in actors]
+            self.ray.wait(refs, num_returns=len(refs), timeout=10)
 
     def node_ranks(self) -> dict[str, list[int]]:
         """Ray node id (hex) -> the ranks of the current members running there (empty once the

@@ -30,6 +30,7 @@ class RayWorker:
         self._lines: deque[tuple[str, str]] = deque()
         self._proc: subprocess.Popen[bytes] | None = None
         self._open_pipes = 0
+        self._lines_read = 0  # lines read from the worker's pipes so far (poll takes them)
         self._returncode: int | None = None
         self._exited_at = 0.0
         self._store: Any = None
@@ -117,6 +118,7 @@ class RayWorker:
             for raw in iter(pipe.readline, b""):
                 with self._cond:
                     self._lines.append((name, raw.decode("utf-8", errors="replace")))
+                    self._lines_read += 1
                     self._cond.notify_all()
         finally:
             with contextlib.suppress(OSError):
@@ -155,6 +157,30 @@ class RayWorker:
             lines = list(self._lines)
             self._lines.clear()
             return lines, self._returncode if self._finished() else None
+
+    def dump_stacks(self, quiet_s: float = 0.5, timeout_s: float = 5.0) -> bool:
+        """Send :data:`~ringtrain.launch.base.STACK_DUMP_SIGNAL` to the worker process (not its
+        process group: a DataLoader worker would die of it), which prints every thread's stack
+        to its stderr, then wait until :meth:`poll` has taken all of its output and none came
+        for ``quiet_s`` seconds (at most ``timeout_s`` seconds): the stacks are then on their
+        way to the driver, before it stops the group. False when no worker process runs."""
+        from ringtrain.launch.base import STACK_DUMP_SIGNAL
+
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, STACK_DUMP_SIGNAL)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            read, since = self._lines_read, time.monotonic()
+            while (now := time.monotonic()) < deadline:
+                if self._lines_read != read:
+                    read, since = self._lines_read, now
+                elif not self._lines and now - since >= quiet_s:
+                    break
+                self._cond.wait(min(0.1, deadline - now))
+        return True
 
     def terminate(self, grace_s: float) -> None:
         """SIGTERM the worker's process group, SIGKILL it after ``grace_s`` seconds."""
