@@ -336,7 +336,7 @@ def test_a_run_finishes_unchanged_under_a_flood_of_strangers(tmp_path, world_siz
     def attack(group: LocalWorkerGroup) -> None:
         try:
             channel = _hostport(group._listener.address)
-            store = ("127.0.0.1", int(group._store.port))
+            store = ("127.0.0.1", group.store_port)
             for target, n in ((channel, 200), (store, 10)):
                 flood = Flood(target, rng, str(marker))
                 floods.append(flood)
@@ -389,7 +389,7 @@ def test_a_stranger_on_the_store_does_not_stall_the_run(tmp_path):
     class Attacked(LocalLauncher):
         def start(self, spec):
             group = super().start(spec)
-            flood = Flood(("127.0.0.1", int(group._store.port)), rng, str(tmp_path / "m"))
+            flood = Flood(("127.0.0.1", group.store_port), rng, str(tmp_path / "m"))
             floods.append(flood)
             flood.idle(50)
             flood.garbage(50)

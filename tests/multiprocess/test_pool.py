@@ -158,6 +158,40 @@ def test_script_mode_no_listener_and_cold_fallback(tmp_path, capfd):
         assert len(cold) == 1 and "zygote" in cold[0]["reason"], events
 
 
+def test_a_warm_runs_store_is_forked_from_the_zygote_on_loopback(_warm_pool):
+    """The rendezvous store of a run with a warm pool is a child of the zygote (the driver need
+    not import torch for it): it leads its own process group, listens on loopback only, serves
+    a TCPStore client, and dies of its group's SIGKILL. A store that cannot bind its address
+    is refused with the store's own error (the driver then hosts the store itself)."""
+    from datetime import timedelta
+
+    import net_workloads
+    from ringtrain.launch.pool import PoolUnavailable
+
+    pool = _warm_pool.acquire()  # the session's zygote: no import of torch for this test
+    try:
+        proc, port = pool.host_store("127.0.0.1", 2, dict(os.environ))
+        try:
+            assert proc.pid in child_pids(pool.zygote_pid)
+            assert os.getpgid(proc.pid) == proc.pid
+            listeners = net_workloads.tcp_listeners(proc.pid)
+            assert [p for _, p in listeners] == [port], listeners
+            assert all(net_workloads.is_loopback(h) for h, _ in listeners), listeners
+            client = torch.distributed.TCPStore(
+                "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)
+            )
+            client.set("rank0", "ready")
+            assert client.get("rank0") == b"ready"
+            del client
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        with pytest.raises(PoolUnavailable, match=r"did not start: .*[Aa]ssign"):
+            pool.host_store("203.0.113.7", 2, dict(os.environ))  # not this machine's address
+    finally:
+        _warm_pool.release(pool)
+
+
 def test_warm_start_is_validated():
     with pytest.raises(ValueError, match="warm_start"):
         rt.ScalingConfig(warm_start="no")  # type: ignore[arg-type]

@@ -2,9 +2,11 @@
 
 Each worker is ``python -m ringtrain.launch.worker`` in its own session (so a Ctrl-C in the terminal
 reaches only the driver, which then stops the workers in order) with the torchrun variables set.
-The driver hosts the rendezvous ``TCPStore`` itself on an OS-assigned loopback port, as torchrun's
-agent does (``TORCHELASTIC_USE_AGENT_STORE``), so there is no race for a "free" port. Worker output
-is forwarded line by line with a ``(rank N)`` prefix (a traceback as one block).
+The launcher hosts the rendezvous ``TCPStore`` on an OS-assigned loopback port, as torchrun's
+agent does (``TORCHELASTIC_USE_AGENT_STORE``), so there is no race for a "free" port: in a process
+forked from the warm pool's zygote (:mod:`ringtrain.launch.store_server`; the driver then never
+imports torch), or in the driver when the workers start cold. Worker output is forwarded line by
+line with a ``(rank N)`` prefix (a traceback as one block).
 
 With a warm pool (:class:`~ringtrain.launch.pool.WorkerPool`, the default: the launcher starts
 one zygote per run, shared by every attempt and elastic newcomer) a worker is forked from a
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import queue
 import signal
@@ -38,6 +41,8 @@ from ringtrain.launch import shared_pool
 from ringtrain.launch.base import STACK_DUMP_SIGNAL, ChannelGroup, WorkerSpec, start_store
 from ringtrain.launch.pool import PooledProcess, PoolUnavailable, WorkerPool
 from ringtrain.launch.reaper import Reaper, wait_unreaped
+
+logger = logging.getLogger("ringtrain")
 
 LOOPBACK = "127.0.0.1"
 
@@ -179,15 +184,25 @@ class LocalWorkerGroup(ChannelGroup):
         self._forward_output = forward_output
         self._authkey = new_authkey()
         # Every listener of a local run is on loopback: the channel, the rendezvous store
-        # (which lives in the driver for the attempt's lifetime) and gloo's (GLOO_SOCKET_IFNAME).
+        # (which lives for the attempt's lifetime) and gloo's (GLOO_SOCKET_IFNAME).
         self._listener = DriverListener(
             self._authkey, self._on_connection, LOOPBACK, world_size=spec.world_size
         )
+        self._store: Any = None  # the TCPStore, when this process hosts it
+        self._store_proc: PooledProcess | None = None  # the store's process, when forked
         try:  # often the driver's first torch import: where a Ctrl-C is raised (interrupts.py)
-            self._store = start_store(LOOPBACK, spec.world_size)
+            self.store_port = self._start_store(spec.world_size)
+            # Process hygiene: a reaper kills every worker's process group (DataLoader workers
+            # included) and the store's the instant this driver dies, SIGKILL included
+            # (launch/reaper.py; until it runs, the pool's reaper covers a forked store).
+            self._reaper = Reaper(new_authkey().hex())
         except BaseException:
             self._listener.close()
+            if self._store_proc is not None:
+                _signal_group(self._store_proc, signal.SIGKILL)
             raise
+        if self._store_proc is not None:
+            self._reaper.add(self._store_proc.pid)  # it leads its own process group
         base_env = dict(os.environ)
         base_env["PYTHONPATH"] = os.pathsep.join(
             [p for p in sys.path if p]
@@ -196,9 +211,6 @@ class LocalWorkerGroup(ChannelGroup):
         base_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         base_env.update(loopback_environment())
         base_env.update(spec.env)
-        # Process hygiene: a reaper kills every worker's process group (DataLoader workers
-        # included) the instant this driver dies, SIGKILL included (launch/reaper.py).
-        self._reaper = Reaper(new_authkey().hex())
         base_env.update(self._reaper.environment())
         self._base_env = base_env
         self._args: list[str] = []
@@ -223,7 +235,7 @@ class LocalWorkerGroup(ChannelGroup):
                 local_world_size=world_size,
                 node_rank=0,
                 master_addr=LOOPBACK,
-                master_port=self._store.port,
+                master_port=self.store_port,
                 threads=spec.threads,
                 driver_addr=self._listener.address,
                 authkey_hex=self._authkey.hex(),
@@ -239,6 +251,25 @@ class LocalWorkerGroup(ChannelGroup):
             assert proc.stdout is not None and proc.stderr is not None
             self._spawn(_forward, rank, proc.stdout, "stdout")
             self._spawn(_forward, rank, proc.stderr, "stderr")
+
+    def _start_store(self, world_size: int) -> int:
+        """Host the rendezvous store; its port. With a warm pool it is forked from the zygote
+        (:meth:`WorkerPool.host_store`: the driver never imports torch for it), else (or if
+        that fails) it lives in this process (:func:`~ringtrain.launch.base.start_store`)."""
+        pool = self._pool
+        if pool is not None:
+            try:  # (a forked child's /proc/PID/environ is the zygote's: the pool's run token)
+                proc, port = pool.host_store(LOOPBACK, world_size, dict(os.environ))
+            except PoolUnavailable as exc:  # a dead zygote also makes the workers start cold
+                logger.info("the rendezvous store is hosted by the driver: %s", exc)
+            else:
+                self._store_proc = proc
+                assert proc.stdout is not None and proc.stderr is not None
+                self._spawn(_forward, "store", proc.stdout, "stdout")
+                self._spawn(_forward, "store", proc.stderr, "stderr")
+                return port
+        self._store = start_store(LOOPBACK, world_size)
+        return int(self._store.port)
 
     def _launch(self, env: dict[str, str]) -> WorkerProcess:
         """Fork the worker from the warm pool, or start it cold (the pool is off or gone)."""
@@ -382,8 +413,10 @@ class LocalWorkerGroup(ChannelGroup):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for proc in everyone:
-            # SIGKILL the whole process group: the worker and any DataLoader workers it forked.
+        store = [self._store_proc] if self._store_proc is not None else []
+        for proc in [*everyone, *store]:
+            # SIGKILL the whole process group: the worker and any DataLoader workers it forked
+            # (and the store, once no worker needs it).
             _signal_group(proc, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
@@ -394,7 +427,7 @@ class LocalWorkerGroup(ChannelGroup):
         for t in self._threads:
             t.join(timeout=2)
         self._reaper.close()  # process hygiene: a last sweep of the run token, then it exits
-        del self._store
+        self._store = None
 
 
 def _signal_group(proc: WorkerProcess, sig: int) -> None:
@@ -423,13 +456,14 @@ def _ends_traceback(line: str) -> bool:
     )
 
 
-def _forward(rank: int, pipe: IO[bytes], stream_name: str) -> None:
-    """Copy a worker's output line by line to the driver's stream, prefixed with its rank.
+def _forward(rank: int | str, pipe: IO[bytes], stream_name: str) -> None:
+    """Copy a worker's output line by line to the driver's stream, prefixed with its rank
+    (``(rank N)``; a name instead of a rank: ``(store)``).
 
     A traceback the worker prints is copied as one block once its last line (``Type: message``)
     is in, so that it never interleaves with another rank's output; a block the worker could
     not finish (it was stopped mid-print) is copied at end of output with a note saying so."""
-    prefix = f"(rank {rank}) "
+    prefix = f"(rank {rank}) " if isinstance(rank, int) else f"({rank}) "
     block: list[str] = []
 
     def write(lines: list[str]) -> None:

@@ -11,7 +11,9 @@ worker bootstrap), so a worker skips ~1.7 CPU-s of ``import torch``.
 
 Control channel: one ``socketpair`` inherited by the zygote (no listener: no other process can
 reach it). Messages are JSON lines, never pickles. Driver -> zygote: ``{"argv", "env", "cwd",
-"preload"}`` with two file descriptors (stdout, stderr). Zygote -> driver: ``{"pid": N}`` (the
+"preload", "program"}`` with two file descriptors (stdout, stderr); ``program`` is ``"worker"``, or
+``"store"`` for a local run's rendezvous store (:meth:`WorkerPool.host_store`: so the driver of a
+warm run never imports torch). Zygote -> driver: ``{"pid": N}`` (the
 reply; ``N`` < 0: it did not fork) and ``{"exit": N, "code": C}`` (a child ended; its process
 group was SIGKILLed before the child was reaped, so the group number cannot have been reused).
 
@@ -25,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -48,6 +51,10 @@ AUTO_PRELOAD: dict[str, tuple[str, ...]] = {
 # The zygote's answers instead of a pid once it stopped forking (launch/zygote.py's):
 _THREAD = -2  # a Python thread runs in it (a fork would copy the locks the thread holds)
 _CUDA = -3  # a child forked from it could not use CUDA (an import there initialised it)
+
+STORE_PORT_WORD = "ringtrain-store-port"
+"""The first line a store forked by :meth:`WorkerPool.host_store` prints: this word, a space, its
+port (:mod:`ringtrain.launch.store_server`)."""
 
 _Config = TypeVar("_Config")
 
@@ -99,6 +106,14 @@ class ColdStartReporter(Protocol):
         """Call ``listener(reason)`` (on the thread that starts workers) each time this
         launcher falls back to cold starts; a fallback before this call is reported at once."""
         ...
+
+
+def _kill_group(proc: PooledProcess) -> None:
+    """SIGKILL ``proc``'s process group and wait for the zygote to report its exit."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
 
 
 class PooledProcess:
@@ -221,16 +236,20 @@ class WorkerPool:
         cwd: str | None = None,
         capture_output: bool = True,
         preload: Sequence[str] = (),
+        program: str = "worker",
     ) -> PooledProcess:
         """Fork a worker running ``python -m ringtrain.launch.worker ARGV`` in ``env``.
 
         Args:
-            argv: the worker bootstrap's arguments (``[]`` or ``["--script", path, ...]``).
+            argv: the worker bootstrap's arguments (``[]`` or ``["--script", path, ...]``), or
+                the store's with ``program="store"``.
             env: the worker's whole environment.
             cwd: its working directory (default: the driver's).
             capture_output: give it stdout/stderr pipes (else it writes to the driver's).
             preload: modules the zygote imports first, unless it tried them already (it
                 answers at once for those: a shared pool serves fits with different lists).
+            program: ``"worker"`` (the worker bootstrap) or ``"store"`` (a run's rendezvous
+                store, :mod:`ringtrain.launch.store_server`; see :meth:`host_store`).
 
         Raises:
             PoolUnavailable: if the zygote is gone or does not answer, or cannot fork (a
@@ -247,6 +266,7 @@ class WorkerPool:
             "env": dict(env),
             "cwd": cwd or os.getcwd(),
             "preload": list(preload),
+            "program": program,
         }
         try:
             pid = self._request(request, [out_w, err_w])
@@ -269,6 +289,47 @@ class WorkerPool:
         if code is not None:
             proc._set_exit(code)
         return proc
+
+    def host_store(
+        self, host: str, world_size: int, env: Mapping[str, str], timeout_s: float = 60.0
+    ) -> tuple[PooledProcess, int]:
+        """Fork a process that hosts a run's rendezvous ``TCPStore`` on ``host`` (the zygote
+        has torch imported already, so the driver need not import it for the store).
+
+        Args:
+            host: the address the store listens on (loopback for a local run).
+            world_size: the number of workers (sizes the listen backlog).
+            env: the process's whole environment (the run token: the reapers find it).
+            timeout_s: how long the store may take to listen (seconds).
+
+        Returns:
+            ``(process, port)``: the store's process (it leads its own process group; its
+            stdout/stderr pipes carry whatever torch logs later: the caller drains them) and
+            the port it listens on.
+
+        Raises:
+            PoolUnavailable: if the zygote cannot fork it, or it did not say its port within
+                ``timeout_s`` (it is killed; its error output is in the message).
+        """
+        proc = self.spawn([host, str(world_size)], env, program="store")
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+            line = proc.stdout.readline().decode(errors="replace") if ready else ""
+            word, _, port = line.partition(" ")
+            if word == STORE_PORT_WORD and port.strip().isdigit():
+                return proc, int(port)
+        except BaseException:
+            _kill_group(proc)
+            raise
+        _kill_group(proc)
+        errors = proc.stderr.read().decode(errors="replace").strip()
+        proc.stdout.close()
+        proc.stderr.close()
+        raise PoolUnavailable(
+            "the rendezvous store forked from the worker pool's zygote did not start"
+            + (f": {errors.splitlines()[-1]}" if errors else f" within {timeout_s:.0f} s")
+        )
 
     def _request(self, request: dict[str, object], fds: list[int]) -> int:
         data = json.dumps(request).encode() + b"\n"

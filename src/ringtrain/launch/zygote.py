@@ -97,8 +97,10 @@ def _import_more(names: list[str], tried: set[str]) -> bool:
 
 
 def _child(sock: socket.socket, request: dict[str, object], fds: list[int], ready: int) -> None:
-    """In the forked child: become the worker and never return. ``ready``: a pipe written once
-    this process leads its own session, so its pid is a process group when the driver hears it."""
+    """In the forked child: become the worker (or, for ``"program": "store"``, a run's
+    rendezvous store: :mod:`ringtrain.launch.store_server`) and never return. ``ready``: a pipe
+    written once this process leads its own session, so its pid is a process group when the
+    driver hears it."""
     code = 1
     try:
         sock.close()
@@ -121,13 +123,18 @@ def _child(sock: socket.socket, request: dict[str, object], fds: list[int], read
         assert isinstance(raw_argv, list)
         argv = [str(a) for a in raw_argv]
         sys.argv = [sys.argv[0], *argv]
-        from ringtrain import preempt_worker
-        from ringtrain.launch import worker
+        if request.get("program") == "store":
+            from ringtrain.launch import store_server
 
-        # This worker's launchers, its SIGTERM means "stop now": this zygote and the driver.
-        preempt_worker.set_launchers(frozenset({os.getppid(), _driver}))
-        sys.stdout.flush()
-        code = worker.main(argv)
+            store_server.main(argv)  # returns never: killed when its group stops
+        else:
+            from ringtrain import preempt_worker
+            from ringtrain.launch import worker
+
+            # This worker's launchers, its SIGTERM means "stop now": this zygote and the driver.
+            preempt_worker.set_launchers(frozenset({os.getppid(), _driver}))
+            sys.stdout.flush()
+            code = worker.main(argv)
         sys.stdout.flush()
         sys.stderr.flush()
     except BaseException:
