@@ -17,11 +17,14 @@ after which the temporary directory is removed.
 from __future__ import annotations
 
 import csv
+import importlib.abc
 import logging
 import numbers
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -130,6 +133,43 @@ class _Staging:
             shutil.rmtree(self.local, ignore_errors=True)
 
 
+class _NoTorchInThisThread(importlib.abc.MetaPathFinder):
+    """A finder that makes ``import torch`` fail in one thread (while tensorboardX imports);
+    other threads import torch as usual (the finder answers ``None`` for them, and torch's own
+    module lock orders two threads importing it)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "torch" and threading.get_ident() == self.thread:
+            raise ImportError("torch is not imported by the driver's TensorBoard sink")
+        return None
+
+
+def _summary_writer_class() -> Any:
+    """tensorboardX's ``SummaryWriter``, imported without torch when this process has not
+    imported torch: tensorboardX's ``import torch`` (in ``tensorboardX.writer``) only widens
+    type annotations to accept tensors, and this sink writes floats. So the driver of
+    ``ringtrain run``, whose workers alone need torch, never loads it (~2.5 CPU-seconds and
+    ~300 MB of memory; docs/benchmarks.md, "The driver without torch")."""
+    if "torch" not in sys.modules and "tensorboardX" not in sys.modules:
+        finder = _NoTorchInThisThread()
+        sys.meta_path.insert(0, finder)
+        try:
+            import tensorboardX
+        except ImportError:  # a tensorboardX that needs torch: import it as it is, below
+            for name in [m for m in sys.modules if m.split(".")[0] == "tensorboardX"]:
+                del sys.modules[name]
+        else:
+            return tensorboardX.SummaryWriter
+        finally:
+            sys.meta_path.remove(finder)
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter
+
+
 class TensorBoardCallback:
     """Writes the run's metrics, step timing and straggler events as TensorBoard event files.
 
@@ -180,9 +220,8 @@ class TensorBoardCallback:
         if self._writer is None:
             if self._closed:
                 raise RuntimeError("TensorBoardCallback: the run has ended and the file is closed")
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(logdir=self._staging.ensure(), flush_secs=self.flush_secs)
+            writer_class = _summary_writer_class()
+            self._writer = writer_class(logdir=self._staging.ensure(), flush_secs=self.flush_secs)
         return self._writer
 
     def _scalars(
