@@ -68,3 +68,8 @@ def regression_fn(config):
         }
         with open(os.path.join(config["log"], f"{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def parent_fn(config):
+    """Reports the worker process's parent pid (the zygote it was forked from, if any)."""
+    rt.report({"score": float(config["k"]), "ppid": os.getppid()})

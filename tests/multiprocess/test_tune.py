@@ -127,6 +127,23 @@ def test_random_and_tpe_run_num_samples_trials_in_bounds(tmp_path):
         assert (df["iterations"] == 2).all() and (df["worker_seconds"] > 0).all()
 
 
+def test_a_sweep_in_a_warm_pool_block_forks_its_trials_from_the_blocks_zygote(tmp_path, _warm_pool):
+    """In an open ``rt.warm_pool()`` block (the session's), a sweep starts no zygote of its
+    own: every trial's workers are the block's zygote's children, and the zygote outlives the
+    sweep."""
+    grid = tune.Tuner(
+        tune_workloads.parent_fn,
+        param_space={"k": tune.grid_search([1, 2])},
+        tune_config=tune.TuneConfig(metric="score", mode="max", resources={"CPU": 2}),
+        scaling_config=rt.ScalingConfig(num_workers=2),
+        run_config=_run_config(tmp_path, "in_block"),
+    ).fit()
+    assert grid.statuses == ["COMPLETE", "COMPLETE"]
+    zygote = _warm_pool.zygote_pid
+    assert zygote is not None and {r.metrics["ppid"] for r in grid} == {zygote}
+    assert _warm_pool.zygote_pid == zygote  # still up: the block's, not the sweep's
+
+
 def test_asha_prunes_the_diverging_half_and_keeps_the_best(tmp_path):
     good, bad = [0.05, 0.1, 0.2, 0.3], [1.8, 2.2, 2.6, 3.0]
     grid = tune.Tuner(

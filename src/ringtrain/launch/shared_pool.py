@@ -244,8 +244,10 @@ def warm_pool(start: bool = False) -> Iterator[WarmPool]:
     The block covers every ``Trainer.fit()`` with ``backend="local"`` and ``warm_start=True``
     (the defaults) made in this process while it is open, on any thread. A nested block (or
     one opened on another thread meanwhile) joins the open one, whose pool stops when the last
-    block exits. Fits with ``warm_start=False``, on Ray, or given their own ``launcher=`` are
-    unaffected, and a ``ringtrain.tune.Tuner`` sweep shares its own pool among its trials.
+    block exits. A ``ringtrain.tune.Tuner`` sweep run in the block forks its trials' workers
+    from the block's zygote too (outside a block, a sweep shares a pool of its own among its
+    trials). Fits with ``warm_start=False``, on Ray, or given their own ``launcher=`` are
+    unaffected.
 
     Example::
 

@@ -105,14 +105,27 @@ def launch_trial(
     trial.thread.start()
 
 
-def sweep_pool(scaling: ScalingConfig) -> WorkerPool | None:
+def sweep_pool(scaling: ScalingConfig) -> tuple[WorkerPool | None, Callable[[], None]]:
     """The sweep's warm worker pool (:class:`ringtrain.launch.pool.WorkerPool`), or ``None``
-    (Ray, ``warm_start=False``, or the zygote could not start: trials then start cold)."""
+    (Ray, ``warm_start=False``, or the zygote could not start: trials then start cold), and
+    the function to call when the sweep ends. Inside an open :func:`ringtrain.warm_pool` block
+    the trials fork from the block's zygote (which the end gives back, and which outlives the
+    sweep); else the sweep starts a zygote of its own (which the end stops)."""
     if not backend_for(scaling).local_processes or not scaling.warm_start:
-        return None
-    from ringtrain.launch.pool import WorkerPool
+        return None, lambda: None
+    from ringtrain.launch import shared_pool
+    from ringtrain.launch.pool import PoolUnavailable, WorkerPool
 
+    block = shared_pool.active()
+    if block is not None:
+        try:
+            pool = block.acquire()
+        except (PoolUnavailable, OSError):
+            pass  # the block has ended, or its zygote could not start: one of the sweep's own
+        else:
+            return pool, lambda: block.release(pool)
     try:
-        return WorkerPool()
+        own = WorkerPool()
     except OSError:
-        return None
+        return None, lambda: None
+    return own, own.close

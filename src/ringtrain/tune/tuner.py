@@ -194,8 +194,10 @@ class Tuner:
         else:  # this machine's, or the Ray cluster's (joined, or started, here)
             found = backend.capacity()
             capacity, where = found.resources, found.where
-        # One warm worker pool for the whole sweep: every trial forks its workers from it.
-        self._worker_pool: WorkerPool | None = sweep_pool(self.scaling_config)
+        # One warm worker pool for the whole sweep (an open rt.warm_pool block's, if any):
+        # every trial forks its workers from it.
+        self._worker_pool: WorkerPool | None
+        self._worker_pool, end_pool = sweep_pool(self.scaling_config)
         try:
             check_fits(demand, capacity, where)
             pool = ResourcePool(capacity, tc.max_concurrent_trials)
@@ -215,9 +217,8 @@ class Tuner:
                 return self._run(study, sweep, name, pool, demand, where)
         finally:
             backend.close()  # a Ray instance its capacity() started
-            if self._worker_pool is not None:
-                self._worker_pool.close()
-                self._worker_pool = None
+            self._worker_pool = None
+            end_pool()
 
     def _write_sweep_files(
         self, sweep: RunDirectory, name: str, capacity: dict[str, float]
