@@ -299,7 +299,7 @@ class WorkerPool:
         Args:
             host: the address the store listens on (loopback for a local run).
             world_size: the number of workers (sizes the listen backlog).
-            env: the process's whole environment (the run token: the reapers find it).
+            env: the process's whole environment (torch reads its ``TORCH_*`` variables).
             timeout_s: how long the store may take to listen (seconds).
 
         Returns:
