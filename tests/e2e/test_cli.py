@@ -259,7 +259,7 @@ def test_the_command_freezes_the_gc_before_its_process_exits(tmp_path, as_comman
 
 def test_the_run_drivers_process_never_imports_torch(tmp_path):
     """``ringtrain run``'s driver starts workers, hosts no torch object and writes TensorBoard
-    scalars: it never imports torch (~2.5 CPU-seconds and ~300 MB less per run). Its store is
+    scalars: it never imports torch (~2 CPU-seconds and ~180 MiB less per run). Its store is
     forked from the warm pool's zygote, and the TensorBoard sink imports tensorboardX without
     torch. A restart after a SIGKILL at W=3 and checkpoints included; the run's scalars are in
     its event file."""

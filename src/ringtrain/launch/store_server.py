@@ -4,8 +4,8 @@
 already, to fork this program: it hosts the ``torch.distributed.TCPStore`` that the workers
 rendezvous through (bound to the address it is given, loopback for a local run:
 :func:`~ringtrain.launch.base.start_store`), prints ``ringtrain-store-port PORT`` on its stdout and
-serves until it is killed. The driver of a warm local run then never imports torch (~2-3
-CPU-seconds and a few hundred MB of memory less per driver of ``ringtrain run``). A run whose
+serves until it is killed. The driver of a warm local run then never imports torch (~2
+CPU-seconds and ~180 MiB of peak memory less per driver of ``ringtrain run``). A run whose
 workers start cold hosts the store in the driver as before.
 
 The process leads its own process group (the zygote's fork), dies with the zygote

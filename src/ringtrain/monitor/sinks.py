@@ -151,8 +151,8 @@ def _summary_writer_class() -> Any:
     """tensorboardX's ``SummaryWriter``, imported without torch when this process has not
     imported torch: tensorboardX's ``import torch`` (in ``tensorboardX.writer``) only widens
     type annotations to accept tensors, and this sink writes floats. So the driver of
-    ``ringtrain run``, whose workers alone need torch, never loads it (~2.5 CPU-seconds and
-    ~300 MB of memory; docs/benchmarks.md, "The driver without torch")."""
+    ``ringtrain run``, whose workers alone need torch, never loads it (~2 CPU-seconds and
+    ~180 MiB of peak memory: docs/benchmarks.md, "Stop 39")."""
     if "torch" not in sys.modules and "tensorboardX" not in sys.modules:
         finder = _NoTorchInThisThread()
         sys.meta_path.insert(0, finder)
