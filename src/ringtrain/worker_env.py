@@ -1,6 +1,7 @@
 """What a launcher puts into a worker's environment: torchrun's and Horovod's rank variables,
-the thread counts, the bootstrap of ringtrain's driver channel (:data:`BOOTSTRAP_ENV`), and the
-variables that keep gloo on loopback for a run on one machine.
+the thread counts, the GPUs a CPU worker does not see, the bootstrap of ringtrain's driver
+channel (:data:`BOOTSTRAP_ENV`), and the variables that keep gloo on loopback for a run on one
+machine.
 
 The writing side of :mod:`ringtrain.env` (which reads these variables back in the worker); it
 imports nothing of ringtrain, so both the launchers and ``env`` can use it.
@@ -9,6 +10,7 @@ imports nothing of ringtrain, so both the launchers and ``env`` can use it.
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 
 # The bootstrap of the ringtrain launcher (driver -> worker, before the channel exists).
 ENV_DRIVER_ADDR = "RINGTRAIN_DRIVER_ADDR"  # "host:port" of the driver's report channel
@@ -70,6 +72,18 @@ def worker_environment(
         ENV_AUTHKEY: authkey_hex,
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def cpu_worker_devices(use_gpu: bool, user_env: Mapping[str, str]) -> dict[str, str]:
+    """``{"CUDA_VISIBLE_DEVICES": ""}`` for a CPU worker (``ScalingConfig.use_gpu=False``), so
+    that it sees no GPU of the machine, as Ray does for an actor that asked for none: a library
+    that picks its device by itself (``torch.cuda.is_available()``, Lightning's
+    ``accelerator="auto"``) then computes on the CPU that ringtrain gave the worker, instead of on a
+    GPU every CPU worker would share. ``{}`` with ``use_gpu``, or when ``user_env`` (the run's
+    extra worker environment) names ``CUDA_VISIBLE_DEVICES`` itself."""
+    if use_gpu or "CUDA_VISIBLE_DEVICES" in user_env:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ""}
 
 
 LOOPBACK_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

@@ -1,6 +1,7 @@
 """The driver -> worker contract in real workers: each rank reads the typed WorkerConfig that came
 in its Start, and its environment holds no RINGTRAIN_* configuration variable (only the channel's
-bootstrap, env.BOOTSTRAP_ENV, and what the driver's own environment already had)."""
+bootstrap, env.BOOTSTRAP_ENV, and what the driver's own environment already had); a CPU worker
+(use_gpu=False) sees no GPU, even on a machine that has some."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import os
 
 import pytest
+import torch
 
 import ringtrain as rt
 from ringtrain.env import BOOTSTRAP_ENV
@@ -28,6 +30,9 @@ def contract_fn(config):
             "config": dataclasses.asdict(worker_config),
             "ctx": [ctx.world_rank, ctx.world_size, ctx.attempt, ctx.run_dir, ctx.use_gpu],
             "env": sorted(name for name in os.environ if name.startswith("RINGTRAIN_")),
+            # A CPU worker sees none of the machine's GPUs (worker_env.cpu_worker_devices).
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cuda_available": torch.cuda.is_available(),
         }
     )
 
@@ -71,5 +76,6 @@ def test_workers_read_the_typed_config_and_no_configuration_variables(tmp_path):
         assert config["elastic_batch_policy"] == "accumulate"
         assert config["run_dir"] == result.path
         assert metrics["ctx"] == [rank, 3, 0, result.path, False]
+        assert metrics["cuda_visible_devices"] == "" and metrics["cuda_available"] is False
         extra = set(metrics["env"]) - BOOTSTRAP_ENV - driver_has
         assert not extra, f"rank {rank}: configuration variables in the environment: {extra}"

@@ -87,3 +87,11 @@ def test_worker_environment_has_horovods_variables():
         "HOROVOD_CROSS_SIZE": "2",
     }
     assert env["RANK"] == "5" and env["LOCAL_RANK"] == "1"
+
+
+def test_a_cpu_worker_sees_no_gpu_unless_the_run_names_its_devices():
+    from ringtrain.worker_env import cpu_worker_devices
+
+    assert cpu_worker_devices(False, {}) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert cpu_worker_devices(True, {}) == {}  # a GPU worker's device comes from its local rank
+    assert cpu_worker_devices(False, {"CUDA_VISIBLE_DEVICES": "1"}) == {}  # the user's choice

@@ -41,6 +41,7 @@ from ringtrain.launch import shared_pool
 from ringtrain.launch.base import STACK_DUMP_SIGNAL, ChannelGroup, WorkerSpec, start_store
 from ringtrain.launch.pool import PooledProcess, PoolUnavailable, WorkerPool
 from ringtrain.launch.reaper import Reaper, wait_unreaped
+from ringtrain.worker_env import cpu_worker_devices
 
 logger = logging.getLogger("ringtrain")
 
@@ -210,6 +211,7 @@ class LocalWorkerGroup(ChannelGroup):
         )
         base_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         base_env.update(loopback_environment())
+        base_env.update(cpu_worker_devices(spec.use_gpu, spec.env))
         base_env.update(spec.env)
         base_env.update(self._reaper.environment())
         self._base_env = base_env

@@ -41,6 +41,7 @@ from ringtrain.launch.ray_placement import (
     explain_unplaceable,
     format_resources,
 )
+from ringtrain.worker_env import cpu_worker_devices
 
 logger = logging.getLogger("ringtrain")
 
@@ -265,6 +266,7 @@ class RayWorkerGroup(ChannelGroup):
         env[ENV_RAY_NODE_ID] = worker.info["node_id"]
         if self.spec.use_gpu and cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        env.update(cpu_worker_devices(self.spec.use_gpu, base))
         return env
 
     def _launch(self, pairs: list[tuple[GroupWorker, dict[str, str]]]) -> None:
