@@ -58,8 +58,11 @@ def _prepare(net: nn.Module, config: dict) -> tuple[nn.Module, torch.optim.Optim
             bucket_order=config.get("bucket_order", "fixed"),
             comm_hook=config.get("comm_hook"),
             static_graph=config.get("static_graph"),
+            precision=config.get("precision", "32"),
         )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if config.get("precision", "32") != "32":
+        optimizer = rt.prepare_optimizer(optimizer)  # "16-mixed": loss scaling (GradScaler)
     if strategy == "hvd":
         import ringtrain.horovod as hvd
 
@@ -82,7 +85,9 @@ def _final_state(model: nn.Module, optimizer: torch.optim.Optimizer, config: dic
     if _rank() != 0:
         return None
     module = model.module if hasattr(model, "module") else model
-    return {"model": module.state_dict(), "optimizer": optimizer.state_dict()["state"]}
+    final = {"model": module.state_dict(), "optimizer": optimizer.state_dict()["state"]}
+    scaler = getattr(optimizer, "grad_scaler", None)  # "16-mixed": the loss scale and its tracker
+    return final if scaler is None else {**final, "grad_scaler": scaler.state_dict()}
 
 
 def _rank() -> int:
@@ -95,9 +100,10 @@ def exact_resume_fn(config: dict) -> None:
     ``config.get("every", 4)`` steps and at each epoch's end. Kills by ``config["kills"]``
     (module docstring). Rank 0 saves ``{"model", "optimizer", "step"}`` to ``config["out"]``.
 
-    Options: ``strategy`` ("ddp", "fsdp", "hvd"), ``model`` ("small", "300k"),
-    ``bucket_cap_mb``, ``bucket_order``, ``comm_hook``, ``static_graph``, ``fusion_bytes``
-    (Horovod), ``loader_workers``."""
+    Options: ``strategy`` ("ddp", "fsdp", "hvd"), ``model`` ("small", "300k"), ``precision``
+    (DDP: "32", "bf16-mixed", "16-mixed"), ``bucket_cap_mb``, ``bucket_order``, ``comm_hook``,
+    ``static_graph``, ``fusion_bytes`` (Horovod), ``loader_workers``. Rank 0's file also has
+    ``"device"``, where the parameters trained (``"cuda:0"``, ``"cpu"``)."""
     ctx = rt.get_context()
     kills = [
         k[2:] for k in config.get("kills", ()) if (k[0], k[1]) == (ctx.attempt, ctx.world_rank)
@@ -128,10 +134,11 @@ def exact_resume_fn(config: dict) -> None:
         if ["epoch_start", epoch] in kills:
             _kill_self()
         for x, y in loader:
-            x = x + 0.01 * torch.from_numpy(np.random.randn(*x.shape)).float() * random.random()
+            noise = torch.from_numpy(np.random.randn(*x.shape)).float().to(x.device)
+            x = x + 0.01 * noise * random.random()
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
-            loss.backward()
+            rt.backward(loss)  # scales the loss under "16-mixed"; loss.backward() otherwise
             optimizer.step()
             scheduler.step()
             state.step += 1
@@ -142,11 +149,27 @@ def exact_resume_fn(config: dict) -> None:
         rt.report({"loss": loss.item(), "step": state.step, "epoch_end": epoch}, checkpoint=state)
     final = _final_state(model, optimizer, config)
     if final is not None:
-        torch.save({**final, "step": state.step}, config["out"])
+        device = str(next(model.parameters()).device)  # where it trained (FSDP gathers to CPU)
+        torch.save({**final, "step": state.step, "device": device}, config["out"])
     if config.get("strategy") == "hvd":
         import ringtrain.horovod as hvd
 
         hvd.shutdown()
+
+
+def assert_final_states_equal(clean: dict, got: dict, context: str = "") -> None:
+    """Two final states of :func:`exact_resume_fn` (``{"model", "optimizer", "step"}``) are equal,
+    tensor by tensor with ``torch.equal``; ``context`` ends each failure's message."""
+    assert got["step"] == clean["step"], context
+    assert got["model"].keys() == clean["model"].keys()
+    for k, v in clean["model"].items():
+        assert torch.equal(got["model"][k], v), (
+            f"parameter {k} differs (max |diff| {(got['model'][k] - v).abs().max():.3g}) {context}"
+        )
+    assert got["optimizer"].keys() == clean["optimizer"].keys()
+    for i, s in clean["optimizer"].items():
+        for name, v in s.items():
+            assert torch.equal(got["optimizer"][i][name], v), f"optimizer {i}.{name} {context}"
 
 
 # ------------------------------------------------------------------ fresh vs long-lived DDP

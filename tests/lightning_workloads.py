@@ -87,7 +87,9 @@ class KillAt(pl.Callback):
 
 
 class RecordStart(pl.Callback):
-    """Rank 0 appends ``{"attempt", "step", "ckpt_path"}`` to ``path`` when training starts."""
+    """Rank 0 appends ``{"attempt", "step", "ckpt_path", "device"}`` to ``path`` when training
+    starts (``device``: the module's, e.g. ``"cuda:0"``; Lightning moves it back to the CPU when
+    ``fit`` ends)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -99,6 +101,7 @@ class RecordStart(pl.Callback):
                     "attempt": rt.get_context().attempt,
                     "step": trainer.global_step,
                     "ckpt_path": str(trainer.ckpt_path) if trainer.ckpt_path else None,
+                    "device": str(pl_module.device),
                 }
                 f.write(json.dumps(entry) + "\n")
 

@@ -58,4 +58,5 @@ def preload_fn(config):
     with open(os.path.join(config["out"], f"{config['tag']}.rank{ctx.world_rank}.json"), "w") as f:
         json.dump(record, f)
     rt.report({"rank": ctx.world_rank})
-    torch.distributed.barrier()
+    if ctx.world_size > 1:  # world size 1 runs without a process group (distributed.py)
+        torch.distributed.barrier()

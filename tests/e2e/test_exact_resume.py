@@ -53,17 +53,7 @@ def _baseline(tmp_path_factory, workers, **config):
     return _baselines[key]
 
 
-def assert_bit_identical(clean: dict, got: dict, context: str = "") -> None:
-    assert got["step"] == clean["step"], context
-    assert got["model"].keys() == clean["model"].keys()
-    for k, v in clean["model"].items():
-        assert torch.equal(got["model"][k], v), (
-            f"parameter {k} differs (max |diff| {(got['model'][k] - v).abs().max():.3g}) {context}"
-        )
-    assert got["optimizer"].keys() == clean["optimizer"].keys()
-    for i, s in clean["optimizer"].items():
-        for name, v in s.items():
-            assert torch.equal(got["optimizer"][i][name], v), f"optimizer {i}.{name} {context}"
+assert_bit_identical = ew.assert_final_states_equal
 
 
 # ------------------------------------------------------------------ one step of a fresh DDP

@@ -96,7 +96,12 @@ def test_the_zygotes_imports_and_checks_never_ask_cuda_for_its_devices(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", refuse)
     monkeypatch.setattr(torch.cuda, "device_count", refuse)
     monkeypatch.setattr(threading, "active_count", lambda: 1)  # pytest-xdist runs threads
+    # A CUDA build of torch forks a probe to ask torch's bad-fork state (tests/multiprocess/
+    # test_pool.py runs it for real); here the probe is replaced, and must get torch's own check.
+    probed: list = []
+    monkeypatch.setattr(zygote, "_child_cuda_ok", lambda check: probed.append(check) or True)
     zygote._preload()
     assert zygote._fork_blocker() == 0
+    assert probed == [getattr(torch._C, "_cuda_isInBadFork", None)]
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert zygote._fork_blocker() == zygote._CUDA
