@@ -60,7 +60,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import ringtrain as rt
 
@@ -340,14 +340,21 @@ def random_shift(x: torch.Tensor, max_shift: int) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset: TensorDataset, device: torch.device) -> float:
-    """Accuracy of ``model`` on every example of ``dataset`` (each rank evaluates all of it)."""
-    model.eval()
-    correct = 0
-    for images, labels in DataLoader(dataset, batch_size=250):
-        logits = model(normalize(to_input(images.to(device))))
-        correct += int((logits.argmax(dim=1) == labels.to(device)).sum())
-    model.train()
-    return correct / len(dataset)
+    """Accuracy of ``model`` on every example of ``dataset``, computed once across the workers:
+    of W ranks, rank r classifies examples r, r + W, r + 2W, ... and one allreduce sums the
+    correct counts, so every rank returns the same accuracy (an exact count: no rounding)."""
+    ctx = rt.get_context()
+    net = getattr(model, "module", model)  # unwrapped: DDP's forward would sync per batch
+    net.eval()
+    shard = Subset(dataset, range(ctx.world_rank, len(dataset), ctx.world_size))
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    for images, labels in DataLoader(shard, batch_size=250):
+        logits = net(normalize(to_input(images.to(device))))
+        correct += (logits.argmax(dim=1) == labels.to(device)).sum()
+    if ctx.world_size > 1:
+        torch.distributed.all_reduce(correct)  # every rank calls evaluate at the same point
+    net.train()
+    return int(correct) / len(dataset)
 
 
 # ----------------------------------------------------------------------------------- train function
