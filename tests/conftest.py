@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -94,6 +95,14 @@ def _private_signing_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts a background job (`cmd &` without job control, some CI runners) with SIGINT
+    # ignored; Python then installs no KeyboardInterrupt handler, and the processes it starts
+    # inherit the ignored signal. A test that sends this process a Ctrl-C then saw nothing (two
+    # of tests/unit/test_progress.py failed so in a clean-clone CI started as a background job).
+    # The suite runs as from a terminal: Python's own handler here, and SIG_DFL (so Python's
+    # handler) in the processes the tests start. Runs in the controller and in each xdist worker.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line(
         "markers",
         "own_pool: the test's fits start their own warm pools (or none), outside the session's "

@@ -39,9 +39,11 @@ class TTYStringIO(io.StringIO):
         return True
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def plain_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No environment variable forcing rich's terminal detection either way."""
+    """No environment variable forcing rich's terminal detection either way, and a terminal that
+    draws (``TERM=dumb``, common on CI machines, turns rich's live display off); a test that
+    wants another ``TERM`` sets it."""
     for var in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "NO_COLOR", "JUPYTER_COLUMNS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TERM", "xterm-256color")
