@@ -109,12 +109,15 @@ def test_max_failures_exhausted_raises_with_every_failure(tmp_path):
 @pytest.mark.parametrize("how", ["hang", "freeze"])
 def test_hung_worker_is_detected_and_the_run_recovers(tmp_path, tmp_path_factory, capfd, how):
     clean = _baseline(tmp_path_factory)
-    job = {"max_failures": 1, "worker_timeout_s": 2.0}
+    # A live rank heartbeats every timeout/5; the driver calls it frozen once it is silent for
+    # the whole timeout. 2 s was too short beside a CPU burner: a hung (sleeping, heartbeating)
+    # rank went unheard for 2 s and was reported frozen (stop 40's load run).
+    job = {"max_failures": 1, "worker_timeout_s": 4.0}
     result, final = _fit(tmp_path, how, (how, 13), job=job)
     [failure] = result.failures
     assert failure.kind == "hang" and failure.rank == 1
     expected = "made no progress" if how == "hang" else "stopped answering"
-    assert expected in failure.message and "worker_timeout_s=2" in failure.message
+    assert expected in failure.message and "worker_timeout_s=4" in failure.message
     if how == "hang":
         # The driver asked the hung rank for its stacks: the line it sleeps on reached the
         # driver's output with the rank's prefix (a frozen rank answers only once continued).
