@@ -157,6 +157,27 @@ def exact_resume_fn(config: dict) -> None:
         hvd.shutdown()
 
 
+def run_exact(
+    tmp_path: Any, name: str, workers: int, *, epochs: int, job: dict | None = None, **config: Any
+) -> tuple[rt.Result, dict]:
+    """Run :func:`exact_resume_fn` for ``epochs`` on ``workers`` processes as
+    ``tmp_path/runs/<name>`` (``job``: more ``support.run_job`` arguments, ``config``: the
+    function's options) and return the Result (no error: asserted) and rank 0's final state."""
+    from support import run_job  # the pytest process's helper; workers never need it
+
+    out = tmp_path / f"{name}.pt"
+    result = run_job(
+        exact_resume_fn,
+        workers,
+        storage_path=tmp_path / "runs",
+        name=name,
+        train_loop_config={"epochs": epochs, "out": str(out), **config},
+        **(job or {}),
+    )
+    assert result.error is None, result.error
+    return result, torch.load(out, weights_only=True)
+
+
 def assert_final_states_equal(clean: dict, got: dict, context: str = "") -> None:
     """Two final states of :func:`exact_resume_fn` (``{"model", "optimizer", "step"}``) are equal,
     tensor by tensor with ``torch.equal``; ``context`` ends each failure's message."""

@@ -129,6 +129,15 @@ def quiet_trainer_kwargs(
 _trainer_kwargs = quiet_trainer_kwargs
 
 
+def assert_same_parameters(a: dict, b: dict) -> None:
+    """Two :func:`save_final` files hold the same step and, tensor by tensor (``torch.equal``),
+    the same parameters."""
+    assert a["step"] == b["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"parameter {k} differs"
+
+
 def save_final(module: pl.LightningModule, trainer: pl.Trainer, out: str) -> None:
     if trainer.global_rank == 0:
         state = {k: v.clone() for k, v in module.state_dict().items()}

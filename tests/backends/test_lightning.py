@@ -71,11 +71,7 @@ def _clean(tmp_path_factory, prepared: bool = False):
     return _runs[key]
 
 
-def assert_same_parameters(a: dict, b: dict) -> None:
-    assert a["step"] == b["step"]
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), f"parameter {k} differs"
+assert_same_parameters = lightning_workloads.assert_same_parameters
 
 
 # ------------------------------------------------------------------------------------ optional

@@ -15,11 +15,9 @@ import os
 import random
 
 import pytest
-import torch
 
 import exact_workloads as ew
 import ringtrain as rt
-from support import run_job
 
 SHARES_RUNS = True  # its tests share cached runs: one pytest worker runs them all (conftest)
 
@@ -27,18 +25,8 @@ EPOCHS = 3  # 10 steps per epoch at every world size; reports at 4, 8, 10, 12, 1
 
 
 def _run(tmp_path, name, workers, *, max_failures=3, async_save=True, **config):
-    out = tmp_path / f"{name}.pt"
-    result = run_job(
-        ew.exact_resume_fn,
-        workers,
-        storage_path=tmp_path / "runs",
-        name=name,
-        max_failures=max_failures,
-        async_save=async_save,
-        train_loop_config={"epochs": EPOCHS, "out": str(out), **config},
-    )
-    assert result.error is None, result.error
-    return result, torch.load(out, weights_only=True)
+    job = {"max_failures": max_failures, "async_save": async_save}
+    return ew.run_exact(tmp_path, name, workers, epochs=EPOCHS, job=job, **config)
 
 
 _baselines: dict[tuple, dict] = {}

@@ -37,18 +37,8 @@ KILLS = [[0, 0, "step", 7], [1, 0, "write", 2, 300]]
 
 
 def _gpu_run(tmp_path, name, config, kills=()):
-    out = tmp_path / f"{name}.pt"
-    result = run_job(
-        ew.exact_resume_fn,
-        1,
-        storage_path=tmp_path / "runs",
-        name=name,
-        use_gpu=True,
-        max_failures=len(kills),
-        train_loop_config={"epochs": 3, "out": str(out), "kills": list(kills), **config},
-    )
-    assert result.error is None, result.error
-    return result, torch.load(out, weights_only=True)
+    job = {"use_gpu": True, "max_failures": len(kills)}
+    return ew.run_exact(tmp_path, name, 1, epochs=3, job=job, kills=list(kills), **config)
 
 
 @needs_cuda
@@ -112,7 +102,4 @@ def test_lightning_on_a_gpu_worker_resumes_from_its_epoch_checkpoint_exactly(tmp
         starts = (tmp_path / f"{name}.starts").read_text().splitlines()
         # Every attempt trained on the GPU (Lightning moves the module back to the CPU after fit).
         assert [json.loads(line)["device"] for line in starts] == ["cuda:0"] * (2 if kill else 1)
-    clean, killed = finals["clean"], finals["killed"]
-    assert killed["step"] == clean["step"]
-    for k, v in clean["model"].items():
-        assert torch.equal(killed["model"][k], v), f"parameter {k} differs"
+    lw.assert_same_parameters(finals["killed"], finals["clean"])
