@@ -2,7 +2,8 @@
 workers).
 
 ``loader_fn`` iterates a ``DataLoader(num_workers=2)`` prepared by ringtrain and, once its loader
-workers exist, writes ``{"pid", "loaders"}`` to ``{pid_dir}/rank{R}.attempt{A}.json``; then by
+workers exist, writes ``{"pid", "loaders", "mp_temp", "mp_temp_files"}`` (its multiprocessing
+temp dir and what is in it) to ``{pid_dir}/rank{R}.attempt{A}.json``; then by
 ``config["mode"]``: ``"hang"`` loops until it is stopped, ``"finish"`` returns after a few batches,
 ``"error"`` raises on rank 0, ``"kill_worker"`` SIGKILLs rank 1 in the first attempt (and the
 second attempt finishes). Rank 0 of the first attempt also starts ``sleep 600`` in a session of
@@ -12,6 +13,7 @@ its own (``"escaped"``): a process that left the worker's process group.
 from __future__ import annotations
 
 import json
+import multiprocessing.util
 import os
 import signal
 import subprocess
@@ -59,7 +61,14 @@ def loader_fn(config):
         for _ in loader:
             batches += 1
             if not written:
-                record = {"pid": os.getpid(), "loaders": children(os.getpid())}
+                record = {
+                    "pid": os.getpid(),
+                    "loaders": children(os.getpid()),
+                    # Where this worker's loader workers put their sockets (launch/reaper.py):
+                    # a batch has come through, so the listener of one is in it already.
+                    "mp_temp": multiprocessing.util.get_temp_dir(),
+                    "mp_temp_files": sorted(os.listdir(multiprocessing.util.get_temp_dir())),
+                }
                 if ctx.world_rank == 0 and ctx.attempt == 0:
                     # A child that leaves the worker's process group (its own session): only
                     # the run token in its environment can find it.

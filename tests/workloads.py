@@ -370,7 +370,10 @@ def timed_fn(config):
 
 def placement_fn(config):
     """Reports where this rank runs (node rank, local rank, the Ray node id the launcher set,
-    the rendezvous host) after an allreduce over the whole group."""
+    the rendezvous host) after an allreduce over the whole group, and its multiprocessing temp
+    dir."""
+    import multiprocessing.util
+
     ctx = rt.get_context()
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -383,6 +386,7 @@ def placement_fn(config):
             "node_id": os.environ.get("RINGTRAIN_RAY_NODE_ID"),
             "master_addr": ctx.master_addr,
             "threads": torch.get_num_threads(),
+            "mp_temp": multiprocessing.util.get_temp_dir(),
         }
     )
 

@@ -162,6 +162,11 @@ def test_spread_placement_sets_node_and_local_ranks(cluster, tmp_path):
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert set(node_ids) <= alive
     assert len(set(node_ids)) == len(set(node_ranks))  # one node id per node rank
+    # Each worker's multiprocessing temp dir (launch/reaper.py) is gone with it: its actor
+    # removes it once the worker has exited.
+    temps = [m["mp_temp"] for m in per_rank]
+    assert all(os.path.basename(t).startswith("pymp-ringtrain-") for t in temps), temps
+    assert wait_until(lambda: not any(map(os.path.exists, temps)), timeout_s=10), temps
     assert_torn_down()
 
 

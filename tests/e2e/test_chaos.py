@@ -11,12 +11,14 @@ assertion message.
 from __future__ import annotations
 
 import json
+import multiprocessing.util
 import os
 import random
 import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,6 +39,9 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def leaky_rng_fn(config):
     """Deterministic when never interrupted, but its input noise comes from a generator that is
     not in the TrainState: a resumed attempt restarts the noise, and diverges at once."""
+    if "temp_dirs" in config:  # where each worker's multiprocessing temp dir was
+        temp = multiprocessing.util.get_temp_dir()
+        Path(config["temp_dirs"], os.path.basename(temp)).write_text(temp)
     torch.manual_seed(0)
     random.seed(0)  # unseeded, Python's and NumPy's RNG states would differ between any 2 runs
     np.random.seed(0)
@@ -159,9 +164,11 @@ def test_sigstop_without_hang_detection_is_hung_and_leaves_no_process(tmp_path):
     seed = 0  # at W=2 and --steps 10 (of 12): SIGSTOP of rank 0 at step 2
     [fault] = make_plan(ChaosConfig(seed=seed, faults=("hang",), faults_per_run=1), 2, 1, 10)
     assert fault.step <= 3, f"seed {seed}: plan changed ({fault}), pick another seed"
+    temp_dirs = tmp_path / "temp-dirs"
+    temp_dirs.mkdir()
     report = run_campaign(
         leaky_rng_fn,
-        train_loop_config={"epochs": 2},
+        train_loop_config={"epochs": 2, "temp_dirs": str(temp_dirs)},
         scaling_config=rt.ScalingConfig(num_workers=2),
         steps=10,
         runs=1,
@@ -184,6 +191,11 @@ def test_sigstop_without_hang_detection_is_hung_and_leaves_no_process(tmp_path):
     assert "killed with every process of the run" in run.detail and not report.ok
     assert run.faults[0]["detected"] is False  # no FailureConfig.worker_timeout_s: nobody saw it
     assert _chaos_procs(tmp_path / "chaos") == []
+    # No file of theirs either: the campaign killed the reaper with the run, so it removed the
+    # workers' multiprocessing temp dirs itself (the clean run's zygote removed its workers').
+    temps = [p.read_text() for p in temp_dirs.iterdir()]
+    assert len(temps) == 4, temps  # 2 ranks of the clean run, 2 of the hung one
+    assert [t for t in temps if os.path.exists(t)] == []
 
 
 # ------------------------------------------------------------------ logic (no processes)

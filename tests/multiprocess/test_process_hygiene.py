@@ -11,6 +11,11 @@ alive for up to 12 s: ``PR_SET_PDEATHSIG`` covered the workers, not their childr
 
 And a single worker SIGKILLed mid-run (as a chaos test does): its loader workers are dead within
 1 s of it, and the next attempt starts without them.
+
+Files too: each worker's multiprocessing temp dir (where its loader workers open their listener
+sockets) is removed once the worker is dead, on every path above: by the zygote that forked it,
+by the driver for a cold worker (the error exit runs cold workers), by the reaper when the driver
+was SIGKILLed.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ GRACE_S = 1.0  # the requirement: nothing of the run alive 1 s after the driver 
 _DRIVER = AS_AT_A_TERMINAL + textwrap.dedent(
     """
     import sys, hygiene_workloads, ringtrain as rt
-    rt.Trainer(hygiene_workloads.loader_fn, rt.ScalingConfig(num_workers=2),
+    rt.Trainer(hygiene_workloads.loader_fn,
+               rt.ScalingConfig(num_workers=2, warm_start=sys.argv[4] == "warm"),
                rt.RunConfig(name="hygiene", storage_path=sys.argv[1], progress="off"),
                train_loop_config={"pid_dir": sys.argv[2], "mode": sys.argv[3]}).fit()
     """
@@ -74,15 +80,16 @@ def _records(pid_dir, attempt: int = 0) -> dict[int, dict]:
     return found
 
 
-def _start_driver(tmp_path, mode: str):
-    """The driver process, once both workers iterate their loaders (each with 2 workers)."""
+def _start_driver(tmp_path, mode: str, start: str = "warm"):
+    """The driver process, once both workers iterate their loaders (each with 2 workers);
+    ``start``: ``"warm"`` (workers forked by the warm pool's zygote) or ``"cold"``."""
     token = uuid.uuid4().hex
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, *sys.path]), **{MARK: token})
     driver = subprocess.Popen(  # with SIGINT ignored, as a backgrounded session's child
-        ctrl_c_driver(_DRIVER, str(tmp_path / "runs"), str(pid_dir), mode),
+        ctrl_c_driver(_DRIVER, str(tmp_path / "runs"), str(pid_dir), mode, start),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -108,21 +115,40 @@ def _assert_nothing_left(token: str, exited_at: float, how: str) -> None:
         )
 
 
+def _assert_temp_dirs_removed(records: list[dict]) -> None:
+    """Each worker's multiprocessing temp dir, where its loader workers had a listener socket,
+    is gone (``launch/reaper.py``: a SIGKILLed process's exit handlers never remove theirs; each
+    such run left one ``/tmp/pymp-*`` directory per worker before)."""
+    temps = [r["mp_temp"] for r in records]
+    assert wait_until(lambda: not any(map(os.path.exists, temps)), timeout_s=10), [
+        t for t in temps if os.path.exists(t)
+    ]
+
+
+def _check_temp_dirs(records: dict[int, dict]) -> None:
+    """The setup holds: each worker's temp dir is its own, named by its pid, and its loader
+    workers opened their listener sockets there."""
+    for r in records.values():
+        assert os.path.basename(r["mp_temp"]).startswith(f"pymp-ringtrain-{r['pid']}-"), r
+        assert any(f.startswith("listener-") for f in r["mp_temp_files"]), r
+
+
 @pytest.mark.parametrize(
-    ("mode", "how"),
+    ("mode", "how", "start"),
     [
-        ("hang", signal.SIGKILL),
-        ("hang", signal.SIGINT),
-        ("finish", None),
-        ("error", None),
+        ("hang", signal.SIGKILL, "warm"),
+        ("hang", signal.SIGINT, "warm"),
+        ("finish", None, "warm"),
+        ("error", None, "cold"),
     ],
-    ids=["driver-sigkill", "driver-ctrl-c", "normal-end", "error-exit"],
+    ids=["driver-sigkill", "driver-ctrl-c", "normal-end", "error-exit-cold-workers"],
 )
-def test_nothing_outlives_the_driver(tmp_path, mode, how):
-    driver, pid_dir, token = _start_driver(tmp_path, mode)
+def test_nothing_outlives_the_driver(tmp_path, mode, how, start):
+    driver, pid_dir, token = _start_driver(tmp_path, mode, start)
     try:
         records = _records(pid_dir)
         assert all(len(r["loaders"]) == 2 for r in records.values()), records  # the setup holds
+        _check_temp_dirs(records)
         if mode == "hang":  # driver, reaper, 2 workers, 4 loader workers, 1 escaped
             assert len(_marked(token)) >= 9, _describe(_marked(token))
         if how is not None:
@@ -136,6 +162,7 @@ def test_nothing_outlives_the_driver(tmp_path, mode, how):
             driver.wait()
     label = f"driver {how.name}" if how is not None else mode
     _assert_nothing_left(token, exited_at, label)
+    _assert_temp_dirs_removed(list(records.values()))
     if mode == "finish":
         assert driver.returncode == 0
     if mode == "error":
@@ -183,6 +210,9 @@ def test_a_killed_workers_loaders_die_with_it(tmp_path):
     assert not seen["left"], f"loader workers {seen['left']} outlived their SIGKILLed worker"
     assert seen["after_s"] <= GRACE_S, seen
     assert set(_records(pid_dir, attempt=1)) == {0, 1}  # the next attempt ran
+    _check_temp_dirs(_records(pid_dir))
+    # rank 1's SIGKILLed first attempt included: its zygote removed each worker's temp dir
+    _assert_temp_dirs_removed([*_records(pid_dir).values(), *_records(pid_dir, 1).values()])
 
 
 _FORKING_DRIVER = textwrap.dedent(

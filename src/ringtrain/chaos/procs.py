@@ -15,6 +15,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ringtrain.launch.reaper import remove_worker_temp_dir
+
 TAG_ENV = "RINGTRAIN_CHAOS_TAG"
 
 
@@ -55,17 +57,22 @@ def tagged(tag: str) -> list[Orphan]:
 
 
 def kill_tagged(tag: str, rounds: int = 3) -> None:
-    """SIGKILL every process of the run (a SIGSTOPped one too), until none is left."""
+    """SIGKILL every process of the run (a SIGSTOPped one too), until none is left; then remove
+    the multiprocessing temp dirs of the workers among them (their reaper was killed too)."""
+    killed: set[int] = set()
     for _ in range(rounds):
         procs = tagged(tag)
         if not procs:
-            return
+            break
         for p in procs:
             try:
                 os.kill(p.pid, signal.SIGKILL)
+                killed.add(p.pid)
             except OSError:
                 pass
         time.sleep(0.2)
+    for pid in killed:
+        remove_worker_temp_dir(pid)
 
 
 def start_driver(spec_path: str, tag: str, log_path: str) -> subprocess.Popen[bytes]:

@@ -40,7 +40,7 @@ from ringtrain.env import loopback_environment, worker_environment
 from ringtrain.launch import shared_pool
 from ringtrain.launch.base import STACK_DUMP_SIGNAL, ChannelGroup, WorkerSpec, start_store
 from ringtrain.launch.pool import PooledProcess, PoolUnavailable, WorkerPool
-from ringtrain.launch.reaper import Reaper, wait_unreaped
+from ringtrain.launch.reaper import Reaper, remove_worker_temp_dir, wait_unreaped
 from ringtrain.worker_env import cpu_worker_devices
 
 logger = logging.getLogger("ringtrain")
@@ -303,10 +303,12 @@ class LocalWorkerGroup(ChannelGroup):
     def _wait_exit(self, rank: int, proc: WorkerProcess) -> None:
         # Process hygiene: once the worker is dead (not yet reaped, so its pid cannot be reused)
         # its DataLoader workers and other children go too, before any next attempt starts.
-        # (A pooled worker's zygote does both before it reaps the worker.)
+        # Then its multiprocessing temp dir (a SIGKILLed worker's exit handlers never ran). (A
+        # pooled worker's zygote does all three before it reaps the worker.)
         if not isinstance(proc, PooledProcess):
             wait_unreaped(proc.pid)
             _signal_group(proc, signal.SIGKILL)
+            remove_worker_temp_dir(proc.pid, self._base_env)
         code = proc.wait()
         self._reaper.discard(proc.pid)
         with self._lock:

@@ -16,6 +16,8 @@ import time
 from collections import deque
 from typing import IO, Any
 
+from ringtrain.launch.reaper import remove_worker_temp_dir, wait_unreaped
+
 
 class RayWorker:
     """One Ray actor per worker: reports its node, optionally hosts the rendezvous store, and
@@ -110,7 +112,7 @@ class RayWorker:
         assert proc.stdout is not None and proc.stderr is not None
         for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
             threading.Thread(target=self._read, args=(pipe, name), daemon=True).start()
-        threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
+        threading.Thread(target=self._wait, args=(proc, full_env), daemon=True).start()
         return proc.pid
 
     def _read(self, pipe: IO[bytes], name: str) -> None:
@@ -127,7 +129,9 @@ class RayWorker:
                 self._open_pipes -= 1
                 self._cond.notify_all()
 
-    def _wait(self, proc: subprocess.Popen[bytes]) -> None:
+    def _wait(self, proc: subprocess.Popen[bytes], env: dict[str, str]) -> None:
+        wait_unreaped(proc.pid)  # its pid stays the worker's until reaped
+        remove_worker_temp_dir(proc.pid, env)  # a killed worker's exit handlers never ran
         code = proc.wait()
         with self._cond:
             self._returncode = code

@@ -3,8 +3,10 @@
 Started by a launcher with the variables of :func:`ringtrain.env.worker_environment`. It
 
 1. arranges to die with its parent (``PR_SET_PDEATHSIG`` on Linux, plus a watchdog thread that
-   polls the parent pid everywhere), so no worker outlives a killed driver, and to print its
-   threads' stacks on :data:`~ringtrain.launch.base.STACK_DUMP_SIGNAL`;
+   polls the parent pid everywhere), so no worker outlives a killed driver, to print its
+   threads' stacks on :data:`~ringtrain.launch.base.STACK_DUMP_SIGNAL`, and to keep its
+   multiprocessing temp dir where its reaper removes it
+   (:func:`~ringtrain.launch.reaper.use_worker_temp_dir`);
 2. connects to the driver's authenticated channel (its address and secret are the only
    ``RINGTRAIN_*`` variables it reads: :data:`ringtrain.env.BOOTSTRAP_ENV`), says Hello and
    receives its Start message, whose :class:`~ringtrain.worker_config.WorkerConfig` says
@@ -41,6 +43,7 @@ from ringtrain.channel import Done, Hello, Start, WorkerChannel, WorkerError
 from ringtrain.distributed import destroy_process_group, init_process_group
 from ringtrain.env import RingtrainEnvironment
 from ringtrain.launch.base import STACK_DUMP_SIGNAL
+from ringtrain.launch.reaper import use_worker_temp_dir
 from ringtrain.monitor.timing import StepLimitReached, install_timer
 from ringtrain.worker_config import WorkerConfig
 
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     # Before any thread starts: SIGTERM from anyone but the driver becomes a preemption notice.
     preempt_worker.watch_worker_signals()
     die_with_parent()
+    # Its multiprocessing temp dir (DataLoader workers' sockets), which whoever reaps this
+    # process removes: a SIGKILLed worker's exit handlers never run.
+    use_worker_temp_dir()
     # Where a hung rank is stuck, on demand (a train function may install its own handler).
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     # Before the Hello: loading torch's libraries holds the GIL for long stretches (a 0.4 s

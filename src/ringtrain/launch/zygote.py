@@ -15,7 +15,9 @@ import select
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+from ringtrain.launch.reaper import remove_worker_temp_dir
 
 _MAX_MSG = 1 << 20
 
@@ -145,8 +147,9 @@ def _child(sock: socket.socket, request: dict[str, object], fds: list[int], read
         os._exit(code)
 
 
-def _reap(sock: socket.socket, children: set[int]) -> None:
-    """Report every ended child (after SIGKILLing its process group: DataLoader workers)."""
+def _reap(sock: socket.socket, children: dict[int, Mapping[str, str]]) -> None:
+    """Report every ended child (after SIGKILLing its process group: DataLoader workers, and
+    removing its multiprocessing temp dir). ``children``: each live child's environment."""
     while True:
         try:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -156,8 +159,9 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(info.si_pid, signal.SIGKILL)
+        remove_worker_temp_dir(info.si_pid, children.get(info.si_pid))  # before its pid is free
         _, status = os.waitpid(info.si_pid, 0)
-        children.discard(info.si_pid)  # reaped: its number may be reused now
+        children.pop(info.si_pid, None)  # reaped: its number may be reused now
         code = os.waitstatus_to_exitcode(status)
         with contextlib.suppress(OSError):
             sock.sendall(json.dumps({"exit": info.si_pid, "code": code}).encode() + b"\n")
@@ -168,7 +172,7 @@ def _serve(sock: socket.socket, tried: set[str], blocked: int) -> None:
     imported (or tried) so far; ``blocked``: :func:`_fork_blocker`'s answer (0: forking), given
     instead of a pid once not 0."""
     buf = b""
-    children: set[int] = set()
+    children: dict[int, Mapping[str, str]] = {}
     pending: list[int] = []  # the descriptors of the request being read
     while True:
         ready, _, _ = select.select([sock], [], [], 0.05)
@@ -192,9 +196,10 @@ def _serve(sock: socket.socket, tried: set[str], blocked: int) -> None:
                 os.close(fd)
             pending = pending[2:]
             sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    for pid in children:  # the driver closed the channel: the run is over
+    for pid, env in children.items():  # the driver closed the channel: the run is over
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
+        remove_worker_temp_dir(pid, env)  # (not reaped yet: the pid is still the worker's)
     while True:
         try:
             os.waitpid(-1, 0)
@@ -203,7 +208,10 @@ def _serve(sock: socket.socket, tried: set[str], blocked: int) -> None:
 
 
 def _fork(
-    sock: socket.socket, request: dict[str, object], fds: list[int], children: set[int]
+    sock: socket.socket,
+    request: dict[str, object],
+    fds: list[int],
+    children: dict[int, Mapping[str, str]],
 ) -> int:
     """Fork the worker of ``request``; its pid once it leads its own session."""
     ready_r, ready_w = os.pipe()
@@ -216,7 +224,8 @@ def _fork(
     # group that just started) then reaches it (EOF if the child died first).
     os.read(ready_r, 1)
     os.close(ready_r)
-    children.add(pid)
+    env = request.get("env")
+    children[pid] = env if isinstance(env, dict) else {}
     return pid
 
 
