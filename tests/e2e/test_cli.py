@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from support import pipe_unread, wait_until
+
 RINGTRAIN = shutil.which("ringtrain") or os.path.join(os.path.dirname(sys.executable), "ringtrain")
 
 TORCHRUN_STYLE = textwrap.dedent(
@@ -183,6 +185,35 @@ def test_ls_and_show_on_a_real_run(tmp_path):
     assert "sum" in show.stdout and "3" in show.stdout
     missing = ringtrain("ls", "nowhere", cwd=tmp_path)
     assert missing.returncode == 1 and "nowhere" in missing.stderr
+    # A table bigger than the pipe it goes to, whose write end is non-blocking (as some
+    # terminals and CI runners hand it over) and whose reader is not reading yet: every byte
+    # still arrives (before, all past the first 4 KiB was lost, silently: exit status 0).
+    many = tmp_path / "many"
+    for i in range(200):  # ~13 KB of table
+        shutil.copytree(tmp_path / "runs" / "seen", many / f"seen{i:03d}")
+    table = _read_through_a_full_non_blocking_pipe([RINGTRAIN, "ls", str(many)], tmp_path)
+    assert all(f"seen{i:03d}" in table for i in range(200)), table[-2000:]
+
+
+def _read_through_a_full_non_blocking_pipe(cmd: list[str], cwd) -> str:
+    """Run ``cmd`` with its stdout a non-blocking pipe of one page that nobody reads until it is
+    full (or the command ended); then read everything. Fails if the command fails."""
+    import fcntl
+
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    os.set_blocking(w, False)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=w, stderr=subprocess.PIPE)
+    os.close(w)
+
+    assert wait_until(lambda: pipe_unread(r) >= 4096 or proc.poll() is not None, timeout_s=60)
+    chunks = []
+    with os.fdopen(r, "rb") as out:
+        while chunk := out.read(65536):
+            chunks.append(chunk)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    return b"".join(chunks).decode()
 
 
 CHECKPOINTING = textwrap.dedent(

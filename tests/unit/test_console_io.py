@@ -24,6 +24,7 @@ from rich.file_proxy import FileProxy
 
 from ringtrain import console_io
 from ringtrain.console_io import WholeWrites, write_all, write_whole
+from support import pipe_unread
 
 
 def test_write_all_finishes_partial_writes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,3 +273,43 @@ def test_the_final_panel_frame_arrives_whole_while_signals_arrive(
     assert "ABORTED" in last and "16 stopped" in last, last[-2000:]
     assert last.count("\u256d") == 1 and last.count("\u2570") == 1, last[-2000:]  # ╭ and ╰
     assert last.endswith("\n\x1b[?25h"), repr(last[-300:])  # the line after it, cursor shown
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["stdout", "PYTHONUNBUFFERED"])
+def test_a_chaos_campaigns_lines_reach_a_full_non_blocking_pipe_whole(buffered: bool) -> None:
+    """``ringtrain chaos``'s display (as ``ls``/``show``/``bench``: tests/e2e/test_cli.py) writes
+    whole into a non-blocking pipe whose reader has not read yet: before, what did not fit in
+    the pipe was lost, and nothing said so."""
+    from ringtrain.chaos.display import Display
+    from ringtrain.chaos.report import RunReport
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    if buffered:
+        stream: Any = open(w, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    else:
+        stream = _unbuffered_stdout(w)
+    plan = [f"kill rank {i % 4} at step {i}" for i in range(6000)]  # ~130 KB: 2 pipes full
+    got = bytearray()
+    written = threading.Event()
+
+    def read_once_full() -> None:
+        while pipe_unread(r) < 65536 and not written.is_set():
+            time.sleep(0.01)
+        while chunk := os.read(r, 65536):
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read_once_full)
+    reader.start()
+    try:
+        Display("plain", file=stream).run_started(RunReport(2, 1, "0:2:1", []), plan)
+        stream.flush()
+    finally:
+        written.set()
+        stream.close()
+        os.close(w)
+        reader.join(timeout=60)
+        os.close(r)
+    text = got.decode()
+    assert text.startswith("[W=2 run 1]: kill rank 0 at step 0; "), text[:200]
+    assert text.rstrip().endswith(f"{plan[-1]} (seed 0:2:1)"), text[-200:]

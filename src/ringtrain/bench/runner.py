@@ -23,6 +23,7 @@ from rich.table import Table
 from ringtrain.bench.allreduce import measure_allreduce
 from ringtrain.bench.analysis import PARTS, BenchError, RunTiming, aggregate_windows
 from ringtrain.bench.report import build_report, require_matplotlib, write_report
+from ringtrain.console_io import whole_writes
 
 __all__ = ["BenchConfig", "amdahl_line", "load_timing_windows", "parse_workers", "run_bench"]
 
@@ -209,7 +210,7 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> dict[str, 
     from ringtrain.trainer import run_workers
 
     require_matplotlib()  # before minutes of runs, not after
-    console = console or Console()
+    console = console or Console(file=whole_writes())
     script = os.path.abspath(config.script)
     stem = os.path.splitext(os.path.basename(script))[0]
     out_dir = os.path.abspath(config.out_dir)

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Protocol, TextIO
 
 from ringtrain.chaos.report import CampaignReport, RunReport
+from ringtrain.console_io import whole_writes
 
 if TYPE_CHECKING:
     from rich.status import Status
@@ -55,7 +56,8 @@ class Display:
         if mode == "auto":
             mode = "rich" if getattr(self.file, "isatty", lambda: False)() else "plain"
         self.mode = mode
-        self.console = Console(file=self.file, highlight=False, soft_wrap=True)
+        # Written whole: into a full non-blocking pipe a plain write lost the rest, silently.
+        self.console = Console(file=whole_writes(self.file), highlight=False, soft_wrap=True)
         self._status: Status | None = None
         self._label = ""
         self._started = 0.0

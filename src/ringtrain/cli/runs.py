@@ -32,6 +32,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """``ringtrain ls``: a table of the runs (and sweeps) under ``args.storage``."""
     from rich.console import Console
 
+    from ringtrain.console_io import whole_writes
     from ringtrain.monitor.render import render_runs
     from ringtrain.monitor.runs import list_runs
     from ringtrain.monitor.sweeps import list_sweeps
@@ -41,7 +42,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"ringtrain ls: {exc}", file=sys.stderr)
         return 1
-    render_runs(runs, Console(), list_sweeps(args.storage))
+    render_runs(runs, Console(file=whole_writes()), list_sweeps(args.storage))
     return 0
 
 
@@ -49,6 +50,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     """``ringtrain show``: one run's config, metrics, checkpoints and failures."""
     from rich.console import Console
 
+    from ringtrain.console_io import whole_writes
     from ringtrain.monitor.render import render_run
     from ringtrain.monitor.runs import load_run
 
@@ -57,5 +59,5 @@ def cmd_show(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"ringtrain show: {exc}", file=sys.stderr)
         return 1
-    render_run(details, Console(), max_rounds=args.rounds)
+    render_run(details, Console(file=whole_writes()), max_rounds=args.rounds)
     return 0
