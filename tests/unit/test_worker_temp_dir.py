@@ -73,3 +73,13 @@ def test_the_workers_own_tmpdir_is_searched_too(temp_base, tmp_path):
 
 def test_a_missing_directory_is_not_an_error(temp_base):
     remove_worker_temp_dir(99999, {"TMPDIR": str(temp_base / "gone")})
+
+
+def test_no_writable_temp_dir_leaves_multiprocessing_as_it_was(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
+    monkeypatch.setitem(config, "tempdir", None)
+    assert use_worker_temp_dir() is None  # the worker starts all the same
+    assert config["tempdir"] is None

@@ -119,7 +119,7 @@ def worker_temp_prefix(pid: int) -> str:
     return f"{MP_TEMP_PREFIX}{pid}-"
 
 
-def use_worker_temp_dir() -> str:
+def use_worker_temp_dir() -> str | None:
     """In a worker, before its train function: give this process a :mod:`multiprocessing`
     temporary directory that whoever reaps the worker can find and remove.
 
@@ -135,12 +135,17 @@ def use_worker_temp_dir() -> str:
     :func:`remove_worker_temp_dir` removes it once the worker is dead.
 
     Returns:
-        str: the directory's path (mode 0700, in :func:`tempfile.gettempdir`).
+        str | None: the directory's path (mode 0700, in :func:`tempfile.gettempdir`), or
+        ``None`` if it cannot be made (no writable temp dir: multiprocessing then makes its own
+        when, and if, it needs one, as without this).
     """
     import multiprocessing.process
     import tempfile
 
-    path = tempfile.mkdtemp(prefix=worker_temp_prefix(os.getpid()))
+    try:
+        path = tempfile.mkdtemp(prefix=worker_temp_prefix(os.getpid()))
+    except OSError:
+        return None
     # multiprocessing.util.get_temp_dir() caches its directory under this key (CPython 3.4+).
     multiprocessing.process.current_process()._config["tempdir"] = path  # type: ignore[attr-defined]
     return path
