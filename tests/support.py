@@ -84,17 +84,6 @@ def wait_until(
 # ---------------------------------------------------------------- hostile pickles
 
 
-def pipe_unread(fd: int) -> int:
-    """Bytes waiting to be read in pipe ``fd`` (``FIONREAD``; Linux and macOS)."""
-    import array
-    import fcntl
-    import termios
-
-    buf = array.array("i", [0])
-    fcntl.ioctl(fd, termios.FIONREAD, buf)
-    return buf[0]
-
-
 def touch_marker(path: str) -> None:
     with open(path, "w") as f:
         f.write("code ran")

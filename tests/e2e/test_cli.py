@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from support import pipe_unread, wait_until
+from support import wait_until
 
 RINGTRAIN = shutil.which("ringtrain") or os.path.join(os.path.dirname(sys.executable), "ringtrain")
 
@@ -199,14 +199,18 @@ def _read_through_a_full_non_blocking_pipe(cmd: list[str], cwd) -> str:
     """Run ``cmd`` with its stdout a non-blocking pipe of one page that nobody reads until it is
     full (or the command ended); then read everything. Fails if the command fails."""
     import fcntl
+    import select
 
     r, w = os.pipe()
     fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
     os.set_blocking(w, False)
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=w, stderr=subprocess.PIPE)
-    os.close(w)
 
-    assert wait_until(lambda: pipe_unread(r) >= 4096 or proc.poll() is not None, timeout_s=60)
+    def full() -> bool:  # less room than one atomic write (PIPE_BUF): full for any writer
+        return not select.select([], [w], [], 0)[1]
+
+    assert wait_until(lambda: full() or proc.poll() is not None, timeout_s=60)
+    os.close(w)
     chunks = []
     with os.fdopen(r, "rb") as out:
         while chunk := out.read(65536):

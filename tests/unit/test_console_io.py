@@ -24,7 +24,6 @@ from rich.file_proxy import FileProxy
 
 from ringtrain import console_io
 from ringtrain.console_io import WholeWrites, write_all, write_whole
-from support import pipe_unread
 
 
 def test_write_all_finishes_partial_writes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,14 +274,30 @@ def test_the_final_panel_frame_arrives_whole_while_signals_arrive(
     assert last.endswith("\n\x1b[?25h"), repr(last[-300:])  # the line after it, cursor shown
 
 
-@pytest.mark.parametrize("buffered", [True, False], ids=["stdout", "PYTHONUNBUFFERED"])
-def test_a_chaos_campaigns_lines_reach_a_full_non_blocking_pipe_whole(buffered: bool) -> None:
-    """``ringtrain chaos``'s display (as ``ls``/``show``/``bench``: tests/e2e/test_cli.py) writes
-    whole into a non-blocking pipe whose reader has not read yet: before, what did not fit in
-    the pipe was lost, and nothing said so."""
+def _chaos_line(stream: Any, plan: list[str]) -> str:
+    """``ringtrain chaos``'s display prints a run's planned faults; returns the expected end."""
     from ringtrain.chaos.display import Display
     from ringtrain.chaos.report import RunReport
 
+    Display("plain", file=stream).run_started(RunReport(2, 1, "0:2:1", []), plan)
+    return f"{plan[-1]} (seed 0:2:1)"
+
+
+def _sweep_line(stream: Any, plan: list[str]) -> str:
+    """``ringtrain tune``'s plain display prints one line per trial event."""
+    from ringtrain.tune.progress import SweepDisplay
+
+    text = "; ".join(plan)
+    SweepDisplay("sweep", "loss", "min", [], mode_display="plain", stream=stream).line(text)
+    return plan[-1]
+
+
+@pytest.mark.parametrize("display", [_chaos_line, _sweep_line], ids=["chaos", "tune"])
+@pytest.mark.parametrize("buffered", [True, False], ids=["stdout", "PYTHONUNBUFFERED"])
+def test_cli_displays_reach_a_full_non_blocking_pipe_whole(buffered: bool, display: Any) -> None:
+    """``ringtrain chaos``'s and ``ringtrain tune``'s displays (as ``ls``/``show``/``bench``:
+    tests/e2e/test_cli.py) write whole into a non-blocking pipe whose reader has not read yet:
+    before, what did not fit in the pipe was lost, and nothing said so."""
     r, w = os.pipe()
     os.set_blocking(w, False)
     if buffered:
@@ -292,24 +307,28 @@ def test_a_chaos_campaigns_lines_reach_a_full_non_blocking_pipe_whole(buffered: 
     plan = [f"kill rank {i % 4} at step {i}" for i in range(6000)]  # ~130 KB: 2 pipes full
     got = bytearray()
     written = threading.Event()
+    probe = os.dup(w)  # the reader's own view of the write end (w is closed under it)
 
     def read_once_full() -> None:
-        while pipe_unread(r) < 65536 and not written.is_set():
+        # until the pipe has less room than one atomic write (PIPE_BUF): full for any writer
+        while not written.is_set() and select.select([], [probe], [], 0)[1]:
             time.sleep(0.01)
+        os.close(probe)
         while chunk := os.read(r, 65536):
             got.extend(chunk)
 
-    reader = threading.Thread(target=read_once_full)
+    reader = threading.Thread(target=read_once_full, daemon=True)
     reader.start()
     try:
-        Display("plain", file=stream).run_started(RunReport(2, 1, "0:2:1", []), plan)
+        end = display(stream, plan)
         stream.flush()
     finally:
         written.set()
-        stream.close()
+        with contextlib.suppress(OSError):  # a writer that failed may fail again at close
+            stream.close()
         os.close(w)
         reader.join(timeout=60)
         os.close(r)
     text = got.decode()
-    assert text.startswith("[W=2 run 1]: kill rank 0 at step 0; "), text[:200]
-    assert text.rstrip().endswith(f"{plan[-1]} (seed 0:2:1)"), text[-200:]
+    assert "kill rank 0 at step 0; kill rank 1 at step 1" in text[:200], text[:200]
+    assert text.rstrip().endswith(end), text[-200:]

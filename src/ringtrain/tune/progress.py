@@ -16,7 +16,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ringtrain.console_io import stop_live, whole_writes
+from ringtrain.console_io import stop_live, whole_writes, write_whole
 
 STATUS_STYLES = {
     "PENDING": "dim",
@@ -145,7 +145,7 @@ class SweepDisplay:
         if self._live is not None:
             self._live.console.print(text, markup=False, highlight=False)
         else:
-            print(text, file=self._stream, flush=True)
+            write_whole(self._stream, text + "\n")  # a full non-blocking pipe waits
 
     def close(self) -> None:
         if self._live is not None:
