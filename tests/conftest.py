@@ -10,6 +10,7 @@ import builtins
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import ringtrain as rt
 import support
 from ringtrain import session as session_mod
 from ringtrain.launch import shared_pool
-from support import child_pids, wait_until
+from support import child_pids, dump_worker_stacks, wait_until
 
 # Variables that torchrun/torch and ringtrain's own launch contract set in worker processes: a
 # test that leaves one in the pytest process changes how every later test behaves.
@@ -264,3 +265,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         shared = any(d.scope in _SHARED_SCOPES for fds in defs for d in fds)
         if shared or getattr(module, "SHARES_RUNS", False):
             item.add_marker(pytest.mark.xdist_group(module.__name__))
+
+
+# ------------------------------------------------------------ stacks of a test about to time out
+_STACKS_BEFORE_TIMEOUT_S = 20.0
+_stack_timers: dict[str, threading.Timer] = {}
+
+
+def _dump_stacks_of(nodeid: str) -> None:
+    pids = dump_worker_stacks()
+    sys.stderr.write(
+        f"\nconftest: {nodeid} is {_STACKS_BEFORE_TIMEOUT_S:.0f} s from its timeout: SIGUSR2 "
+        f"(stack dump) to the ringtrain processes under this one: {pids or 'none'}\n"
+    )
+    sys.stderr.flush()
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    """Shortly before pytest-timeout fails a hung test (it prints this process's threads only),
+    make every ringtrain worker under this process print its threads' stacks, so that where the
+    workers hang reaches the failed test's captured output (their drivers forward it). Returns
+    None: pytest-timeout's own timer is set as usual."""
+    timeout = float(getattr(settings, "timeout", 0) or 0)
+    if timeout <= 2 * _STACKS_BEFORE_TIMEOUT_S:
+        return
+    timer = threading.Timer(
+        timeout - _STACKS_BEFORE_TIMEOUT_S, _dump_stacks_of, args=(item.nodeid,)
+    )
+    timer.daemon = True
+    timer.name = "conftest-stacks-before-timeout"
+    timer.start()
+    _stack_timers[item.nodeid] = timer
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    timer = _stack_timers.pop(item.nodeid, None)
+    if timer is not None:
+        timer.cancel()

@@ -87,3 +87,19 @@ def loader_fn(config):
             time.sleep(0.02)
             if batches >= 20 and (mode == "finish" or (mode == "kill_worker" and ctx.attempt > 0)):
                 return
+
+
+def _waiting_for_the_test(release: str) -> None:
+    while not os.path.exists(release):
+        time.sleep(0.05)
+
+
+def stack_dump_fn(config):
+    """Write this worker's pid to ``{dir}/rank{R}.pid``, then wait (in ``_waiting_for_the_test``,
+    the frame a stack dump must show) until ``{dir}/release`` exists."""
+    ctx = rt.get_context()
+    path = os.path.join(config["dir"], f"rank{ctx.world_rank}.pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    _waiting_for_the_test(os.path.join(config["dir"], "release"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -38,6 +39,69 @@ def child_pids(pid: int | None = None) -> set[int]:
         if ppid == parent and state != "Z":
             found.add(int(entry))
     return found
+
+
+def descendant_pids(pid: int | None = None) -> set[int]:
+    """Live (non-zombie) descendants of ``pid`` (default: this process): its children, theirs,
+    and so on, from /proc (a process that was re-parented away, a daemon, is not one)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(entry))
+    found: set[int] = set()
+    todo = [os.getpid() if pid is None else pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` (its ``SigCgt`` mask in
+    /proc/PID/status), so that sending it cannot kill it; False if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+def dump_worker_stacks(pid: int | None = None) -> list[int]:
+    """Send ringtrain's stack-dump signal (``SIGUSR2``) to every descendant of ``pid`` (default:
+    this process) that is a ringtrain process catching it (a worker: ``faulthandler``); each
+    prints its threads' stacks on its stderr, which its driver forwards. Processes that do not
+    catch the signal (zygotes, stores, reapers, Ray's own) are left alone: it would end them.
+
+    Returns:
+        the pids signalled.
+    """
+    signalled = []
+    for child in sorted(descendant_pids(pid)):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"ringtrain" not in cmdline or not catches_signal(child, signal.SIGUSR2):
+            continue
+        try:
+            os.kill(child, signal.SIGUSR2)
+        except OSError:
+            continue
+        signalled.append(child)
+    return signalled
 
 
 def pid_alive(pid: int) -> bool:
