@@ -418,7 +418,8 @@ def elastic_fn(config):
     ``stop_at``: return after that step's report. Rank 0 saves the final parameters to
     ``config["out"]`` (every rank to ``{out}.rank{r}`` with ``save_every_rank``).
     ``unrestored_reentry``: after a resize, build the model with a per-rank seed and skip
-    ``restore()``."""
+    ``restore()``. ``hang_after_resize``: that (new) rank hangs when the train function is
+    re-entered after a resize, before its first step."""
     import json
 
     ctx = rt.get_context()
@@ -426,6 +427,8 @@ def elastic_fn(config):
     # "unrestored_reentry": after a resize, build a different model on every rank and skip
     # restore(), so that DDP's deferred initial sync must broadcast rank 0's parameters.
     unrestored = config.get("unrestored_reentry") and ctx.attempt == 0 and not first_world
+    if ctx.attempt == 0 and not first_world and ctx.world_rank == config.get("hang_after_resize"):
+        _hang_after_resize()
     torch.manual_seed(1000 + ctx.world_rank if unrestored else 0)
     model = rt.prepare_model(torch.nn.Linear(6, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -463,6 +466,12 @@ def elastic_fn(config):
     if config.get("save_every_rank"):
         out = f"{config['out']}.rank{rt.get_context().world_rank}"
         torch.save({"model": module.state_dict(), "step": state.step}, out)
+
+
+def _hang_after_resize() -> None:
+    """Sleep until killed (the frame the driver's stack dump of the hung rank shows)."""
+    while True:
+        time.sleep(0.1)
 
 
 def elastic_step(model, optimizer, state, x, y, ids, epoch: int) -> tuple[torch.Tensor, dict]:

@@ -214,6 +214,37 @@ def test_below_min_falls_back_to_a_full_restart_from_disk(tmp_path):
     assert restarted[0] == 6 and {r["world"] for r in records if r["attempt"] == 1} == {3}
 
 
+def test_a_member_stuck_after_the_resize_is_a_hang_not_a_wait_for_the_collective_timeout(
+    tmp_path, capfd
+):
+    # After the shrink, new rank 0 hangs before its first step (its peer waits on it in DDP's
+    # first collective). Re-forming a group used to count as start-up, never a hang: the run
+    # waited for the collective timeout (2 * worker_timeout_s + 10 s; 1,210 s by default).
+    # A member of a resized group now has worker_timeout_s from the resize to progress.
+    result, records, final = _fit(
+        tmp_path,
+        "stuck",
+        (2, 3),
+        kill_ranks=[1],
+        kill_step=KILL_STEP,
+        kill_after_own_write=True,
+        hang_after_resize=0,
+        scaling={"elastic_grow_after_s": None, "worker_timeout_s": 4.0},
+    )
+    assert result.error is None and final["step"] == 10 * EPOCHS
+    (resize,) = _events(result.path, "resize")
+    assert (resize["old_world_size"], resize["new_world_size"]) == (3, 2)
+    assert [f.kind for f in result.failures][:2] == ["signal", "hang"]
+    hang = result.failures[1]
+    assert "after the group was resized" in hang.message, hang.message
+    assert "beyond worker_timeout_s=4" in hang.message
+    # The hung rank's stacks reached the driver's output before it was stopped.
+    assert "in _hang_after_resize" in capfd.readouterr().err
+    # Then a full restart from the disk checkpoint of step 5 finished the run.
+    assert [e["attempt"] for e in _events(result.path, "run_start")] == [0, 1]
+    assert {r["world"] for r in records if r["attempt"] == 1} == {3}
+
+
 # ------------------------------------------------------------------ growing back to max
 
 GROW = {"elastic_grow_after_s": 0.0}  # start a joining worker as soon as the shrink resumed

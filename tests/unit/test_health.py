@@ -73,3 +73,28 @@ def test_a_stuck_rank_that_still_heartbeats_is_named_stuck_not_frozen() -> None:
         _beat(health, 0, now, now - 10.1, 27, 13)
     found = health.hung(2.0, {}, 12.1)
     assert found is not None and found[0] == 1 and found[1].startswith("made no progress for 2.1")
+
+
+def test_a_resized_generation_counts_from_the_resize_not_from_a_first_progress() -> None:
+    # Start-up (no progress yet) is never a hang; a generation re-formed from live processes
+    # is not a start-up: a member with no progress worker_timeout_s after the resize is hung.
+    fresh = Health(2, check_interval_s=0.0)
+    resized = Health(2, check_interval_s=0.0)
+    resized.resized(100.0)
+    for health in (fresh, resized):
+        for rank in (0, 1):
+            health.seen(rank, 103.5)  # both heartbeat, neither has stepped since
+    assert fresh.hung(2.0, {}, 103.5) is None
+    found = resized.hung(2.0, {}, 103.5)
+    assert found is not None
+    rank, how = found
+    assert rank == 0 and how.startswith("has not resumed 3.5 s after the group was resized")
+    assert "ranks [1] are stuck too" in how
+    # Progress after the resize ends it; a later stall reads as an ordinary one.
+    _beat(resized, 0, 104.0, 0.0, 5, 6)
+    _beat(resized, 1, 104.0, 0.0, 5, 6)
+    assert resized.hung(2.0, {}, 105.0) is None
+    resized.seen(0, 106.5)
+    resized.seen(1, 106.5)
+    found = resized.hung(2.0, {}, 106.5)
+    assert found is not None and found[1].startswith("made no progress for 2.5 s")

@@ -176,6 +176,7 @@ class ElasticCoordinator:
         is its pending ``resize`` event); the controller's world size and straggler flags follow
         it."""
         new = Generation(gen.number, new_world)
+        new.health.resized(time.monotonic())  # a member stuck re-forming it is a hang
         new.resize = info
         self.ctl.world_size = new_world
         self.ctl.reset_stragglers()

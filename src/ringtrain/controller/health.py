@@ -30,6 +30,16 @@ class Health:
         self.last_step: dict[int, int] = {}
         self.check_interval_s = check_interval_s
         self._next_check = 0.0
+        self.resized_at: float | None = None
+
+    def resized(self, now: float) -> None:
+        """This generation was re-formed from live processes (an elastic resize or grow, at
+        ``now``, monotonic seconds): their start-up is paid, so from now on time without progress
+        counts toward the hang timeout, re-forming the group included (else a member stuck
+        there would wait for the collective timeout, ``2 * worker_timeout_s + 10``)."""
+        self.resized_at = now
+        for rank in range(self.world_size):
+            self.last_progress[rank] = now
 
     def seen(self, rank: int, now: float) -> None:
         self.last_seen[rank] = now
@@ -55,8 +65,9 @@ class Health:
         whose process stopped answering (silent for the timeout, or, once it is blamed, for half
         of it: a live rank heartbeats five times per timeout), or one that never connected
         (within the timeout, but at least ``HELLO_TIMEOUT_S``). Start-up, before a rank's first
-        progress, is never a hang: collectives there time out on their own. Ranks in ``exited``
-        are not looked at.
+        progress, is never a hang: collectives there time out on their own; but a generation
+        re-formed from live processes (:meth:`resized`) counts from the resize. Ranks in
+        ``exited`` are not looked at.
         """
         if now < self._next_check:
             return None
@@ -108,6 +119,12 @@ class Health:
                     f"stopped answering {now - self.last_seen[rank]:.1f} s ago and made no "
                     f"progress for {now - self.last_progress[rank]:.1f} s (the process is "
                     "frozen or stopped)"
+                )
+            elif self.last_progress[rank] == self.resized_at:
+                how = (
+                    f"has not resumed {now - self.last_progress[rank]:.1f} s after the group "
+                    "was resized (alive, but stuck re-forming the group or before its first "
+                    "step in it)"
                 )
             else:
                 how = (
