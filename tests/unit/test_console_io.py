@@ -292,7 +292,27 @@ def _sweep_line(stream: Any, plan: list[str]) -> str:
     return plan[-1]
 
 
-@pytest.mark.parametrize("display", [_chaos_line, _sweep_line], ids=["chaos", "tune"])
+def _cli_say(stream: Any, plan: list[str]) -> str:
+    """The other lines of the ``ringtrain`` commands (``run``'s last words, ``export``, the best
+    trial of ``tune``, usage errors) go through ``cli.common.say`` to stdout and stderr."""
+    import sys
+
+    from ringtrain.cli.common import say
+
+    text = "; ".join(plan)
+    saved = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = stream
+    try:
+        say(text[: len(text) // 2])
+        say(text[len(text) // 2 :], err=True)
+    finally:
+        sys.stdout, sys.stderr = saved
+    return plan[-1]
+
+
+@pytest.mark.parametrize(
+    "display", [_chaos_line, _sweep_line, _cli_say], ids=["chaos", "tune", "say"]
+)
 @pytest.mark.parametrize("buffered", [True, False], ids=["stdout", "PYTHONUNBUFFERED"])
 def test_cli_displays_reach_a_full_non_blocking_pipe_whole(buffered: bool, display: Any) -> None:
     """``ringtrain chaos``'s and ``ringtrain tune``'s displays (as ``ls``/``show``/``bench``:

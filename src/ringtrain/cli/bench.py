@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from ringtrain.cli.common import positive_float, positive_int
+from ringtrain.cli.common import positive_float, positive_int, say
 
 BENCH_HELP = """\
 Run SCRIPT (a per-worker script, as for `ringtrain run`) at each worker count
@@ -104,7 +103,7 @@ def cmd_bench(args: argparse.Namespace, script_args: tuple[str, ...]) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print(f"ringtrain bench: {MATPLOTLIB_HINT}", file=sys.stderr)
+        say(f"ringtrain bench: {MATPLOTLIB_HINT}", err=True)
         return 2
     from ringtrain.bench.analysis import BenchError
     from ringtrain.bench.runner import BenchConfig, run_bench
@@ -121,14 +120,14 @@ def cmd_bench(args: argparse.Namespace, script_args: tuple[str, ...]) -> int:
             threads=args.threads,
         )
     except ValueError as exc:
-        print(f"ringtrain bench: {exc}", file=sys.stderr)
+        say(f"ringtrain bench: {exc}", err=True)
         return 2
     try:
         run_bench(config)
     except KeyboardInterrupt:
-        print("ringtrain bench: interrupted; workers stopped", file=sys.stderr)
+        say("ringtrain bench: interrupted; workers stopped", err=True)
         return 130
     except (BenchError, RuntimeError, ValueError, OSError) as exc:
-        print(f"ringtrain bench: {exc}", file=sys.stderr)
+        say(f"ringtrain bench: {exc}", err=True)
         return 1
     return 0

@@ -10,9 +10,22 @@ import re
 import sys
 from typing import NoReturn
 
+from ringtrain.console_io import write_whole
+
 #: The dashboard's default port: ringtrain.monitor.dashboard.DEFAULT_PORT (not imported: keeps
 #: the command's startup light).
 DASHBOARD_PORT = 8470
+
+
+def say(text: str, *, err: bool = False) -> None:
+    """Write ``text`` and a newline to stdout (stderr with ``err=True``) whole
+    (:func:`ringtrain.console_io.write_whole`): into a non-blocking pipe that is full, ``print``
+    drops what does not fit, silently; this waits until the pipe takes it all.
+
+    Raises:
+        OSError: as ``write_whole`` does (a closed stream, ``BrokenPipeError``).
+    """
+    write_whole(sys.stderr if err else sys.stdout, text + "\n")
 
 
 def positive_int(text: str) -> int:
@@ -31,11 +44,11 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("ringtrain").strip()
-        print(
+        say(
             f"{self.prog}: {message} (see `{self.prog} --help`)"
             if not command
             else f"ringtrain {command}: {message} (see `{self.prog} --help`)",
-            file=sys.stderr,
+            err=True,
         )
         raise SystemExit(2)
 
@@ -82,7 +95,7 @@ def for_cli(message: str) -> str:
 def refuse(command: str, message: str) -> NoReturn:
     """A usage or configuration error of ``ringtrain COMMAND``: one line on stderr, exit status
     2, no usage block and no traceback."""
-    print(f"ringtrain {command}: {message}", file=sys.stderr)
+    say(f"ringtrain {command}: {message}", err=True)
     raise SystemExit(2)
 
 

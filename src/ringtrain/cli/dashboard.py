@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.cli.common import DASHBOARD_PORT, port_number
+from ringtrain.cli.common import DASHBOARD_PORT, port_number, say
 
 if TYPE_CHECKING:
     from ringtrain.monitor.dashboard import DashboardServer
@@ -85,14 +84,14 @@ def start_dashboard(
         except OSError as exc:
             if port is not None or exc.errno != errno.EADDRINUSE:
                 raise
-            print(f"{prog}: port {DASHBOARD_PORT} is taken; using a free port", file=sys.stderr)
+            say(f"{prog}: port {DASHBOARD_PORT} is taken; using a free port", err=True)
             server.port = 0
             server.start()
     except ValueError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        say(f"{prog}: {exc}", err=True)
         return None
     except (OSError, RuntimeError) as exc:
-        print(f"{prog}: cannot serve the dashboard on {host}:{port}: {exc}", file=sys.stderr)
+        say(f"{prog}: cannot serve the dashboard on {host}:{port}: {exc}", err=True)
         return None
     return server
 
@@ -121,7 +120,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         fs, fs_path = url_to_fs(args.path)
         missing = not fs.exists(fs_path)
     except (ImportError, ValueError, OSError) as exc:
-        print(f"ringtrain dashboard: cannot open {args.path!r}: {exc}", file=sys.stderr)
+        say(f"ringtrain dashboard: cannot open {args.path!r}: {exc}", err=True)
         return 2
     with _StopSignals() as stop:
         server = start_dashboard(
@@ -131,12 +130,12 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
             return 2
         try:
             if missing:
-                print(
+                say(
                     f"note: {args.path} does not exist yet; runs appear as they start",
-                    file=sys.stderr,
+                    err=True,
                 )
-            print(f"ringtrain dashboard: {args.path} (read-only) at {server.url}", flush=True)
-            print("Ctrl-C to stop", file=sys.stderr, flush=True)
+            say(f"ringtrain dashboard: {args.path} (read-only) at {server.url}")
+            say("Ctrl-C to stop", err=True)
             while server.running and not stop.wait(0.5):
                 pass
         finally:

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
+
+from ringtrain.cli.common import say
 
 
 def add_export_parser(sub: Any) -> None:
@@ -37,7 +38,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         ckpt = find_checkpoint(args.source)
         out = export_model(ckpt, args.out, dtype=args.dtype)
     except (FileNotFoundError, ValueError, ImportError) as exc:
-        print(f"ringtrain export: {exc}", file=sys.stderr)
+        say(f"ringtrain export: {exc}", err=True)
         return 1
-    print(f"exported the model of {ckpt.uri} to {out}")
+    say(f"exported the model of {ckpt.uri} to {out}")
     return 0

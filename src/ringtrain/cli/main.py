@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ringtrain.cli.bench import add_bench_parser, cmd_bench, split_bench_args
-from ringtrain.cli.common import OneLineParser, debug_enabled, for_cli, subparser
+from ringtrain.cli.common import OneLineParser, debug_enabled, for_cli, say, subparser
 from ringtrain.cli.dashboard import add_dashboard_parser, cmd_dashboard
 from ringtrain.cli.export import add_export_parser, cmd_export
 from ringtrain.cli.run import add_run_parser, cmd_run
@@ -100,8 +100,8 @@ def _main(argv: Sequence[str] | None) -> int:
     except (TypeError, ValueError) as exc:
         if debug_enabled():
             raise
-        print(f"ringtrain {args.command}: {for_cli(str(exc))}", file=sys.stderr)
-        print("(--debug or RINGTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
+        say(f"ringtrain {args.command}: {for_cli(str(exc))}", err=True)
+        say("(--debug or RINGTRAIN_DEBUG=1 shows the traceback)", err=True)
         return 2
 
 

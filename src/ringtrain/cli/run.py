@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -23,6 +22,7 @@ from ringtrain.cli.common import (
     port_number,
     positive_int,
     refuse,
+    say,
     subparser,
 )
 from ringtrain.cli.dashboard import start_dashboard, stop_run_dashboard
@@ -236,11 +236,10 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
         if dashboard is None:
             return 2
-        print(
+        say(
             f"ringtrain: dashboard at {dashboard.url}#run={target.name} (until the run ends; then "
             f"`ringtrain dashboard {run_config.storage_path}`)",
-            file=sys.stderr,
-            flush=True,
+            err=True,
         )
     try:
         return _run(target, saved, scaling, run_config)
@@ -339,7 +338,7 @@ def _target(args: argparse.Namespace, saved: SavedRun | None, run_config: RunCon
     name = run_config.name or default_run_name(os.path.splitext(os.path.basename(script))[0])
     note = finished_note(run_config.storage_path, name)
     if note is not None:
-        print(f"ringtrain run: note: {for_cli(note)}", file=sys.stderr)
+        say(f"ringtrain run: note: {for_cli(note)}", err=True)
     return _Target(name, str(args.script), script, tuple(args.script_args))
 
 
@@ -367,27 +366,27 @@ def _run(
         why = str(exc) if terminated and str(exc) else "interrupted by Ctrl-C (SIGINT)"
         where = os.path.join(run_config.storage_path, target.name)
         where = where if "://" in where else os.path.normpath(where)
-        print(
+        say(
             f"ringtrain: run stopped: {why}; workers stopped; resume with "
             f"`ringtrain run --resume {where}`",
-            file=sys.stderr,
+            err=True,
         )
         return 128 + (15 if terminated else 2)
     except (RuntimeError, ValueError, ImportError, PermissionError) as exc:  # ImportError:
         if debug_enabled():  # backend not installed; unsafe key file; a name taken by a live run
             raise
-        print(f"ringtrain run: {for_cli(str(exc))}", file=sys.stderr)
+        say(f"ringtrain run: {for_cli(str(exc))}", err=True)
         return 2
     if result.error is not None:
-        print(f"ringtrain: run failed: {result.error}", file=sys.stderr)
+        say(f"ringtrain: run failed: {result.error}", err=True)
         return 1
     if result.status == "PREEMPTED":
         where = os.path.join(run_config.storage_path, target.name)
         where = where if "://" in where else os.path.normpath(where)
-        print(
+        say(
             f"ringtrain: run preempted (its state is saved); resume with "
             f"`ringtrain run --resume {where}` (exit status {EXIT_PREEMPTED}: retry)",
-            file=sys.stderr,
+            err=True,
         )
         return EXIT_PREEMPTED
     return 0

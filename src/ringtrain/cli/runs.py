@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from ringtrain.cli.common import positive_int
+from ringtrain.cli.common import positive_int, say
 
 
 def add_runs_parsers(sub: Any) -> None:
@@ -40,7 +39,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     try:
         runs = list_runs(args.storage)
     except FileNotFoundError as exc:
-        print(f"ringtrain ls: {exc}", file=sys.stderr)
+        say(f"ringtrain ls: {exc}", err=True)
         return 1
     render_runs(runs, Console(file=whole_writes()), list_sweeps(args.storage))
     return 0
@@ -57,7 +56,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     try:
         details = load_run(args.run_dir)
     except FileNotFoundError as exc:
-        print(f"ringtrain show: {exc}", file=sys.stderr)
+        say(f"ringtrain show: {exc}", err=True)
         return 1
     render_run(details, Console(file=whole_writes()), max_rounds=args.rounds)
     return 0

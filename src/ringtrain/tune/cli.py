@@ -14,7 +14,7 @@ import runpy
 import sys
 from typing import Any
 
-from ringtrain.cli.common import positive_int, refuse
+from ringtrain.cli.common import positive_int, refuse, say
 
 REQUIRED = ("train_fn", "param_space", "tune_config")
 
@@ -170,16 +170,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         grid = tuner.fit()
     except ValueError as exc:
-        print(f"ringtrain tune: {exc}", file=sys.stderr)
+        say(f"ringtrain tune: {exc}", err=True)
         return 2
     except KeyboardInterrupt:
         return 130
     done = [s for s in grid.statuses if s == "COMPLETE"]
     if not done:
-        print("ringtrain tune: no trial completed", file=sys.stderr)
+        say("ringtrain tune: no trial completed", err=True)
         return 1
     best = grid.get_best_result()
-    print(f"best trial: {best.path}")
-    print(f"  config: {best.config}")
-    print(f"  {grid.metric}: {best.metrics.get(grid.metric)}")
+    say(f"best trial: {best.path}")
+    say(f"  config: {best.config}")
+    say(f"  {grid.metric}: {best.metrics.get(grid.metric)}")
     return 0
