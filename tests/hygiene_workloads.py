@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import ringtrain as rt
+from support import child_pids
 
 
 class Slow(Dataset):
@@ -31,22 +32,6 @@ class Slow(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.full((2,), float(i))
-
-
-def children(pid: int) -> list[int]:
-    """Live direct children of ``pid`` (its DataLoader workers), from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry))
-    return sorted(found)
 
 
 def loader_fn(config):
@@ -63,7 +48,7 @@ def loader_fn(config):
             if not written:
                 record = {
                     "pid": os.getpid(),
-                    "loaders": children(os.getpid()),
+                    "loaders": sorted(child_pids(os.getpid())),
                     # Where this worker's loader workers put their sockets (launch/reaper.py):
                     # a batch has come through, so the listener of one is in it already.
                     "mp_temp": multiprocessing.util.get_temp_dir(),

@@ -23,28 +23,9 @@ import ringtrain as rt
 # ---------------------------------------------------------------- processes, from /proc
 
 
-def child_pids(pid: int | None = None) -> set[int]:
-    """Live (non-zombie) direct children of ``pid`` (default: this process), from /proc."""
-    parent = os.getpid() if pid is None else pid
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, ppid = fields[0], int(fields[1])
-        if ppid == parent and state != "Z":
-            found.add(int(entry))
-    return found
-
-
-def descendant_pids(pid: int | None = None) -> set[int]:
-    """Live (non-zombie) descendants of ``pid`` (default: this process): its children, theirs,
-    and so on, from /proc (a process that was re-parented away, a daemon, is not one)."""
-    parents: dict[int, list[int]] = {}
+def _live_parents() -> dict[int, int]:
+    """``{pid: parent pid}`` of every live (non-zombie) process, from /proc."""
+    parents = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -54,11 +35,26 @@ def descendant_pids(pid: int | None = None) -> set[int]:
         except OSError:
             continue
         if fields[0] != "Z":
-            parents.setdefault(int(fields[1]), []).append(int(entry))
+            parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def child_pids(pid: int | None = None) -> set[int]:
+    """Live (non-zombie) direct children of ``pid`` (default: this process), from /proc."""
+    parent = os.getpid() if pid is None else pid
+    return {child for child, ppid in _live_parents().items() if ppid == parent}
+
+
+def descendant_pids(pid: int | None = None) -> set[int]:
+    """Live (non-zombie) descendants of ``pid`` (default: this process): its children, theirs,
+    and so on, from /proc (a process that was re-parented away, a daemon, is not one)."""
+    children: dict[int, list[int]] = {}
+    for child, ppid in _live_parents().items():
+        children.setdefault(ppid, []).append(child)
     found: set[int] = set()
     todo = [os.getpid() if pid is None else pid]
     while todo:
-        for child in parents.get(todo.pop(), []):
+        for child in children.get(todo.pop(), []):
             if child not in found:
                 found.add(child)
                 todo.append(child)
