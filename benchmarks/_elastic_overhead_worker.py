@@ -46,8 +46,9 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _install_timers() -> None:
     """Wrap the step-boundary parts named in the module docs (in this worker process only)."""
-    from ringtrain import preempt_worker, session, state
     from ringtrain.elastic import runtime, snapshot
+    from ringtrain.worker import preempt as preempt_worker
+    from ringtrain.worker import session, state
 
     for module, name in (
         (snapshot, "take"),

@@ -10,7 +10,7 @@ function that async saves use to copy the state into host memory)::
 ``costs``, in one process with one torch thread, on the 100 M model of the benchmark (6 x
 ``nn.Linear(4096, 4096)`` and its SGD momentum, 806 MB):
 
-* staging a checkpoint: ``ringtrain.state_files.stage`` (a fresh ``clone()`` of every tensor,
+* staging a checkpoint: ``ringtrain.worker.state_files.stage`` (a fresh ``clone()`` of every tensor,
   what each async save does) vs ``copy_`` into buffers kept from the previous save;
 * the synchronous write for comparison: ``torch.save`` through a SHA-256 hashing writer + fsync;
 * loading it back: ``read()`` the whole file into bytes and ``torch.load(BytesIO)`` (what
@@ -61,7 +61,7 @@ def show(label: str, values: list[float]) -> None:
 def costs(repeats: int = 5) -> None:
     import torch
 
-    from ringtrain.state_files import stage as _stage
+    from ringtrain.worker.state_files import stage as _stage
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

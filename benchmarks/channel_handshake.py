@@ -27,7 +27,7 @@ from functools import partial
 from multiprocessing.connection import Client, Listener
 from typing import Any
 
-from ringtrain.channel import DriverListener, WorkerChannel
+from ringtrain.wire.channel import DriverListener, WorkerChannel
 
 
 class _Baseline:

@@ -36,7 +36,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from ringtrain.channel import (
+from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.config import CheckpointConfig, FailureConfig
+from ringtrain.controller.controller import Controller
+from ringtrain.controller.policy import FailurePolicy
+from ringtrain.launch.base import ChannelGroup, WorkerSpec
+from ringtrain.monitor.progress import make_progress
+from ringtrain.rundir import RunDirectory
+from ringtrain.wire.channel import (
     CheckpointDone,
     Done,
     DriverListener,
@@ -48,13 +55,6 @@ from ringtrain.channel import (
     WorkerChannel,
     new_authkey,
 )
-from ringtrain.checkpoint.manager import CheckpointManager
-from ringtrain.config import CheckpointConfig, FailureConfig
-from ringtrain.controller.controller import Controller
-from ringtrain.controller.policy import FailurePolicy
-from ringtrain.launch.base import ChannelGroup, WorkerSpec
-from ringtrain.monitor.progress import make_progress
-from ringtrain.rundir import RunDirectory
 
 TIMEOUT_S = 3.0  # worker_timeout_s of the runs
 GRACE_S = 1.0  # failure_grace_s of the runs

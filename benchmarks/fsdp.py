@@ -4,10 +4,10 @@ Both runs train the same GPT-style model (``examples/gpt.py``'s ``GPT``; ~100M p
 the defaults: 14 blocks of width 768) with AdamW on random tokens, through ``rt.Trainer``:
 
 - memory per rank, after a training step: tensor bytes of parameters, gradients and optimizer
-  state held by the rank (``ringtrain.fsdp.local_state_bytes``: a shard counts its local part),
-  and the process's peak resident set size (``ru_maxrss``; includes the interpreter, torch, DDP's
-  gradient buckets, activations and FSDP's all-gather buffers), after training and again at the
-  end (then including the checkpoint experiments: staging, rank 0's full-state gather);
+  state held by the rank (``ringtrain.parallel.fsdp.local_state_bytes``: a shard counts its local
+  part), and the process's peak resident set size (``ru_maxrss``; includes the interpreter, torch,
+  DDP's gradient buckets, activations and FSDP's all-gather buffers), after training and again at
+  the end (then including the checkpoint experiments: staging, rank 0's full-state gather);
 - step time: median over ``--steps`` timed steps (after one warm-up step), the slowest rank;
 - checkpoints (FSDP run; ``--repeats`` times each, median, slowest rank):
   ``report``: ``rt.report(checkpoint=TrainState)`` written synchronously (DCP shards into a local
@@ -65,7 +65,7 @@ def _timed(fn) -> float:
 
 
 def bench_fn(config: dict) -> None:
-    from ringtrain.fsdp import local_state_bytes
+    from ringtrain.parallel.fsdp import local_state_bytes
 
     ctx = rt.get_context()
     torch.manual_seed(0)

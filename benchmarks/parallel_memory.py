@@ -18,9 +18,9 @@ How memory is measured. On a GPU: ``torch.cuda.max_memory_allocated`` (the peak 
 the step allocated). On the CPU (this machine) there is no allocator counter for torch tensors
 (``tracemalloc`` sees none of them), so two numbers: (1) the bytes of the tensors the rank owns
 after a step: parameters, gradients and optimizer state, each ``DTensor`` counted by its local
-shard (``ringtrain.fsdp.local_state_bytes``); this is what the sharding strategies divide; (2) the
-process's peak resident set size (``ru_maxrss``), which adds the interpreter and torch (~300 MiB),
-activations, DDP's gradient buckets and FSDP's all-gather buffers: the memory the rank really
+shard (``ringtrain.parallel.fsdp.local_state_bytes``); this is what the sharding strategies divide;
+(2) the process's peak resident set size (``ru_maxrss``), which adds the interpreter and torch (~300
+MiB), activations, DDP's gradient buckets and FSDP's all-gather buffers: the memory the rank really
 needed at its peak. Step time: the median of ``--steps`` timed steps after one warm-up, the
 slowest rank (a barrier before and after each step).
 
@@ -124,7 +124,7 @@ def _zero3_bytes(optimizer: Any) -> dict[str, int]:
 
 
 def _local_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
-    from ringtrain.fsdp import local_state_bytes
+    from ringtrain.parallel.fsdp import local_state_bytes
 
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # DeepSpeed ZeRO-3
         return _zero3_bytes(optimizer)

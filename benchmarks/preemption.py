@@ -1,6 +1,6 @@
 """What preemption readiness costs per step, and how fast a notice becomes a saved checkpoint.
 
-1. **Per-step cost of the stop-step agreement** (:class:`ringtrain.preempt_worker.
+1. **Per-step cost of the stop-step agreement** (:class:`ringtrain.worker.preempt.
    PreemptionPlugin`: one MAX allreduce of a 4-byte int at every ``TrainState.step``): W gloo
    processes time (a) the flag allreduce alone, blocking, and (b) a small DDP training step
    without it, with it blocking, and with it pipelined as the plug-in does (started

@@ -13,8 +13,8 @@ goes through the four steps a checkpoint takes, on the local disk, in one proces
    :meth:`CheckpointManager.latest_verified` (signature, run and round, confined
    ``O_NOFOLLOW`` opens, SHA-256, no unlisted file).
 4. **load** (a worker): before, ``torch.load(path, mmap=True, weights_only=True)`` with no
-   check; now ``TrainState.restore``'s reader, ``ringtrain.state_files.load_file``: the file is
-   copied into a private ``memfd`` and hashed in one pass, compared with the manifest table the
+   check; now ``TrainState.restore``'s reader, ``ringtrain.worker.state_files.load_file``: the file
+   is copied into a private ``memfd`` and hashed in one pass, compared with the manifest table the
    driver sent, then ``torch.load(memfd, mmap=True, weights_only=True)``. Both then copy every
    tensor into a preallocated model (``copy_``), so the mmap path pays its page reads too.
 
@@ -119,7 +119,7 @@ def before(run: str, state: dict[str, torch.Tensor], model: dict[str, torch.Tens
 
 
 def now(run: str, state: dict[str, torch.Tensor], model: dict[str, torch.Tensor]) -> dict:
-    from ringtrain.state_files import load_file as _load
+    from ringtrain.worker.state_files import load_file as _load
 
     fs = LocalFileSystem()
     signer = signing.resolve()

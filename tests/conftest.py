@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 import ringtrain as rt
 import support
-from ringtrain import session as session_mod
 from ringtrain.launch import shared_pool
+from ringtrain.worker import session as session_mod
 from support import child_pids, dump_worker_stacks, wait_until
 
 # Variables that torchrun/torch and ringtrain's own launch contract set in worker processes: a

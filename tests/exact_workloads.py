@@ -252,7 +252,7 @@ def _fresh_vs_long_lived(variant: dict) -> list:
     for step in range(steps):
         _train_step(long_lived, opt, step, accum)
     # What a checkpoint holds (deep copies: nothing shared with the long-lived objects).
-    from ringtrain.state_files import model_rank_state as _model_rank_state
+    from ringtrain.worker.state_files import model_rank_state as _model_rank_state
 
     saved_model = copy.deepcopy(net.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())

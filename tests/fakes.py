@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ringtrain.channel import Exited, Heartbeat, Hello
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import CheckpointConfig, FailureConfig
 from ringtrain.controller.controller import Controller
@@ -17,6 +16,7 @@ from ringtrain.controller.policy import FailurePolicy
 from ringtrain.launch.base import WorkerSpec
 from ringtrain.monitor.progress import make_progress
 from ringtrain.rundir import RunDirectory
+from ringtrain.wire.channel import Exited, Heartbeat, Hello
 
 # A scripted attempt: batches of events, one per poll; a callable batch is called when polled.
 Script = list[Any]

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import ringtrain as rt
-from ringtrain.fsdp import local_state_bytes
+from ringtrain.parallel.fsdp import local_state_bytes
 from workloads import NoisyDataset
 
 GLOBAL_BATCH = 12  # 120 samples: 10 steps per epoch at every world size (1, 2, 3)

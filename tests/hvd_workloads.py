@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import ringtrain as rt
 import ringtrain.horovod as hvd
-from ringtrain.session import current_session
+from ringtrain.worker.session import current_session
 
 
 class Checks:

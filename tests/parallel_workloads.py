@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import ringtrain as rt
-from ringtrain.data import ResumableDistributedSampler
+from ringtrain.worker.data import ResumableDistributedSampler
 from support import wait_for_checkpoint
 
 VOCAB, T, D, HEADS = 32, 8, 16, 4

@@ -11,9 +11,9 @@ import time
 
 import ringtrain as rt
 import workloads
-from ringtrain.channel import PreemptRequest
-from ringtrain.hooks import WorkerPlugin
-from ringtrain.preempt_worker import PreemptionPlugin
+from ringtrain.wire.channel import PreemptRequest
+from ringtrain.worker.hooks import WorkerPlugin
+from ringtrain.worker.preempt import PreemptionPlugin
 
 
 class NoticeAt(WorkerPlugin):

@@ -158,7 +158,7 @@ def _kill_self() -> None:
 def _wait_for_own_checkpoint_write() -> None:
     """Wait (up to 120 s) until this rank's background checkpoint write is on storage and its
     CheckpointDone sent: a kill after it cannot cost the round, however slow the machine."""
-    from ringtrain.session import installed_session
+    from ringtrain.worker.session import installed_session
 
     session = installed_session()
     if session is not None:
@@ -503,9 +503,9 @@ def _partial_notice(config, rank: int) -> None:
     ``notice_file`` (a driver-side source watches it); then every rank waits (up to 120 s) for
     the driver's answer, a GrowRequest (leave in place) or a PreemptRequest (stop), so that the
     step where the ranks agree to pause or stop is the next one however loaded the machine."""
-    from ringtrain.channel import PreemptRequest
     from ringtrain.elastic.worker import current_runtime
-    from ringtrain.session import installed_session
+    from ringtrain.wire.channel import PreemptRequest
+    from ringtrain.worker.session import installed_session
 
     if rank in config.get("sigterm_ranks", ()):
         os.kill(os.getpid(), signal.SIGTERM)

@@ -22,11 +22,10 @@ import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 # Worker-side and config names are light; the driver and torch-dependent parts load on first use
 # so that `import ringtrain` in a worker or in the CLI stays fast.
 from ringtrain.checkpoint.checkpoint import Checkpoint
+from ringtrain.cluster.env import DistributedContext
 from ringtrain.config import (
     CheckpointConfig,
     FailureConfig,
@@ -34,26 +33,25 @@ from ringtrain.config import (
     RunConfig,
     ScalingConfig,
 )
-from ringtrain.env import DistributedContext
-from ringtrain.parallel_config import ParallelConfig
+from ringtrain.config.parallel import ParallelConfig
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure
-from ringtrain.session import get_checkpoint, get_context, report
+from ringtrain.worker.session import get_checkpoint, get_context, report
 
 if TYPE_CHECKING:
-    from ringtrain.accumulate import accumulate
-    from ringtrain.amp import backward, prepare_optimizer
     from ringtrain.checkpoint.manager import NoValidCheckpointError
     from ringtrain.export import export_model
-    from ringtrain.fsdp import FSDPConfig
     from ringtrain.launch.shared_pool import WarmPool, warm_pool
     from ringtrain.monitor.integrations import MLflowCallback, WandbCallback
     from ringtrain.monitor.sinks import CSVCallback, TensorBoardCallback
     from ringtrain.parallel import DDPStrategy, FSDPStrategy, ParallelStrategy
     from ringtrain.parallel.deepspeed import prepare_deepspeed
+    from ringtrain.parallel.fsdp import FSDPConfig
     from ringtrain.parallel.pipeline import prepare_pipeline
     from ringtrain.prepare import get_device, prepare_data_loader, prepare_model
-    from ringtrain.state import TrainState
     from ringtrain.trainer import Trainer
+    from ringtrain.worker.accumulate import accumulate
+    from ringtrain.worker.precision import backward, prepare_optimizer
+    from ringtrain.worker.state import TrainState
 
 _LAZY = {
     "Trainer": "ringtrain.trainer",
@@ -63,17 +61,17 @@ _LAZY = {
     "prepare_model": "ringtrain.prepare",
     "prepare_data_loader": "ringtrain.prepare",
     "get_device": "ringtrain.prepare",
-    "TrainState": "ringtrain.state",
-    "FSDPConfig": "ringtrain.fsdp",
+    "TrainState": "ringtrain.worker.state",
+    "FSDPConfig": "ringtrain.parallel.fsdp",
     "DDPStrategy": "ringtrain.parallel",
     "FSDPStrategy": "ringtrain.parallel",
     "ParallelStrategy": "ringtrain.parallel",
     "prepare_pipeline": "ringtrain.parallel.pipeline",
     "prepare_deepspeed": "ringtrain.parallel.deepspeed",
     "export_model": "ringtrain.export",
-    "accumulate": "ringtrain.accumulate",
-    "backward": "ringtrain.amp",
-    "prepare_optimizer": "ringtrain.amp",
+    "accumulate": "ringtrain.worker.accumulate",
+    "backward": "ringtrain.worker.precision",
+    "prepare_optimizer": "ringtrain.worker.precision",
     "TensorBoardCallback": "ringtrain.monitor.sinks",
     "CSVCallback": "ringtrain.monitor.sinks",
     "MLflowCallback": "ringtrain.monitor.integrations",
@@ -122,6 +120,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the installed package's metadata: pyproject.toml's version
+        from ringtrain.rundir.saved_run import installed_version
+
+        return installed_version()
     if name == "train":  # ray.train's names (`import ringtrain as ray` ports Ray Train scripts)
         import importlib
 
@@ -138,9 +140,10 @@ def __getattr__(name: str) -> Any:
 
 class _Package(types.ModuleType):
     """The ``ringtrain`` package object. Importing a submodule sets it as an attribute of its
-    package, so importing ``ringtrain.accumulate`` (the module) anywhere would replace the lazy
-    function ``rt.accumulate`` with the module of the same name; such a submodule attribute is
-    not set (the module stays in ``sys.modules``; ``from ringtrain.accumulate import X`` works)."""
+    package, so importing ``ringtrain.worker.accumulate`` (the module) anywhere would replace the
+    lazy function ``rt.accumulate`` with the module of the same name; such a submodule attribute is
+    not set (the module stays in ``sys.modules``; ``from ringtrain.worker.accumulate import X``
+    works)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _LAZY and isinstance(value, types.ModuleType):

@@ -83,7 +83,7 @@ def load_model_state(checkpoint: str | os.PathLike[str] | Checkpoint) -> dict[st
         CheckpointLoadError: a file does not match the manifest, or ``torch.load`` refuses it.
     """
     from ringtrain.checkpoint.sharded import METADATA, load_full
-    from ringtrain.state_files import STATE_FILE, is_dcp_file, load_file
+    from ringtrain.worker.state_files import STATE_FILE, is_dcp_file, load_file
 
     ckpt = find_checkpoint(checkpoint)
     if ckpt.has_file(METADATA):

@@ -2,14 +2,14 @@
 
 ``prepare_model`` applies one strategy (:mod:`ringtrain.parallel`: DDP, FSDP2, TP and FSDP2/HSDP
 on the device mesh, or none), in this order: device placement, precision (the precision plug-in's
-autocast hooks, :mod:`ringtrain.amp`) and the other ``before_wrap`` hooks, the wrapping (DDP with
-its communication hook, :mod:`ringtrain.comm.ddp`, FSDP2, :mod:`ringtrain.fsdp`, or the mesh,
-:mod:`ringtrain.parallel.tensor`), then the ``after_wrap`` hooks (step timing). Each step is a
-plain function of the module.
+autocast hooks, :mod:`ringtrain.worker.precision`) and the other ``before_wrap`` hooks, the wrapping
+(DDP with its communication hook, :mod:`ringtrain.comm.ddp`, FSDP2, :mod:`ringtrain.parallel.fsdp`,
+or the mesh, :mod:`ringtrain.parallel.tensor`), then the ``after_wrap`` hooks (step timing). Each
+step is a plain function of the module.
 ``prepare_data_loader`` gives each data-parallel rank a disjoint shard of the data (on a device
 mesh, tensor- and pipeline-parallel peers share theirs), moves batches to the device, advances
 the shuffle each epoch and keeps its position (epoch, batch) as resumable state; the loader hooks
-(:mod:`ringtrain.hooks`) let elastic training and step timing see it.
+(:mod:`ringtrain.worker.hooks`) let elastic training and step timing see it.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from ringtrain.amp import check_precision, precision_plugin
-from ringtrain.data import ResumableDistributedSampler, SampleSeeded
-from ringtrain.env import DistributedContext
-from ringtrain.fsdp import FSDPConfig
-from ringtrain.hooks import LoaderSetup, ModelSetup
-from ringtrain.loader import PreparedDataLoader
+from ringtrain.cluster.env import DistributedContext
+from ringtrain.parallel.fsdp import FSDPConfig
 from ringtrain.parallel.strategy import (
     ModelStrategy,
     ParallelStrategy,
     WrapContext,
     strategy_from_kwargs,
 )
-from ringtrain.session import current_hooks, current_timer, get_context
+from ringtrain.worker.data import ResumableDistributedSampler, SampleSeeded
+from ringtrain.worker.hooks import LoaderSetup, ModelSetup
+from ringtrain.worker.loader import PreparedDataLoader
+from ringtrain.worker.precision import check_precision, precision_plugin
+from ringtrain.worker.session import current_hooks, current_timer, get_context
 
 
 def get_device() -> torch.device:
@@ -64,9 +64,9 @@ def prepare_model(
     (``rt.DDPStrategy(comm_hook="bf16")``, ``rt.FSDPStrategy(rt.FSDPConfig(...))``), or describe
     it with the keywords below (``parallel_strategy=``, ``comm_hook=``, ``fsdp_config=``...),
     which are mapped onto the same objects; not both. The steps, in order: validation (before any
-    process group), device placement, precision (autocast hooks, :mod:`ringtrain.amp`), the
-    ``before_wrap`` hooks, the wrapping (DDP with its communication hook, FSDP2, or none), the
-    ``after_wrap`` hooks (:mod:`ringtrain.hooks`).
+    process group), device placement, precision (autocast hooks, :mod:`ringtrain.worker.precision`),
+    the ``before_wrap`` hooks, the wrapping (DDP with its communication hook, FSDP2, or none), the
+    ``after_wrap`` hooks (:mod:`ringtrain.worker.hooks`).
 
     Args:
         model: the module; its parameters must be identical on every rank (seed the same way
@@ -78,7 +78,7 @@ def prepare_model(
         precision: ``"32"`` (default), ``"bf16-mixed"`` or ``"16-mixed"``: the forward runs under
             ``torch.autocast`` in that dtype and its outputs are cast back to float32; with
             ``"16-mixed"`` use :func:`ringtrain.prepare_optimizer` and :func:`ringtrain.backward`
-            for loss scaling (:mod:`ringtrain.amp`).
+            for loss scaling (:mod:`ringtrain.worker.precision`).
         parallel_strategy: ``"ddp"`` wraps in ``DistributedDataParallel`` when the world size is
             above 1; ``"fsdp"`` shards parameters, gradients and optimizer state over the ranks
             with FSDP2 ``fully_shard`` (also at world size 1; build the optimizer after this
@@ -237,8 +237,8 @@ def prepare_data_loader(
     """Shard a DataLoader across ranks, move its batches to the device, and make its position
     part of the training state.
 
-    The loader is rebuilt with a :class:`~ringtrain.data.ResumableDistributedSampler` (also at
-    world size 1, so that the shuffle order depends only on ``seed`` and the epoch, never on the
+    The loader is rebuilt with a :class:`~ringtrain.worker.data.ResumableDistributedSampler` (also
+    at world size 1, so that the shuffle order depends only on ``seed`` and the epoch, never on the
     world size: W workers with batch b see, step by step, exactly the samples that 1 worker with
     batch W*b sees). ``shuffle=True`` is kept as the sampler's shuffle. The returned loader counts
     the batches it has handed out; its ``state_dict()`` (saved by :class:`ringtrain.TrainState`)
@@ -246,8 +246,8 @@ def prepare_data_loader(
     ``num_workers > 0``. It also gets its own ``torch.Generator``, reseeded from ``(seed, epoch)``
     at every ``iter()``, so that starting an epoch never draws from the global torch RNG (a plain
     DataLoader draws its workers' base seed from it, which would make a resumed run diverge).
-    With ``num_workers > 0`` the dataset is wrapped in :class:`~ringtrain.data.SampleSeeded`: a
-    loader worker seeds ``random``, NumPy and torch from ``(seed, epoch, index)`` before loading
+    With ``num_workers > 0`` the dataset is wrapped in :class:`~ringtrain.worker.data.SampleSeeded`:
+    a loader worker seeds ``random``, NumPy and torch from ``(seed, epoch, index)`` before loading
     each sample, so random augmentations are reproduced exactly after a resume, whichever worker
     loads the sample.
 

@@ -14,15 +14,16 @@ from typing import Any
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.checkpoint.signing import from_run_config
 from ringtrain.checkpoint.storage import protocols
+from ringtrain.cluster.env import detect_source
 from ringtrain.config import RunConfig, ScalingConfig
+from ringtrain.config.validation import short_error
 from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
-from ringtrain.driver_signals import (
+from ringtrain.controller.signals import (
     DriverTerminated,
     _requeue_if_preempted,
     _sigterm_as_interrupt,
 )
-from ringtrain.env import detect_source
 from ringtrain.launch.backends import backend_for
 from ringtrain.launch.base import Launcher, NoticeProvider, WorkerSpec
 from ringtrain.launch.pool import ColdStartReporter, with_auto_preload
@@ -32,20 +33,20 @@ from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.preemption import SignalNotice
 from ringtrain.result import Result
 from ringtrain.rundir import RunDirectory
-from ringtrain.rundir.schema import ColdStartEvent
-from ringtrain.saved_run import (  # re-exported: cli, tests and users import them from here
+from ringtrain.rundir.saved_run import (  # re-exported: cli, tests and users import them from here
     CONFIG_FILE,
     PAYLOAD_FILE,
     RunContinuedWarning,
     RunNameTaken,
     SavedRun,
+    default_run_name,
     finished_note,
     load_saved_run,
     refuse_if_running,
     write_run_config,
 )
-from ringtrain.trainer_args import _resolve_train_fn, default_run_name, short_error
-from ringtrain.worker_config import build_worker_config
+from ringtrain.rundir.schema import ColdStartEvent
+from ringtrain.wire.worker_config import build_worker_config
 
 __all__ = [
     "CONFIG_FILE",
@@ -80,6 +81,32 @@ def make_launcher(scaling: ScalingConfig) -> Launcher:
     """The launcher ``scaling.backend`` names: local processes, or Ray actors (Ray is imported
     only then; ImportError naming ``pip install 'ringtrain[ray]'`` when it is missing)."""
     return backend_for(scaling).launcher()
+
+
+def _resolve_train_fn(
+    train_fn: Callable[..., Any] | None,
+    train_loop_per_worker: Callable[..., Any] | None,
+    datasets: dict[str, Any] | None,
+) -> Callable[..., Any]:
+    """The train function from ringtrain's name or Ray Train's; refuses ``datasets``."""
+    if datasets is not None:
+        raise ValueError(
+            "Trainer(datasets=...): Ray Data datasets are not supported; build a torch "
+            "DataLoader inside the train function and pass it through prepare_data_loader() "
+            "(it shards the data across workers like get_dataset_shard())"
+        )
+    if train_fn is not None and train_loop_per_worker is not None:
+        raise TypeError(
+            "Trainer got both train_fn and train_loop_per_worker (Ray Train's name for the same "
+            "argument): give only one"
+        )
+    chosen = train_fn if train_fn is not None else train_loop_per_worker
+    if chosen is None:
+        raise TypeError(
+            "Trainer needs the per-worker training function: Trainer(train_fn) or "
+            "Trainer(train_loop_per_worker=train_fn)"
+        )
+    return chosen
 
 
 class Trainer:
@@ -274,8 +301,8 @@ class Trainer:
         return trainer
 
     def _fit_in_process(self) -> Result:
-        from ringtrain.distributed import init_process_group
-        from ringtrain.session import call_train_fn, current_session
+        from ringtrain.cluster.distributed import init_process_group
+        from ringtrain.worker.session import call_train_fn, current_session
 
         session = current_session()
         ctx = session.context
@@ -301,7 +328,7 @@ class Trainer:
 
 
 def _pickle_payload(train_fn: Callable[..., Any], config: dict[str, Any] | None) -> bytes:
-    from ringtrain.payload import pickle_payload
+    from ringtrain.wire.payload import pickle_payload
 
     return pickle_payload(train_fn, config)
 
@@ -371,7 +398,7 @@ def run_workers(
         threads = scaling_config.threads_per_worker()
         timeout = run_config.failure_config.worker_timeout_s
         monitor = run_config.monitor_config
-        # Everything the workers are told travels typed in Start (ringtrain.worker_config).
+        # Everything the workers are told travels typed in Start (ringtrain.wire.worker_config).
         worker_config = build_worker_config(scaling_config, run_config, max_steps=max_steps)
         elastic = None
         if worker_config.elastic is not None:  # num_workers=(min, max): resize in place

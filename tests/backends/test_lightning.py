@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from ringtrain import session as session_mod
-from ringtrain.env import DistributedContext
+from ringtrain.cluster.env import DistributedContext
+from ringtrain.worker import session as session_mod
 from support import Poisoned, run_job
 
 pl = pytest.importorskip(
@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # 
 
 import lightning_shard_workloads as shard  # noqa: E402
 import lightning_workloads  # noqa: E402
+from ringtrain.config.parallel import MeshShape  # noqa: E402
 from ringtrain.integrations.lightning import (  # noqa: E402
     RingtrainCallback,
     RingtrainEnvironment,
@@ -36,8 +37,7 @@ from ringtrain.integrations.lightning import (  # noqa: E402
     own_files,
     prepare_trainer,
 )
-from ringtrain.parallel_config import MeshShape  # noqa: E402
-from ringtrain.worker_config import WorkerConfig  # noqa: E402
+from ringtrain.wire.worker_config import WorkerConfig  # noqa: E402
 
 EPOCHS = 2  # 5 batches of 4 per rank and epoch: 10 optimizer steps
 _runs: dict[str, dict] = {}

@@ -28,7 +28,7 @@ import torch
 
 import ringtrain as rt
 from ray_port import changed_lines, port, port_line, ray_example
-from ringtrain.env import DistributedContext
+from ringtrain.cluster.env import DistributedContext
 from ringtrain.train.horovod import HorovodConfig, HorovodTrainer
 from ringtrain.train.torch import TorchConfig, TorchTrainer
 
@@ -127,7 +127,7 @@ def test_sharding_order_is_rays_distributed_sampler(world_size: int) -> None:
     padding (23 samples do not divide by 2, 3 or 4) and across epochs."""
     from torch.utils.data import DistributedSampler
 
-    from ringtrain.data import ResumableDistributedSampler
+    from ringtrain.worker.data import ResumableDistributedSampler
 
     data = list(range(23))
     for rank in range(world_size):

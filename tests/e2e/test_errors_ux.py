@@ -26,8 +26,8 @@ import ringtrain as rt
 from ringtrain.cli import for_cli
 from ringtrain.launch import local
 from ringtrain.launch.worker import install_sources, user_traceback
-from ringtrain.payload import pickle_payload, source_lines
 from ringtrain.trainer import RunNameTaken, finished_note
+from ringtrain.wire.payload import pickle_payload, source_lines
 
 RINGTRAIN = shutil.which("ringtrain") or os.path.join(os.path.dirname(sys.executable), "ringtrain")
 

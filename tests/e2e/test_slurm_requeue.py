@@ -1,7 +1,7 @@
 """SLURM requeue after a preemption (issue 19): a fake ``scontrol`` on PATH records its arguments.
 
 The decision (which statuses requeue, the opt-out, a failing scontrol) is checked on the real
-``scontrol`` subprocess path of :mod:`ringtrain.slurm`; one real job checks the whole chain
+``scontrol`` subprocess path of :mod:`ringtrain.cluster.slurm`; one real job checks the whole chain
 through ``run_workers``: PREEMPTED, requeued once, and the same script run again (its default
 name is the job's) resumes and FINISHES without a second requeue.
 """
@@ -16,7 +16,7 @@ import pytest
 
 import ringtrain as rt
 import workloads
-from ringtrain import slurm
+from ringtrain.cluster import slurm
 from ringtrain.preemption import FileNotice
 from ringtrain.trainer import default_run_name
 from support import read_jsonl_dir

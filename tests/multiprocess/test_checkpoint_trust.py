@@ -30,7 +30,7 @@ from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint.checkpoint import CheckpointLoadError
 from ringtrain.checkpoint.manager import CheckpointManager, NoValidCheckpointError
 from ringtrain.config import CheckpointConfig
-from ringtrain.state import STATE_FILE, TrainState, rank_file
+from ringtrain.worker.state import STATE_FILE, TrainState, rank_file
 from support import Poisoned
 
 LOCAL = fsspec.filesystem("file")

@@ -21,10 +21,10 @@ import torch
 
 import net_workloads
 import ringtrain as rt
-from ringtrain import handshake
-from ringtrain.channel import DriverListener, Hello, WorkerChannel, new_authkey
 from ringtrain.launch.base import WorkerSpec, start_store
 from ringtrain.launch.local import LocalLauncher, LocalWorkerGroup
+from ringtrain.wire import handshake
+from ringtrain.wire.channel import DriverListener, Hello, WorkerChannel, new_authkey
 from support import wait_until
 
 # --------------------------------------------------------------------------- helpers

@@ -17,9 +17,9 @@ import torch
 
 import ringtrain as rt
 import workloads
-from ringtrain.channel import Interrupted
 from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
 from ringtrain.result import WorkerFailure
+from ringtrain.wire.channel import Interrupted
 from support import read_events as _events
 from support import read_jsonl_dir as _records
 from support import run_job
@@ -168,7 +168,6 @@ def test_reentry_without_restore_still_starts_ddp_from_rank_0s_parameters(tmp_pa
 
 
 def test_deferred_sync_only_when_reentering_with_a_snapshot(tmp_path):
-    from ringtrain import session as session_module
     from ringtrain.checkpoint.checkpoint import Checkpoint
     from ringtrain.elastic import snapshot as snapshots
     from ringtrain.elastic.worker import (
@@ -177,7 +176,8 @@ def test_deferred_sync_only_when_reentering_with_a_snapshot(tmp_path):
         deferred_sync_generation,
         mark_restored,
     )
-    from ringtrain.worker_config import ElasticSettings
+    from ringtrain.wire.worker_config import ElasticSettings
+    from ringtrain.worker import session as session_module
 
     current = session_module.current_session()
     assert deferred_sync_generation() is None  # not elastic
@@ -481,7 +481,6 @@ class _ScriptedGroup:
 
 
 def test_a_joiner_lost_while_the_members_paused_reforms_them_from_the_same_snapshot(tmp_path):
-    from ringtrain.channel import Done, Exited, GrowRequest, Hello, JoinReady, Resumed
     from ringtrain.checkpoint.manager import CheckpointManager
     from ringtrain.config import CheckpointConfig, FailureConfig
     from ringtrain.controller.controller import Controller
@@ -489,6 +488,7 @@ def test_a_joiner_lost_while_the_members_paused_reforms_them_from_the_same_snaps
     from ringtrain.launch.base import WorkerSpec
     from ringtrain.monitor.progress import make_progress
     from ringtrain.rundir import RunDirectory
+    from ringtrain.wire.channel import Done, Exited, GrowRequest, Hello, JoinReady, Resumed
 
     def paused(rank, generation, step, grow=True):
         return Interrupted(

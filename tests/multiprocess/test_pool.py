@@ -102,7 +102,7 @@ def test_script_mode_no_listener_and_cold_fallback(tmp_path, capfd):
         textwrap.dedent(
             """
             import os, sys, ringtrain as rt
-            from ringtrain import preempt_worker
+            from ringtrain.worker import preempt as preempt_worker
             ctx = rt.get_context()
             with open(os.path.join(sys.argv[1], f"driver{ctx.world_rank}"), "w") as f:
                 f.write(f"{ctx.config.driver_pid} {preempt_worker.driver_pid()} "

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 import ringtrain as rt
-from ringtrain.env import BOOTSTRAP_ENV
-from ringtrain.payload import pickle_payload
+from ringtrain.cluster.env import BOOTSTRAP_ENV
 from ringtrain.trainer import run_workers
+from ringtrain.wire.payload import pickle_payload
 
 
 def contract_fn(config):
     """Reports what this rank was told (its WorkerConfig, as a dict) and the RINGTRAIN_*
     variables of its environment."""
-    from ringtrain import session
+    from ringtrain.worker import session
 
     ctx = rt.get_context()
     worker_config = session.current_session().worker_config

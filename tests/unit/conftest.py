@@ -38,6 +38,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 _CALL_FAILED = pytest.StashKey[bool]()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _matplotlib_font_cache() -> None:
+    """matplotlib builds its font cache on first use by running ``fc-list``: a process, which
+    the guard below refuses. On a fresh machine (CI) the first chart test would fail for it, so
+    the cache is built once here, before any test runs (a no-op where it exists)."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
+
+
 @pytest.fixture(autouse=True)
 def _no_processes(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch

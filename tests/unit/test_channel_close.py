@@ -16,8 +16,8 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from ringtrain import handshake
-from ringtrain.channel import DriverListener, WorkerChannel, new_authkey
+from ringtrain.wire import handshake
+from ringtrain.wire.channel import DriverListener, WorkerChannel, new_authkey
 
 BEFORE, AFTER = 20, 6  # messages read while they come, then the burst sent just before exit
 

@@ -1,4 +1,4 @@
-"""Tests for ringtrain.console_io: terminal writes are never cut short.
+"""Tests for ringtrain.monitor.console_io: terminal writes are never cut short.
 
 The bug they guard against: under ``PYTHONUNBUFFERED=1`` a write to ``sys.stdout`` that a signal
 cut short (Linux stops a tty write between two 2048-byte chunks when a signal is pending) lost
@@ -22,8 +22,8 @@ import pytest
 from rich.console import Console
 from rich.file_proxy import FileProxy
 
-from ringtrain import console_io
-from ringtrain.console_io import WholeWrites, write_all, write_whole
+from ringtrain.monitor import console_io
+from ringtrain.monitor.console_io import WholeWrites, write_all, write_whole
 
 
 def test_write_all_finishes_partial_writes(monkeypatch: pytest.MonkeyPatch) -> None:

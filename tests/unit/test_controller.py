@@ -14,13 +14,13 @@ from fakes import FakeLauncher
 from fakes import GuardedGroup as _GuardedGroup
 from fakes import HeartbeatGroup as _HeartbeatGroup
 from fakes import make_controller as _controller
-from ringtrain.channel import CheckpointDone, Done, Exited, Hello, Report, WorkerError
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.config import CheckpointConfig, FailureConfig
 from ringtrain.controller.controller import RunState
 from ringtrain.controller.policy import Decision, FailurePolicy
 from ringtrain.result import TrainingFailedError, WorkerFailure
+from ringtrain.wire.channel import CheckpointDone, Done, Exited, Hello, Report, WorkerError
 
 
 def _report(rank, round_, **metrics):

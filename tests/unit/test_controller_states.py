@@ -12,7 +12,6 @@ from fakes import FakeGroup, FakeLauncher
 from fakes import HeartbeatGroup as _HeartbeatGroup
 from fakes import controller_events as _events
 from fakes import make_controller as _controller
-from ringtrain.channel import Exited, Hello, Interrupted, JoinReady, Resumed
 from ringtrain.controller.states import (
     Growing,
     PreemptionNotice,
@@ -24,6 +23,7 @@ from ringtrain.controller.states import (
     Transition,
 )
 from ringtrain.elastic.policy import ElasticPolicy
+from ringtrain.wire.channel import Exited, Hello, Interrupted, JoinReady, Resumed
 
 pytestmark = pytest.mark.timeout(60)
 

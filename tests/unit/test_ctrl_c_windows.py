@@ -10,7 +10,7 @@ saying ``RUNNING`` with no ``run_end``; the third left result.json saying ``RUNN
 
 And a Ctrl-C during code that swallows every error (``import torch``'s NumPy initialisation, the
 driver's first import of torch when it starts workers) is held and raised after it
-(:func:`ringtrain.interrupts.held_ctrl_c`).
+(:func:`ringtrain.monitor.interrupts.held_ctrl_c`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import pytest
 from fakes import FakeGroup, FakeLauncher
 from fakes import controller_events as _events
 from fakes import make_controller as _controller
-from ringtrain.interrupts import held_ctrl_c
 from ringtrain.launch import local
 from ringtrain.launch.base import WorkerSpec
+from ringtrain.monitor.interrupts import held_ctrl_c
 from ringtrain.preemption import SignalNotice
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,7 +16,7 @@ from loaders import check_global_rng_untouched, check_state_dict_resumes
 from loaders import dataset as _dataset
 from loaders import prepared as _prepared
 from loaders import take as _take
-from ringtrain.data import ResumableDistributedSampler
+from ringtrain.worker.data import ResumableDistributedSampler
 
 
 class _Sized(torch.utils.data.Dataset[int]):

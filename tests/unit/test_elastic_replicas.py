@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 import ringtrain as rt
-from ringtrain.channel import Interrupted
+from ringtrain.config.replica_groups import elastic_mesh_refusal, replica_survivors, whole_groups
 from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
-from ringtrain.replica_groups import elastic_mesh_refusal, replica_survivors, whole_groups
 from ringtrain.result import WorkerFailure
+from ringtrain.wire.channel import Interrupted
 
 
 def _scaling(workers, **mesh):

@@ -1,6 +1,6 @@
 import pytest
 
-from ringtrain.env import context_from_env, detect_source, worker_environment
+from ringtrain.cluster.env import context_from_env, detect_source, worker_environment
 
 
 def test_single_process_without_launcher():
@@ -90,7 +90,7 @@ def test_worker_environment_has_horovods_variables():
 
 
 def test_a_cpu_worker_sees_no_gpu_unless_the_run_names_its_devices():
-    from ringtrain.worker_env import cpu_worker_devices
+    from ringtrain.cluster.worker_env import cpu_worker_devices
 
     assert cpu_worker_devices(False, {}) == {"CUDA_VISIBLE_DEVICES": ""}
     assert cpu_worker_devices(True, {}) == {}  # a GPU worker's device comes from its local rank

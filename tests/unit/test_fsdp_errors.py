@@ -65,7 +65,7 @@ def test_prepare_model_errors_before_any_process_group():
 
 
 def test_size_policy_keeps_tied_weights_in_one_unit():
-    from ringtrain.fsdp import select_units
+    from ringtrain.parallel.fsdp import select_units
 
     units = select_units(Tied(), rt.FSDPConfig(min_num_params=40))
     names = [name for name, _ in units]

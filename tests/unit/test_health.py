@@ -3,8 +3,8 @@ explicitly: no processes, no clock."""
 
 from __future__ import annotations
 
-from ringtrain.channel import Heartbeat
 from ringtrain.controller.health import Health
+from ringtrain.wire.channel import Heartbeat
 
 
 def _beat(health: Health, rank: int, now: float, age: float, count: int, step: int) -> None:

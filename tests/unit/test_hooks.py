@@ -1,6 +1,7 @@
-"""The worker hook registry (ringtrain/hooks.py): every hook a no-op by default, plug-ins called in
-registration order, a plug-in receiving each hook from the real core call sites (TrainState's step
-and restore, a prepared loader, prepare_model, report), and one way to call a train function."""
+"""The worker hook registry (ringtrain/worker/hooks.py): every hook a no-op by default, plug-ins
+called in registration order, a plug-in receiving each hook from the real core call sites
+(TrainState's step and restore, a prepared loader, prepare_model, report), and one way to call a
+train function."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 import ringtrain as rt
-from ringtrain import hooks as hooks_mod
-from ringtrain import session as session_mod
-from ringtrain.hooks import HOOKS, HookRegistry, LoaderSetup, ModelSetup, WorkerPlugin
+from ringtrain.worker import hooks as hooks_mod
+from ringtrain.worker import session as session_mod
+from ringtrain.worker.hooks import HOOKS, HookRegistry, LoaderSetup, ModelSetup, WorkerPlugin
 
 
 class Recorder(WorkerPlugin):
@@ -205,13 +206,13 @@ class _InMemory:
 
 
 CORE = (
-    "ringtrain.session",
-    "ringtrain.state",
-    "ringtrain.state_files",
-    "ringtrain.accumulate",
+    "ringtrain.worker.session",
+    "ringtrain.worker.state",
+    "ringtrain.worker.state_files",
+    "ringtrain.worker.accumulate",
     "ringtrain.prepare",
-    "ringtrain.data",
-    "ringtrain.hooks",
+    "ringtrain.worker.data",
+    "ringtrain.worker.hooks",
 )
 """The worker's core: plug-ins (elastic, timing, precision) hook into it; it imports none."""
 PLUGIN_USERS = ("elastic", "launch", "controller", "trainer.py")

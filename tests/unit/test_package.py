@@ -9,7 +9,9 @@ import ringtrain as rt
 
 
 def test_importing_the_accumulate_module_leaves_rt_accumulate_the_function():
-    module = importlib.import_module("ringtrain.accumulate")  # e.g. elastic/batch.py's import
+    module = importlib.import_module(
+        "ringtrain.worker.accumulate"
+    )  # e.g. elastic/batch.py's import
     # What the import system does on a submodule's first import (before rt.accumulate was
     # ever looked up), which used to turn rt.accumulate into the module:
     rt.__dict__.pop("accumulate", None)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import ringtrain as rt
-from ringtrain.parallel.mesh import mesh_shape
-from ringtrain.parallel_config import MESH_DIMS, MeshShape
-from ringtrain.worker_config import build_worker_config
+from ringtrain.config.parallel import MESH_DIMS, MeshShape
+from ringtrain.cluster.mesh import mesh_shape
+from ringtrain.wire.worker_config import build_worker_config
 
 
 def test_defaults_resolve_to_fsdp_over_every_rank() -> None:

@@ -1,4 +1,4 @@
-"""ringtrain.payload.dumps: functions pickled by value keep their code's file name (cloudpickle
+"""ringtrain.wire.payload.dumps: functions pickled by value keep their code's file name (cloudpickle
 3.1.3 replaced it with "<dynamic-code>", and workers' tracebacks lost their lines)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pickle
 import traceback
 import types
 
-from ringtrain.payload import dumps, pickle_payload
+from ringtrain.wire.payload import dumps, pickle_payload
 
 _SOURCE = """
 def outer(x):

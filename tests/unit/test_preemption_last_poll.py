@@ -14,8 +14,8 @@ import pytest
 from fakes import FakeGroup, FakeLauncher
 from fakes import controller_events as _events
 from fakes import make_controller as _controller
-from ringtrain.channel import Done, Exited, PreemptSaved, WorkerNotice
 from ringtrain.controller.states import RunState
+from ringtrain.wire.channel import Done, Exited, PreemptSaved, WorkerNotice
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,6 @@ import ringtrain as rt
 from fakes import FakeGroup, FakeLauncher
 from fakes import controller_events as _events
 from fakes import make_controller as _controller
-from ringtrain.channel import Done, Exited, PreemptRequest, PreemptSaved, WorkerNotice
 from ringtrain.controller.states import Preempting, RunState
 from ringtrain.preemption import (
     CallableNotice,
@@ -24,6 +23,7 @@ from ringtrain.preemption import (
     PreemptionNotice,
     SignalNotice,
 )
+from ringtrain.wire.channel import Done, Exited, PreemptRequest, PreemptSaved, WorkerNotice
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -197,7 +197,7 @@ def test_failure_config_validates_the_preemption_fields():
 def test_a_worker_forked_by_a_ringtrain_launcher_is_stopped_by_its_grandparent_too(tmp_path):
     """The SIGTERM that stops a worker at once comes from its parent, or from the parent's parent
     when the parent is a ringtrain launcher process (a fork server); anyone else's is a notice."""
-    from ringtrain.preempt_worker import launchers
+    from ringtrain.worker.preempt import launchers
 
     for pid, cmdline, stat in (
         (10, b"python\0train.py\0", b"10 (python) S 7 10 10"),

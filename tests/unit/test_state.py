@@ -18,10 +18,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringtrain as rt
-from ringtrain import session as session_mod
 from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint.checkpoint import CheckpointLoadError
-from ringtrain.state import STATE_FILE, TrainState, capture_rng, rank_file, restore_rng
+from ringtrain.worker import session as session_mod
+from ringtrain.worker.state import STATE_FILE, TrainState, capture_rng, rank_file, restore_rng
 from support import Poisoned
 
 # ---------------------------------------------------------------- helpers

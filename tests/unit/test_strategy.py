@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 import ringtrain as rt
-from ringtrain.amp import PrecisionPlugin, precision_plugin
 from ringtrain.parallel import (
     DDPStrategy,
     FSDPStrategy,
@@ -23,7 +22,8 @@ from ringtrain.parallel import (
     WrapContext,
     strategy_from_kwargs,
 )
-from ringtrain.session import current_hooks
+from ringtrain.worker.precision import PrecisionPlugin, precision_plugin
+from ringtrain.worker.session import current_hooks
 
 
 def test_the_keywords_select_one_strategy_object():

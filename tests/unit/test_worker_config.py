@@ -11,8 +11,7 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 
 import ringtrain as rt
-from ringtrain.channel import Start
-from ringtrain.env import (
+from ringtrain.cluster.env import (
     BOOTSTRAP_ENV,
     ENVIRONMENTS,
     DistributedContext,
@@ -26,7 +25,8 @@ from ringtrain.env import (
 )
 from ringtrain.launch.base import WorkerSpec
 from ringtrain.launch.reaper import TOKEN_ENV
-from ringtrain.worker_config import ElasticSettings, WorkerConfig, build_worker_config
+from ringtrain.wire.channel import Start
+from ringtrain.wire.worker_config import ElasticSettings, WorkerConfig, build_worker_config
 
 FULL = WorkerConfig(
     run_dir="/runs/r",

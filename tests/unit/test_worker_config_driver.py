@@ -1,6 +1,6 @@
 """``WorkerConfig.driver_pid`` (issue 19): the local launcher puts the driver's pid into the typed
 config (None on Ray, whose driver may be on another machine), it is validated, and
-:mod:`ringtrain.preempt_worker` uses it (and what the zygote says) instead of reading ``/proc``."""
+:mod:`ringtrain.worker.preempt` uses it (and what the zygote says) instead of reading ``/proc``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import pytest
 
 import ringtrain as rt
-from ringtrain import preempt_worker
-from ringtrain.worker_config import WorkerConfig, build_worker_config
+from ringtrain.wire.worker_config import WorkerConfig, build_worker_config
+from ringtrain.worker import preempt as preempt_worker
 
 
 def test_driver_pid_is_set_by_the_local_launcher_only_and_validated() -> None:

@@ -15,7 +15,7 @@ import ringtrain as rt
 from ringtrain.checkpoint import signing, storage
 from ringtrain.checkpoint import writer as writer_mod
 from ringtrain.checkpoint.writer import AsyncCheckpointWriter, retry, write_files
-from ringtrain.state import STATE_FILE, TrainState, rank_file
+from ringtrain.worker.state import STATE_FILE, TrainState, rank_file
 
 
 @pytest.fixture

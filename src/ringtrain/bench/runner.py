@@ -23,7 +23,7 @@ from rich.table import Table
 from ringtrain.bench.allreduce import measure_allreduce
 from ringtrain.bench.analysis import PARTS, BenchError, RunTiming, aggregate_windows
 from ringtrain.bench.report import build_report, require_matplotlib, write_report
-from ringtrain.console_io import whole_writes
+from ringtrain.monitor.console_io import whole_writes
 
 __all__ = ["BenchConfig", "amdahl_line", "load_timing_windows", "parse_workers", "run_bench"]
 

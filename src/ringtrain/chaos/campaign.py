@@ -161,7 +161,7 @@ class _Campaign:
         """One run (index 0: the clean reference) from start to verdict."""
         import dataclasses
 
-        from ringtrain.payload import dumps
+        from ringtrain.wire.payload import dumps
 
         name = f"w{world_size}_clean" if index == 0 else f"w{world_size}_run{index:02d}"
         run_path = os.path.join(self.storage, name)

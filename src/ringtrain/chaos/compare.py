@@ -24,7 +24,9 @@ from ringtrain.checkpoint import storage
 from ringtrain.rundir.reader import run_events
 from ringtrain.rundir.schema import CheckpointEvent, ResumeEvent, RunStartEvent
 
-STATE_FILE = "train_state.pt"  # ringtrain.state.STATE_FILE (not imported: no torch model code)
+STATE_FILE = (
+    "train_state.pt"  # ringtrain.worker.state.STATE_FILE (not imported: no torch model code)
+)
 
 
 @dataclass(frozen=True)

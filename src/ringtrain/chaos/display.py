@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Protocol, TextIO
 
 from ringtrain.chaos.report import CampaignReport, RunReport
-from ringtrain.console_io import whole_writes
+from ringtrain.monitor.console_io import whole_writes
 
 if TYPE_CHECKING:
     from rich.status import Status

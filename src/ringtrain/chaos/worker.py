@@ -1,12 +1,12 @@
 """The worker side of a campaign: the user's train function, wrapped to inject its faults.
 
 :class:`ChaosTrainFn` is what a campaign's runs ship to their workers instead of the bare train
-function. In each worker it listens to ``TrainState.step`` (a step hook, :mod:`ringtrain.hooks`):
-it stops the run cleanly after ``steps`` steps, fires this rank's faults when their step comes,
-and writes one JSON line per fired fault and per worker start (its first step) to
-``log_dir/faults.jsonl``, which the campaign reads for the recovery times. A fault fires once per
-run: the first process to reach it creates ``log_dir/fired/N`` (exclusively) before acting, so a
-restarted attempt (or a resumed driver) that passes the same step again goes on.
+function. In each worker it listens to ``TrainState.step`` (a step hook,
+:mod:`ringtrain.worker.hooks`): it stops the run cleanly after ``steps`` steps, fires this rank's
+faults when their step comes, and writes one JSON line per fired fault and per worker start (its
+first step) to ``log_dir/faults.jsonl``, which the campaign reads for the recovery times. A fault
+fires once per run: the first process to reach it creates ``log_dir/fired/N`` (exclusively) before
+acting, so a restarted attempt (or a resumed driver) that passes the same step again goes on.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringtrain.chaos.plan import Fault
-from ringtrain.hooks import StepState
+from ringtrain.worker.hooks import StepState
 
 LOG_FILE = "faults.jsonl"
 FIRED_DIR = "fired"
@@ -78,7 +78,7 @@ class ChaosTrainFn:
         self.__name__ = getattr(train_fn, "__name__", "train_fn")
 
     def __call__(self, config: dict[str, Any]) -> None:
-        from ringtrain import session as session_mod
+        from ringtrain.worker import session as session_mod
 
         sess = session_mod.current_session()
         injector = _Injector(self, sess.context.world_rank, sess.context.attempt)
@@ -105,7 +105,7 @@ class _Injector:
             _install_write_hook()
 
     def on_step(self, state: StepState) -> None:
-        """The worker's step hook (:mod:`ringtrain.hooks`): ``state.step`` was just set."""
+        """The worker's step hook (:mod:`ringtrain.worker.hooks`): ``state.step`` was just set."""
         step = state.step
         now = time.time()
         if self.last_t is not None:
@@ -166,7 +166,7 @@ class _Injector:
             self._log(index, fault, step)
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "driver":
-            from ringtrain.preempt_worker import driver_pid
+            from ringtrain.worker.preempt import driver_pid
 
             driver = driver_pid()  # the parent, or the grandparent of a worker the pool forked
             self._log(index, fault, step, driver_pid=driver)

@@ -240,6 +240,24 @@ def load_full(location: str, filesystem: Any = None) -> dict[str, Any]:
 # ------------------------------------------------------------------------- TrainState support
 
 
+def is_sharded_module(obj: Any) -> bool:
+    """Whether ``obj`` is a module with ``DTensor`` parameters (sharded by ``fully_shard``)."""
+    if not isinstance(obj, torch.nn.Module):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in obj.parameters())
+
+
+def is_sharded_optimizer(obj: Any) -> bool:
+    """Whether ``obj`` is an optimizer over ``DTensor`` parameters."""
+    if not isinstance(obj, torch.optim.Optimizer):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for g in obj.param_groups for p in g["params"])
+
+
 def sharded_objects(objects: dict[str, Any]) -> tuple[set[str], list[str]]:
     """Which of a TrainState's objects are saved with DCP, and what is wrong with them.
 
@@ -253,8 +271,6 @@ def sharded_objects(objects: dict[str, Any]) -> tuple[set[str], list[str]]:
 
     if not (dist.is_available() and dist.is_initialized()):
         return set(), []  # no device mesh, so no DTensor
-    from ringtrain.fsdp import is_sharded_module, is_sharded_optimizer
-
     names: set[str] = set()
     problems: list[str] = []
     # A pipelined model (ringtrain.parallel.pipeline): each rank holds other stages.

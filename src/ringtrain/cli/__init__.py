@@ -3,7 +3,7 @@
 
 ``ringtrain`` (the console script) and ``python -m ringtrain`` / ``python -m ringtrain.cli`` all
 call :func:`main`. :mod:`ringtrain.cli.main` builds the parser and dispatches; each subcommand
-is a module of this package (or ``ringtrain.tune.cli``, ``ringtrain.chaos.cli``).
+is a module of this package (or ``ringtrain.cli.tune``, ``ringtrain.cli.chaos``).
 """
 
 from __future__ import annotations

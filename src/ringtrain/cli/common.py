@@ -10,7 +10,7 @@ import re
 import sys
 from typing import NoReturn
 
-from ringtrain.console_io import write_whole
+from ringtrain.monitor.console_io import write_whole
 
 #: The dashboard's default port: ringtrain.monitor.dashboard.DEFAULT_PORT (not imported: keeps
 #: the command's startup light).
@@ -19,8 +19,8 @@ DASHBOARD_PORT = 8470
 
 def say(text: str, *, err: bool = False) -> None:
     """Write ``text`` and a newline to stdout (stderr with ``err=True``) whole
-    (:func:`ringtrain.console_io.write_whole`): into a non-blocking pipe that is full, ``print``
-    drops what does not fit, silently; this waits until the pipe takes it all.
+    (:func:`ringtrain.monitor.console_io.write_whole`): into a non-blocking pipe that is full,
+    ``print`` drops what does not fit, silently; this waits until the pipe takes it all.
 
     Raises:
         OSError: as ``write_whole`` does (a closed stream, ``BrokenPipeError``).

@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_dashboard_parser(sub)
     add_export_parser(sub)
-    from ringtrain.chaos.cli import add_parser as add_chaos_parser
-    from ringtrain.tune.cli import add_parser as add_tune_parser
+    from ringtrain.cli.chaos import add_parser as add_chaos_parser
+    from ringtrain.cli.tune import add_parser as add_tune_parser
 
     add_tune_parser(sub)
     add_chaos_parser(sub)
@@ -111,12 +111,12 @@ def _dispatch(
     """Run the subcommand ``args.command``."""
 
     def chaos() -> int:
-        from ringtrain.chaos.cli import run as run_chaos
+        from ringtrain.cli.chaos import run as run_chaos
 
         return run_chaos(args, subparser(parser, "chaos"))
 
     def tune() -> int:
-        from ringtrain.tune.cli import run as run_tune
+        from ringtrain.cli.tune import run as run_tune
 
         return run_tune(args, subparser(parser, "tune"))
 

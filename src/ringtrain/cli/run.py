@@ -63,7 +63,7 @@ Examples:
 
 def _parallel_config(text: str) -> Any:
     """``--parallel dp_shard=2,tp=2`` as a :class:`ringtrain.ParallelConfig`."""
-    from ringtrain.parallel_config import ParallelConfig
+    from ringtrain.config.parallel import ParallelConfig
 
     try:
         return ParallelConfig.parse(text)

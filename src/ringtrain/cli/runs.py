@@ -31,7 +31,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """``ringtrain ls``: a table of the runs (and sweeps) under ``args.storage``."""
     from rich.console import Console
 
-    from ringtrain.console_io import whole_writes
+    from ringtrain.monitor.console_io import whole_writes
     from ringtrain.monitor.render import render_runs
     from ringtrain.monitor.runs import list_runs
     from ringtrain.monitor.sweeps import list_sweeps
@@ -49,7 +49,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     """``ringtrain show``: one run's config, metrics, checkpoints and failures."""
     from rich.console import Console
 
-    from ringtrain.console_io import whole_writes
+    from ringtrain.monitor.console_io import whole_writes
     from ringtrain.monitor.render import render_run
     from ringtrain.monitor.runs import load_run
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.cluster.env import DistributedContext
 from ringtrain.comm.powersgd import (
     POWERSGD_DEFAULTS,
     PowerSGDStateDict,
@@ -40,9 +41,8 @@ from ringtrain.comm.powersgd import (
     single_bucket_mb,
     wire_bytes,
 )
-from ringtrain.env import DistributedContext
-from ringtrain.hooks import SYNC_TOKEN_ATTR
 from ringtrain.monitor.timing import StepTimer, timed_allreduce_hook
+from ringtrain.worker.hooks import SYNC_TOKEN_ATTR
 
 logger = logging.getLogger("ringtrain")
 
@@ -227,10 +227,10 @@ class FixedOrderDDP(torch.nn.parallel.DistributedDataParallel):
 def sync_unless_restored(ddp: torch.nn.Module, generation: int) -> None:
     """Stand in for the initial broadcast of a DDP built with ``init_sync=False`` on re-entering
     the train function after an elastic resize (a ``before_wrap`` hook set
-    :attr:`ringtrain.hooks.ModelSetup.sync_token` to ``generation``). At the first forward, the
-    ranks agree (one allreduce MIN of a flag) on whether every one of them loaded that state into
-    the module (its :data:`ringtrain.hooks.SYNC_TOKEN_ATTR` equals ``generation``): then the
-    parameters already agree and only the buffers are broadcast from rank 0 (they may differ per
+    :attr:`ringtrain.worker.hooks.ModelSetup.sync_token` to ``generation``). At the first forward,
+    the ranks agree (one allreduce MIN of a flag) on whether every one of them loaded that state
+    into the module (its :data:`ringtrain.worker.hooks.SYNC_TOKEN_ATTR` equals ``generation``): then
+    the parameters already agree and only the buffers are broadcast from rank 0 (they may differ per
     rank under ``broadcast_buffers=False``, as after a restart from disk they would not);
     otherwise every parameter and buffer is, as DDP's constructor would have done.
     """
@@ -297,7 +297,7 @@ def wrap_ddp(
     compressed bytes; ``"wait"`` leaves the hook untimed and counts the gap between the last
     gradient and ``optimizer.step()`` as communication, with the steady-state compressed bytes.
     """
-    from ringtrain.state import attach_rank_state
+    from ringtrain.worker.state import attach_rank_state
 
     device = ctx.device
     device_ids = [device.index] if device.type == "cuda" else None

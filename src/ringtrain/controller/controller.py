@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ringtrain.channel import Event, PreemptSaved, WorkerNotice
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.controller.attempt import root_cause
 from ringtrain.controller.elastic import ElasticCoordinator
@@ -72,6 +71,7 @@ from ringtrain.rundir.schema import (
     StopRequestedEvent,
     TransitionEvent,
 )
+from ringtrain.wire.channel import Event, PreemptSaved, WorkerNotice
 
 __all__ = ["Controller", "RunState", "SpecFactory", "Transition"]
 

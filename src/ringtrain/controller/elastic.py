@@ -18,7 +18,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.channel import Event, Exited, GrowRequest, JoinReady, Resize, Resumed, WorkerError
 from ringtrain.controller.attempt import root_cause, signal_name
 from ringtrain.controller.generation import Generation, Grow
 from ringtrain.controller.health import HELLO_TIMEOUT_S
@@ -32,6 +31,15 @@ from ringtrain.rundir.schema import (
     GrowStartEvent,
     ResizeEvent,
     ResizeFallbackEvent,
+)
+from ringtrain.wire.channel import (
+    Event,
+    Exited,
+    GrowRequest,
+    JoinReady,
+    Resize,
+    Resumed,
+    WorkerError,
 )
 
 if TYPE_CHECKING:

@@ -10,7 +10,18 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from ringtrain.channel import (
+from ringtrain.controller.attempt import signal_name
+from ringtrain.controller.generation import Generation
+from ringtrain.controller.rounds import round_metrics
+from ringtrain.result import WorkerFailure, is_follow_on
+from ringtrain.rundir.schema import (
+    FailureEvent,
+    ReportEvent,
+    StragglerClearedEvent,
+    StragglerEvent,
+    TimingEvent,
+)
+from ringtrain.wire.channel import (
     CheckpointDone,
     Done,
     Event,
@@ -22,17 +33,6 @@ from ringtrain.channel import (
     Resumed,
     Timing,
     WorkerError,
-)
-from ringtrain.controller.attempt import signal_name
-from ringtrain.controller.generation import Generation
-from ringtrain.controller.rounds import round_metrics
-from ringtrain.result import WorkerFailure, is_follow_on
-from ringtrain.rundir.schema import (
-    FailureEvent,
-    ReportEvent,
-    StragglerClearedEvent,
-    StragglerEvent,
-    TimingEvent,
 )
 
 if TYPE_CHECKING:

@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ringtrain.channel import Interrupted
 from ringtrain.controller.health import Health
 from ringtrain.controller.rounds import Rounds
 from ringtrain.result import WorkerFailure
+from ringtrain.wire.channel import Interrupted
 
 LAST_MESSAGES_S = 5.0
 """How long the driver waits, once every worker exited, for the channel messages a cleanly exited

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from ringtrain.channel import Heartbeat
+from ringtrain.wire.channel import Heartbeat
 
 HELLO_TIMEOUT_S = 60.0
 """A worker process that has not connected after this long (or ``worker_timeout_s`` if longer)

@@ -1,8 +1,8 @@
 """Leaving in place: the ranks of a preemption notice that covers only some of them (a Ray node
 drain, SIGTERM to one worker) leave an elastic group without a restart, when ``min_workers``
 still holds without them. Every member is asked to pause at the next step boundary they all
-reach (a :class:`~ringtrain.channel.GrowRequest`, as for a grow), and the group re-forms from the
-others (no disk round trip; the global batch kept by the elastic batch policy); the leaving
+reach (a :class:`~ringtrain.wire.channel.GrowRequest`, as for a grow), and the group re-forms from
+the others (no disk round trip; the global batch kept by the elastic batch policy); the leaving
 processes are stopped.
 
 :class:`Leaving` is owned by :class:`ringtrain.controller.elastic.ElasticCoordinator`
@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ringtrain.channel import GrowRequest
+from ringtrain.config.replica_groups import whole_groups
 from ringtrain.controller.generation import Generation
 from ringtrain.preemption import PreemptionNotice
-from ringtrain.replica_groups import whole_groups
 from ringtrain.rundir.schema import PreemptionEvent
+from ringtrain.wire.channel import GrowRequest
 
 if TYPE_CHECKING:
     from ringtrain.controller.elastic import ElasticCoordinator

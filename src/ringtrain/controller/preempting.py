@@ -5,7 +5,7 @@ A :class:`Preemption` starts the run's notice sources (:mod:`ringtrain.preemptio
 controller's loop starts and stops them when it ends; a source's ``notify`` only appends to a
 deque (safe from a signal handler and from any thread). The controller takes a queued notice
 whenever it is in a live state (a notice received while the group starts waits for it to run)
-and enters ``Preempting``: every worker is sent a :class:`~ringtrain.channel.PreemptRequest`.
+and enters ``Preempting``: every worker is sent a :class:`~ringtrain.wire.channel.PreemptRequest`.
 :meth:`Preemption.outcome` then decides, at each step of ``Preempting``, whether the state is
 done: every worker exited (after saving at the stop step, or finishing first), or the deadline
 passed (the group is killed; what was not written is said in a ``preemption_incomplete`` event
@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ringtrain.channel import PreemptRequest, PreemptSaved, WorkerNotice
 from ringtrain.controller.generation import Generation
 from ringtrain.controller.states import Finished, Preempted, Preempting, State, Transition
 from ringtrain.launch.base import WorkerGroup
@@ -32,6 +31,7 @@ from ringtrain.rundir.schema import (
     PreemptionIncompleteEvent,
     PreemptionSavedEvent,
 )
+from ringtrain.wire.channel import PreemptRequest, PreemptSaved, WorkerNotice
 
 if TYPE_CHECKING:
     from ringtrain.controller.controller import Controller

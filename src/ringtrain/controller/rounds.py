@@ -11,11 +11,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ringtrain.channel import Report
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.rundir import RunDirectory
 from ringtrain.rundir.schema import CheckpointDeletedEvent, CheckpointEvent, CheckpointFailedEvent
+from ringtrain.wire.channel import Report
 
 logger = logging.getLogger("ringtrain")
 

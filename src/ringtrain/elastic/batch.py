@@ -9,8 +9,8 @@ at ``max`` is ``G = b * max``. When the run continues at ``W`` workers, the poli
 - ``"accumulate"``: ``G`` is kept and the loader is the same as under ``"resize_batch"``, but
   :meth:`ringtrain.prepare.PreparedDataLoader.micro_batches` splits each worker's step batch into
   ``ceil((G / W) / b)`` micro-batches of at most ``b`` samples, run forward and backward one after
-  the other with DDP's allreduce only on the last (:func:`ringtrain.accumulate`): the memory of a
-  worker at ``max``, the gradient of the whole step batch. This is DeepSpeed's decomposition
+  the other with DDP's allreduce only on the last (:func:`ringtrain.accumulate`): the memory
+  of a worker at ``max``, the gradient of the whole step batch. This is DeepSpeed's decomposition
   ``train_batch_size = micro_batch * gradient_accumulation_steps * world_size`` (DeepSpeed
   configuration JSON, "Batch Size Related Parameters"); unlike DeepSpeed's engine, which counts
   micro-steps itself, the loader here still yields one batch per optimizer step, so snapshots,
@@ -45,12 +45,13 @@ from torch.optim.optimizer import (
 )
 from torch.utils.data import DataLoader
 
+from ringtrain.cluster.env import DistributedContext
+from ringtrain.config import ELASTIC_BATCH_POLICIES
+
 # Splitting a step's batch is not elastic's own: it lives with gradient accumulation (the names
 # are re-exported here, where they were).
-from ringtrain.accumulate import batch_length, micro_batches, split_batch
-from ringtrain.config import ELASTIC_BATCH_POLICIES
-from ringtrain.env import DistributedContext
-from ringtrain.session import installed_session
+from ringtrain.worker.accumulate import batch_length, micro_batches, split_batch
+from ringtrain.worker.session import installed_session
 
 __all__ = [
     "BatchPlan",

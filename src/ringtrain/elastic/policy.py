@@ -7,12 +7,12 @@ without processes. The rules:
 - only *lost* workers (killed by a signal, or exited non-zero without raising in Python) are
   resized away; an exception in the train function or a hang means a bug or a stuck collective,
   and the group is restarted from the disk checkpoint as in a non-elastic run;
-- every other rank must have said :class:`~ringtrain.channel.Interrupted` (it is alive and
+- every other rank must have said :class:`~ringtrain.wire.channel.Interrupted` (it is alive and
   waiting) within ``wait_s`` of the first failure, and must hold an in-memory snapshot;
 - at least ``min_workers`` ranks must remain.
 
 On a device mesh with a varying ``dp_replicate`` (``replica_group_size`` > 1 or sharded state:
-:mod:`ringtrain.replica_groups`) a lost rank takes its whole replica group with it: its other
+:mod:`ringtrain.config.replica_groups`) a lost rank takes its whole replica group with it: its other
 ranks are left out of the new group (and stopped), and the others resume from the *oldest*
 snapshot step a survivor reports: every survivor holds it (its newest or the one before, which a
 sharded snapshot keeps), so no rank needs another's shards.
@@ -28,9 +28,9 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ringtrain.channel import Interrupted
-from ringtrain.replica_groups import replica_survivors
+from ringtrain.config.replica_groups import replica_survivors
 from ringtrain.result import WorkerFailure
+from ringtrain.wire.channel import Interrupted
 
 LOST_KINDS = ("signal", "exit")
 

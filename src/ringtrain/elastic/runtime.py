@@ -19,8 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtrain.channel import GrowRequest, Interrupted, JoinReady, Resize, Resumed
-from ringtrain.distributed import collective_timeout_s, destroy_process_group, init_process_group
+from ringtrain.cluster.distributed import (
+    collective_timeout_s,
+    destroy_process_group,
+    init_process_group,
+)
+from ringtrain.cluster.env import DistributedContext
 from ringtrain.elastic import snapshot as snapshots
 from ringtrain.elastic.batch import (
     constant_global_batch,
@@ -30,12 +34,12 @@ from ringtrain.elastic.batch import (
 )
 from ringtrain.elastic.dtensor_caches import clear_dtensor_caches
 from ringtrain.elastic.sockets import GroupSockets, is_peer_lost
-from ringtrain.env import DistributedContext
-from ringtrain.hooks import SYNC_TOKEN_ATTR, LoaderSetup, ModelSetup, StepState, WorkerPlugin
-from ringtrain.session import Session
-from ringtrain.state import TrainState
-from ringtrain.state_files import unwrap
-from ringtrain.worker_config import ElasticSettings
+from ringtrain.wire.channel import GrowRequest, Interrupted, JoinReady, Resize, Resumed
+from ringtrain.wire.worker_config import ElasticSettings
+from ringtrain.worker.hooks import SYNC_TOKEN_ATTR, LoaderSetup, ModelSetup, StepState, WorkerPlugin
+from ringtrain.worker.session import Session
+from ringtrain.worker.state import TrainState
+from ringtrain.worker.state_files import unwrap
 
 logger = logging.getLogger("ringtrain")
 
@@ -49,10 +53,10 @@ class GrowPause(BaseException):
 
 class ElasticRuntime(WorkerPlugin):
     """One worker's elastic state (its newest snapshot and its group generation) and the worker
-    plug-in that keeps it (:mod:`ringtrain.hooks`).
+    plug-in that keeps it (:mod:`ringtrain.worker.hooks`).
 
     Args:
-        session: the worker's :class:`~ringtrain.session.Session`.
+        session: the worker's :class:`~ringtrain.worker.session.Session`.
         settings: the run's elastic settings.
     """
 
@@ -257,7 +261,7 @@ class ElasticRuntime(WorkerPlugin):
                 self.grow_requested = True
 
     def next_resize(self) -> Resize:
-        """Wait for the driver's next :class:`~ringtrain.channel.Resize`. GrowRequests that
+        """Wait for the driver's next :class:`~ringtrain.wire.channel.Resize`. GrowRequests that
         arrive meanwhile are stale and skipped; other messages (a preemption request) stay in
         the session's inbox for the plug-in they are meant for, after the group re-formed."""
         session = self.session

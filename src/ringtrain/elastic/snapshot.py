@@ -4,8 +4,8 @@ A snapshot is what a disk checkpoint of a :class:`~ringtrain.TrainState` holds, 
 memory instead of written: the shared payload (model, optimizer, LR scheduler, ... , step, epoch,
 extras; identical on every DDP rank, so any survivor's copy will do) and this rank's payload (its
 RNG states, data position and per-rank model state). Tensors are copied into buffers the snapshot
-owns and reuses from one snapshot to the next (:func:`~ringtrain.state_files.stage`, as for the
-payload a disk checkpoint writes), so a snapshot costs one host-memory copy of the state, no
+owns and reuses from one snapshot to the next (:func:`~ringtrain.worker.state_files.stage`, as for
+the payload a disk checkpoint writes), so a snapshot costs one host-memory copy of the state, no
 serialisation, no storage I/O and no communication.
 
 Nothing of a rank that dies is needed by the survivors: the shared payload is every survivor's
@@ -17,7 +17,7 @@ per-rank payload to the ring neighbour at every snapshot, which nothing read: 2-
 ``benchmarks/elastic_overhead.py``'s workload).
 
 FSDP-sharded objects (``prepare_model(parallel_strategy="fsdp")`` on an elastic
-``ParallelConfig(dp_replicate=-1, dp_shard=G)``: :mod:`ringtrain.replica_groups`) are kept as
+``ParallelConfig(dp_replicate=-1, dp_shard=G)``: :mod:`ringtrain.config.replica_groups`) are kept as
 this rank's local shards (:attr:`Snapshot.shards`: the ``DTensor.to_local()`` parts of the DCP
 state dict). They are valid on the resized mesh because a survivor keeps its ``dp_shard``
 coordinate; a worker that joins receives them from the member with the same coordinate in replica
@@ -39,9 +39,9 @@ import torch.distributed as dist
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ringtrain.checkpoint.checkpoint import Checkpoint
-from ringtrain.session import get_context
-from ringtrain.state import TrainState
-from ringtrain.state_files import STATE_FILE, capture_rng, rank_file, restore_rng, stage
+from ringtrain.worker.session import get_context
+from ringtrain.worker.state import TrainState
+from ringtrain.worker.state_files import STATE_FILE, capture_rng, rank_file, restore_rng, stage
 
 logger = logging.getLogger("ringtrain")
 
@@ -79,7 +79,7 @@ def take(state: TrainState, previous: Snapshot | None) -> Snapshot:
     """Snapshot ``state`` (its payload with the shared part, on every rank), copying into
     ``previous``'s buffers when shapes match.
 
-    The RNG states are kept as :func:`~ringtrain.state_files.capture_rng` returns them (new
+    The RNG states are kept as :func:`~ringtrain.worker.state_files.capture_rng` returns them (new
     objects it owns: nothing to copy); walking Python's 625-int state tuple element by element
     took a third of a snapshot's time on ``benchmarks/elastic_overhead.py``'s 1.86 M-parameter
     MLP.

@@ -5,16 +5,16 @@ lost (gloo raises ``Connection closed/reset by peer`` once the peer's sockets cl
 propagates out of the train function; ``run_elastic`` catches it, shuts down its gloo connections
 and tears down the process group (which makes every other survivor's pending collective fail too,
 even one waiting on a live peer: :mod:`ringtrain.elastic.sockets`), finishes any background
-checkpoint write, tells the driver :class:`~ringtrain.channel.Interrupted` and waits for its
-:class:`~ringtrain.channel.Resize`: the new world size, this worker's new rank and a new rendezvous
-generation (a fresh key prefix in the driver's TCPStore, so no port is picked and nothing of the old
-group's keys is reused). It then re-forms the process group and calls the train function again in
-the same process, with the newest in-memory snapshot as what ``get_checkpoint()`` returns and
-``TrainState.restore()`` loads. This is how Horovod elastic re-enters ``hvd.elastic.run``
+checkpoint write, tells the driver :class:`~ringtrain.wire.channel.Interrupted` and waits for its
+:class:`~ringtrain.wire.channel.Resize`: the new world size, this worker's new rank and a new
+rendezvous generation (a fresh key prefix in the driver's TCPStore, so no port is picked and nothing
+of the old group's keys is reused). It then re-forms the process group and calls the train function
+again in the same process, with the newest in-memory snapshot as what ``get_checkpoint()`` returns
+and ``TrainState.restore()`` loads. This is how Horovod elastic re-enters ``hvd.elastic.run``
 (horovod/common/elastic.py); unlike Horovod, the state rolled back to is also held by a peer.
 
 Growing back works the same way in the other direction. When workers wait to join, the driver
-sends each member a :class:`~ringtrain.channel.GrowRequest` (it sends one too when a preemption
+sends each member a :class:`~ringtrain.wire.channel.GrowRequest` (it sends one too when a preemption
 notice covers only some ranks, which then leave in place: :mod:`ringtrain.controller.elastic`).
 At every snapshot boundary the members allreduce (MAX) a "pause requested" flag, as Horovod
 elastic's ``state.commit()`` checks for host updates, so they all agree on the same step; the
@@ -31,7 +31,7 @@ ends the worker as in a non-elastic run and the driver restarts the group from d
 
 The core (session, TrainState, prepare) does not know about any of this: :class:`ElasticRuntime`
 (:mod:`ringtrain.elastic.runtime`; this module re-exports it) is a worker plug-in
-(:mod:`ringtrain.hooks`) that ``run_elastic`` registers in the session. Its
+(:mod:`ringtrain.worker.hooks`) that ``run_elastic`` registers in the session. Its
 hooks snapshot at step boundaries (``on_step``), pause for a grow before a batch
 (``on_batch_start``), size the loader's batch by the ``elastic_batch_policy``
 (``on_prepare_loader``), scale the learning rate and let DDP skip its initial broadcast
@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ringtrain.cluster.env import DistributedContext
 from ringtrain.elastic.runtime import (
     FINISH_WRITE_TIMEOUT_S,
     RESTORED_ATTR,
@@ -54,9 +55,8 @@ from ringtrain.elastic.runtime import (
     warm_up,
 )
 from ringtrain.elastic.sockets import is_peer_lost
-from ringtrain.env import DistributedContext
-from ringtrain.session import Session, call_train_fn, installed_session
-from ringtrain.worker_config import ElasticSettings
+from ringtrain.wire.worker_config import ElasticSettings
+from ringtrain.worker.session import Session, call_train_fn, installed_session
 
 __all__ = [
     "FINISH_WRITE_TIMEOUT_S",
@@ -104,8 +104,8 @@ def run_elastic(
     train_fn: Callable[..., object], config: Mapping[str, Any] | None, session: Session
 ) -> None:
     """Register the elastic plug-in in ``session`` and call ``train_fn`` (as
-    :func:`ringtrain.session.call_train_fn` does) until it returns, re-entering it in place after
-    each resize.
+    :func:`ringtrain.worker.session.call_train_fn` does) until it returns, re-entering it in place
+    after each resize.
 
     Raises:
         Whatever ``train_fn`` raises that is not the loss of a peer, and errors of re-forming

@@ -197,7 +197,7 @@ class TorchState(State):
         }
 
     def _get_train_state(self) -> Any:
-        from ringtrain.state import TrainState
+        from ringtrain.worker.state import TrainState
 
         if self._train_state is None:
             self._train_state = TrainState(
@@ -257,7 +257,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        from ringtrain.session import get_context
+        from ringtrain.worker.session import get_context
 
         if not is_initialized():
             init()

@@ -274,7 +274,7 @@ class RayExecutor:
         make = self._make_executable()
 
         def chief_only() -> Any:
-            from ringtrain.session import get_context
+            from ringtrain.worker.session import get_context
 
             return fn(make()) if get_context().world_rank == 0 else None
 

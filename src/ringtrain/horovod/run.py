@@ -52,7 +52,7 @@ class _Returned:
 
     @classmethod
     def wrap(cls, value: Any) -> _Returned:
-        from ringtrain.payload import dumps
+        from ringtrain.wire.payload import dumps
 
         return cls(type(value).__name__, dumps(value))
 
@@ -65,7 +65,7 @@ class _Returned:
 
 def _call_and_report(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """The worker side: ``func(*args, **kwargs)``, its value reported to the driver."""
-    from ringtrain.session import report
+    from ringtrain.worker.session import report
 
     value = func(*args, **kwargs)
     report({RETURN_KEY: _Returned.wrap(value)})

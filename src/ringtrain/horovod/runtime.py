@@ -4,9 +4,9 @@ metadata check, and the build probes.
 Horovod's API is process-global (``hvd.rank()`` takes no context argument), so this module keeps
 one :class:`Runtime` in a single slot, created by :func:`init` and dropped by :func:`shutdown`;
 everything else in ringtrain passes its context explicitly. The rank information itself comes
-from :func:`ringtrain.session.get_context` (the ringtrain launcher, torchrun, SLURM, or a single
-process), and the process group from :func:`ringtrain.distributed.init_process_group` (gloo on CPU,
-NCCL with one GPU per rank): there is no MPI and no Horovod background thread.
+from :func:`ringtrain.worker.session.get_context` (the ringtrain launcher, torchrun, SLURM, or a
+single process), and the process group from :func:`ringtrain.cluster.distributed.init_process_group`
+(gloo on CPU, NCCL with one GPU per rank): there is no MPI and no Horovod background thread.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.cluster.env import DistributedContext
 from ringtrain.comm.fusion import BufferPool
-from ringtrain.env import DistributedContext
 from ringtrain.horovod import slot
 from ringtrain.horovod.metadata import DUP, hash63, metadata_row, mismatches
 from ringtrain.horovod.process_sets import ProcessSet, SetView, add_process_set, global_process_set
@@ -239,8 +239,8 @@ def _init(process_sets: Sequence[Any]) -> None:
     with slot.lock:
         if slot.current is not None:
             return
-        from ringtrain.distributed import init_process_group
-        from ringtrain.session import get_context
+        from ringtrain.cluster.distributed import init_process_group
+        from ringtrain.worker.session import get_context
 
         ctx = get_context()
         owns = False

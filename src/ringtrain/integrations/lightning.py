@@ -61,7 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "pip install 'ringtrain[lightning]'"
     ) from exc
 
-from ringtrain.env import DistributedContext, detect_source
+from ringtrain.cluster.env import DistributedContext, detect_source
 from ringtrain.integrations.lightning_callback import (
     CHECKPOINT_FILE,
     RingtrainCallback,
@@ -76,7 +76,7 @@ from ringtrain.integrations.lightning_strategies import (
     safe_loading,
     strategy_problems,
 )
-from ringtrain.session import get_context
+from ringtrain.worker.session import get_context
 
 __all__ = [
     "CHECKPOINT_FILE",

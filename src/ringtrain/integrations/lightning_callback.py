@@ -20,8 +20,8 @@ import lightning.pytorch as pl
 import torch
 
 from ringtrain.checkpoint.checkpoint import Checkpoint, CheckpointLoadError
-from ringtrain.session import get_checkpoint, get_context, report
-from ringtrain.state import capture_rng, load_file, restore_rng
+from ringtrain.worker.session import get_checkpoint, get_context, report
+from ringtrain.worker.state import capture_rng, load_file, restore_rng
 
 __all__ = ["CHECKPOINT_FILE", "RingtrainCallback", "get_ckpt_path", "own_files", "rng_file"]
 

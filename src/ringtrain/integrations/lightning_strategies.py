@@ -40,8 +40,8 @@ from lightning.pytorch.strategies import (
     ParallelStrategy,
 )
 
-from ringtrain.env import DistributedContext
-from ringtrain.parallel_config import MeshShape
+from ringtrain.cluster.env import DistributedContext
+from ringtrain.config.parallel import MeshShape
 
 __all__ = [
     "RingtrainDeepSpeedStrategy",

@@ -4,8 +4,8 @@ them, so no other module asks which backend runs:
 
 - **validation** of the :class:`~ringtrain.config.ScalingConfig` fields that only make sense for
   one backend (``placement_strategy``, ``ray_address``, ``placement_timeout_s``, custom
-  ``resources_per_worker`` keys), run by ``ScalingConfig.__post_init__`` before any process
-  starts;
+  ``resources_per_worker`` keys): the pure rules live in :mod:`ringtrain.config.backends`,
+  which ``ScalingConfig.__post_init__`` runs before any process starts;
 - the **host check** right before a run starts (``use_gpu`` on a machine without enough GPUs);
 - **launching**: the :class:`~ringtrain.launch.base.Launcher` that starts the worker group
   (local processes, or Ray actors);
@@ -14,9 +14,9 @@ them, so no other module asks which backend runs:
 - the environment a sweep trial's workers get for their share of the GPUs.
 
 The string stays the user-facing value (``config.json`` records it); a new backend is a new class
-in :data:`BACKEND_CLASSES`, not a new branch. This module imports no launcher, torch or Ray at
-import time (``ringtrain.config`` imports it, and ``import ringtrain`` stays light); each method
-imports what it needs.
+in :data:`BACKEND_CLASSES` (and its field rules in :mod:`ringtrain.config.backends`), not a new
+branch. This module imports no launcher, torch or Ray at import time; each method imports what
+it needs.
 """
 
 from __future__ import annotations
@@ -27,15 +27,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from ringtrain.config.backends import check_backend_fields, check_backend_name
+
 if TYPE_CHECKING:
     from ringtrain.config import ScalingConfig
     from ringtrain.launch.base import Launcher
     from ringtrain.launch.ray import RayLauncher
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-"""Ray placement group strategies (``backend="ray"``), as Ray names them."""
-
-_BUILTIN_RESOURCES = ("CPU", "GPU")
 # Ray's bookkeeping entries in cluster_resources(), which are not schedulable resources.
 _RAY_BOOKKEEPING = ("node:", "memory", "object_store_memory", "accelerator_type:")
 
@@ -96,42 +94,6 @@ class Backend(Protocol):
         ...
 
 
-def _unknown_resource(key: Any) -> ValueError:
-    return ValueError(
-        f"ScalingConfig.resources_per_worker has unknown resource {key!r} "
-        "(use 'CPU' for threads per worker, 'GPU' for devices per worker; "
-        "custom Ray resources need backend='ray')"
-    )
-
-
-def _check_ray_values(scaling: ScalingConfig) -> None:
-    """The Ray fields' values, whichever backend (a typo is named even where they do not
-    apply)."""
-    if scaling.placement_strategy not in PLACEMENT_STRATEGIES:
-        raise ValueError(
-            "ScalingConfig.placement_strategy must be one of "
-            f"{', '.join(map(repr, PLACEMENT_STRATEGIES))}, got {scaling.placement_strategy!r} "
-            "(PACK fills as few nodes as possible, SPREAD as many)"
-        )
-    address = scaling.ray_address
-    if address is not None:
-        if not isinstance(address, str) or not address:
-            raise ValueError(
-                f"ScalingConfig.ray_address must be 'auto', 'HOST:PORT' or None, got {address!r}"
-            )
-        if address.startswith("ray://"):
-            raise ValueError(
-                f"ScalingConfig.ray_address={address!r}: Ray Client (ray://) is not "
-                "supported, because every worker connects back to the driver; run the "
-                "driver on a node of the cluster with ray_address='auto'"
-            )
-    t = scaling.placement_timeout_s
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t:
-        raise ValueError(
-            f"ScalingConfig.placement_timeout_s must be a positive number of seconds, got {t!r}"
-        )
-
-
 def local_capacity() -> dict[str, float]:
     """This host's CPU cores (the ones this process may run on) and CUDA devices."""
     try:
@@ -176,26 +138,13 @@ class LocalBackend:
         self.scaling = scaling
 
     def validate(self) -> None:
-        """Only ``CPU`` and ``GPU`` resources; the Ray-only fields at their defaults.
+        """Only ``CPU`` and ``GPU`` resources; the Ray-only fields at their defaults
+        (:mod:`ringtrain.config.backends`).
 
         Raises:
             ValueError: naming the field and that it needs ``backend='ray'``.
         """
-        s = self.scaling
-        for key in s.resources_per_worker or {}:
-            if key not in _BUILTIN_RESOURCES:
-                raise _unknown_resource(key)
-        _check_ray_values(s)
-        if s.ray_address is not None:
-            raise ValueError(
-                f"ScalingConfig.ray_address={s.ray_address!r} needs backend='ray', got "
-                f"backend={s.backend!r}"
-            )
-        if s.placement_strategy != "PACK":
-            raise ValueError(
-                f"ScalingConfig.placement_strategy={s.placement_strategy!r} needs "
-                f"backend='ray', got backend={s.backend!r}"
-            )
+        check_backend_fields(self.scaling)
 
     def check_host(self) -> None:
         """With ``use_gpu``: this machine has a CUDA device for each of ``max_workers``.
@@ -257,15 +206,13 @@ class RayBackend:
         self._connected: RayLauncher | None = None
 
     def validate(self) -> None:
-        """Custom resources are non-empty names; the Ray fields are valid values.
+        """Custom resources are non-empty names; the Ray fields are valid values
+        (:mod:`ringtrain.config.backends`).
 
         Raises:
             ValueError: naming the field and the fix.
         """
-        for key in self.scaling.resources_per_worker or {}:
-            if key not in _BUILTIN_RESOURCES and (not isinstance(key, str) or not key):
-                raise _unknown_resource(key)
-        _check_ray_values(self.scaling)
+        check_backend_fields(self.scaling)
 
     def check_host(self) -> None:
         """Nothing here: the cluster's GPUs are checked when its placement group is granted
@@ -321,10 +268,5 @@ def backend_for(scaling: ScalingConfig) -> Backend:
     Raises:
         ValueError: ``scaling.backend`` is not a known backend, naming the known ones.
     """
-    cls = BACKEND_CLASSES.get(scaling.backend) if isinstance(scaling.backend, str) else None
-    if cls is None:
-        raise ValueError(
-            f"ScalingConfig.backend must be one of {', '.join(map(repr, BACKENDS))}, "
-            f"got {scaling.backend!r} (use backend='local' to run on this machine)"
-        )
-    return cls(scaling)
+    check_backend_name(scaling)
+    return BACKEND_CLASSES[scaling.backend](scaling)

@@ -1,7 +1,7 @@
 """The launcher contract: ``Launcher.start(spec) -> WorkerGroup``.
 
 The controller sees only this contract, so local processes and (later) Ray actors are
-interchangeable. A worker group delivers :mod:`ringtrain.channel` events (Hello, Report,
+interchangeable. A worker group delivers :mod:`ringtrain.wire.channel` events (Hello, Report,
 WorkerError, Done, Exited) through ``poll`` and can be stopped from any state.
 """
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from ringtrain.channel import Event, Hello, Start
-from ringtrain.handshake import listen_backlog, listen_socket
 from ringtrain.preemption import NoticeSource
-from ringtrain.worker_config import WorkerConfig
+from ringtrain.wire.channel import Event, Hello, Start
+from ringtrain.wire.handshake import listen_backlog, listen_socket
+from ringtrain.wire.worker_config import WorkerConfig
 
 _W = TypeVar("_W")  # a group's worker: a process (local) or a GroupWorker (Ray)
 
@@ -42,7 +42,7 @@ class WorkerSpec:
         checkpoint_files: the verified manifest's file table of ``latest_checkpoint``.
         env: extra environment variables for the workers (e.g. a sweep trial's
             ``CUDA_VISIBLE_DEVICES``); configuration goes into ``config``.
-        config: the run's :class:`~ringtrain.worker_config.WorkerConfig`; each worker's
+        config: the run's :class:`~ringtrain.wire.worker_config.WorkerConfig`; each worker's
             ``Start`` carries :meth:`start_config`.
         preload: modules a warm pool's zygote imports before forking these workers
             (``ScalingConfig.preload_modules``; local launcher only).
@@ -97,7 +97,7 @@ def start_store(host: str, world_size: int) -> Any:
     Raises:
         OSError: if ``host`` is not an address of this machine.
     """
-    from ringtrain.interrupts import held_ctrl_c
+    from ringtrain.monitor.interrupts import held_ctrl_c
 
     with held_ctrl_c():  # often the driver's first import of torch, which swallows a Ctrl-C
         import torch.distributed as dist
@@ -164,7 +164,7 @@ class GrowableGroup(WorkerGroup, Protocol):
 
     def resize(self, assignment: dict[int, int], orders: dict[int, Any]) -> None:
         """Worker ``old`` becomes rank ``assignment[old]`` and is sent ``orders[old]`` (a
-        :class:`~ringtrain.channel.Resize`); joining workers may be included (``r -> r``) and
+        :class:`~ringtrain.wire.channel.Resize`); joining workers may be included (``r -> r``) and
         become members; processes in neither are stopped. ``world_size`` becomes
         ``len(assignment)``. Raises ``OSError`` if a connection is gone."""
         ...
@@ -300,7 +300,7 @@ class ChannelGroup:
         return gone
 
     def send(self, rank: int, message: Any) -> None:
-        """Send a driver -> worker message (e.g. :class:`~ringtrain.channel.GrowRequest`) on
+        """Send a driver -> worker message (e.g. :class:`~ringtrain.wire.channel.GrowRequest`) on
         ``rank``'s channel connection.
 
         Raises:

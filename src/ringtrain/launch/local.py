@@ -15,7 +15,7 @@ same thing either way. If the zygote cannot start or dies, workers start cold (s
 
 Every socket a local run listens on is bound to loopback: the driver's channel, the store (bound
 by :func:`~ringtrain.launch.base.start_store`, since torch alone would bind the wildcard) and each
-worker's gloo listener (``GLOO_SOCKET_IFNAME``, :func:`~ringtrain.env.loopback_environment`).
+worker's gloo listener (:func:`~ringtrain.cluster.env.loopback_environment`).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import IO, Any, Protocol
 
-from ringtrain.channel import DriverListener, Event, Exited, new_authkey
-from ringtrain.console_io import write_whole
-from ringtrain.env import loopback_environment, worker_environment
+from ringtrain.cluster.env import loopback_environment, worker_environment
+from ringtrain.cluster.worker_env import cpu_worker_devices
 from ringtrain.launch import shared_pool
 from ringtrain.launch.base import STACK_DUMP_SIGNAL, ChannelGroup, WorkerSpec, start_store
 from ringtrain.launch.pool import PooledProcess, PoolUnavailable, WorkerPool
 from ringtrain.launch.reaper import Reaper, remove_worker_temp_dir, wait_unreaped
-from ringtrain.worker_env import cpu_worker_devices
+from ringtrain.monitor.console_io import write_whole
+from ringtrain.wire.channel import DriverListener, Event, Exited, new_authkey
 
 logger = logging.getLogger("ringtrain")
 
@@ -322,7 +322,7 @@ class LocalWorkerGroup(ChannelGroup):
 
     def resize(self, assignment: dict[int, int], orders: dict[int, Any]) -> None:
         """Elastic resize in place: worker ``old`` becomes rank ``assignment[old]`` and is sent
-        ``orders[old]`` (a :class:`~ringtrain.channel.Resize`) on its channel connection.
+        ``orders[old]`` (a :class:`~ringtrain.wire.channel.Resize`) on its channel connection.
         Joining workers (started by :meth:`grow`) in ``assignment`` become members; the
         processes not in it (exited members, joiners left out) are retired, and stopped if
         still alive.

@@ -19,10 +19,10 @@ checkpoints and progress do not know which one runs. Per attempt:
    ``PR_SET_PDEATHSIG``) with the torchrun variables; the worker connects back to the driver's
    authenticated channel, which listens on the driver's node address instead of loopback.
 
-An actor or node that dies becomes a :class:`~ringtrain.channel.WorkerError` plus an
-:class:`~ringtrain.channel.Exited` event of its rank: a worker failure for the FailurePolicy like
-any other. ``stop`` terminates the worker processes (SIGTERM, then SIGKILL), kills the actors and
-removes the placement group, on every exit path.
+An actor or node that dies becomes a :class:`~ringtrain.wire.channel.WorkerError` plus an
+:class:`~ringtrain.wire.channel.Exited` event of its rank: a worker failure for the FailurePolicy
+like any other. ``stop`` terminates the worker processes (SIGTERM, then SIGKILL), kills the actors
+and removes the placement group, on every exit path.
 
 Elastic runs (docs/elastic.md) get an :class:`~ringtrain.launch.ray_elastic.ElasticRayWorkerGroup`:
 its ``resize`` renumbers the surviving workers in place and kills the lost workers' actors; their

@@ -56,7 +56,7 @@ class ElasticRayWorkerGroup(RayWorkerGroup):
 
     def resize(self, assignment: dict[int, int], orders: dict[int, Any]) -> None:
         """Elastic resize in place: worker ``old`` becomes rank ``assignment[old]`` and is sent
-        ``orders[old]`` (a :class:`~ringtrain.channel.Resize`) on its channel connection.
+        ``orders[old]`` (a :class:`~ringtrain.wire.channel.Resize`) on its channel connection.
         Joining workers (started by :meth:`grow`) in ``assignment`` become members. The workers
         not in it (lost members, joiners left out) leave the group: their worker processes are
         stopped if still alive and their actors killed (their bundles stay in the placement

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ringtrain.channel import DriverListener, Event, Exited, WorkerError, new_authkey
-from ringtrain.env import worker_environment
+from ringtrain.cluster.env import worker_environment
+from ringtrain.cluster.worker_env import cpu_worker_devices
 from ringtrain.launch.base import ChannelGroup, WorkerSpec
 from ringtrain.launch.ray_actors import (
     ACTOR_START_TIMEOUT_S,
@@ -41,7 +41,7 @@ from ringtrain.launch.ray_placement import (
     explain_unplaceable,
     format_resources,
 )
-from ringtrain.worker_env import cpu_worker_devices
+from ringtrain.wire.channel import DriverListener, Event, Exited, WorkerError, new_authkey
 
 logger = logging.getLogger("ringtrain")
 

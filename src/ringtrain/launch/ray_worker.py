@@ -60,7 +60,7 @@ class RayWorker:
         socket's backlog. The store lives as long as this actor."""
         import ray
 
-        from ringtrain.handshake import listen_backlog, listen_socket
+        from ringtrain.wire.handshake import listen_backlog, listen_socket
 
         host = ray.util.get_node_ip_address()
         sock = listen_socket(host, max(1024, listen_backlog(world_size)))

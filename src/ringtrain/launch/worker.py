@@ -1,6 +1,6 @@
 """The worker bootstrap: ``python -m ringtrain.launch.worker [--script PATH ARGS...]``.
 
-Started by a launcher with the variables of :func:`ringtrain.env.worker_environment`. It
+Started by a launcher with the variables of :func:`ringtrain.cluster.env.worker_environment`. It
 
 1. arranges to die with its parent (``PR_SET_PDEATHSIG`` on Linux, plus a watchdog thread that
    polls the parent pid everywhere), so no worker outlives a killed driver, to print its
@@ -8,8 +8,8 @@ Started by a launcher with the variables of :func:`ringtrain.env.worker_environm
    multiprocessing temp dir where its reaper removes it
    (:func:`~ringtrain.launch.reaper.use_worker_temp_dir`);
 2. connects to the driver's authenticated channel (its address and secret are the only
-   ``RINGTRAIN_*`` variables it reads: :data:`ringtrain.env.BOOTSTRAP_ENV`), says Hello and
-   receives its Start message, whose :class:`~ringtrain.worker_config.WorkerConfig` says
+   ``RINGTRAIN_*`` variables it reads: :data:`ringtrain.cluster.env.BOOTSTRAP_ENV`), says Hello and
+   receives its Start message, whose :class:`~ringtrain.wire.worker_config.WorkerConfig` says
    everything else (timeouts, checkpoint mode, timing, step limit, elastic settings);
 3. sets the torch thread count, installs the session, and in function mode initialises the
    process group (gloo on CPU, NCCL on GPU) before calling ``train_fn(config)``; in script mode runs
@@ -38,14 +38,14 @@ import time
 import traceback
 from typing import Any
 
-from ringtrain import preempt_worker
-from ringtrain.channel import Done, Hello, Start, WorkerChannel, WorkerError
-from ringtrain.distributed import destroy_process_group, init_process_group
-from ringtrain.env import RingtrainEnvironment
+from ringtrain.cluster.distributed import destroy_process_group, init_process_group
+from ringtrain.cluster.env import RingtrainEnvironment
 from ringtrain.launch.base import STACK_DUMP_SIGNAL
 from ringtrain.launch.reaper import use_worker_temp_dir
 from ringtrain.monitor.timing import StepLimitReached, install_timer
-from ringtrain.worker_config import WorkerConfig
+from ringtrain.wire.channel import Done, Hello, Start, WorkerChannel, WorkerError
+from ringtrain.wire.worker_config import WorkerConfig
+from ringtrain.worker import preempt as preempt_worker
 
 PR_SET_PDEATHSIG = 1
 FINISH_WRITE_TIMEOUT_S = 120.0
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     # the driver's connect allowance (controller/health.HELLO_TIMEOUT_S) instead.
     import torch
 
-    from ringtrain import session as session_mod
+    from ringtrain.worker import session as session_mod
 
     environment = RingtrainEnvironment()
     ctx = environment.context()
@@ -168,7 +168,7 @@ def _run_function(start: Start, sess: Any) -> None:
     through :func:`ringtrain.elastic.worker.run_elastic`)."""
     import cloudpickle
 
-    from ringtrain.session import call_train_fn
+    from ringtrain.worker.session import call_train_fn
 
     assert start.payload is not None, "function mode needs a payload"
     train_fn, config, *extra = cloudpickle.loads(start.payload)

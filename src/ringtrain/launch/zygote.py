@@ -33,7 +33,7 @@ def _preload() -> None:
     import cloudpickle  # noqa: F401
 
     import ringtrain.launch.worker
-    import ringtrain.session  # noqa: F401
+    import ringtrain.worker.session  # noqa: F401
 
 
 def _fork_blocker() -> int:
@@ -130,8 +130,8 @@ def _child(sock: socket.socket, request: dict[str, object], fds: list[int], read
 
             store_server.main(argv)  # returns never: killed when its group stops
         else:
-            from ringtrain import preempt_worker
             from ringtrain.launch import worker
+            from ringtrain.worker import preempt as preempt_worker
 
             # This worker's launchers, its SIGTERM means "stop now": this zygote and the driver.
             preempt_worker.set_launchers(frozenset({os.getppid(), _driver}))

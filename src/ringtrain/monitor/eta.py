@@ -2,8 +2,9 @@
 
 Workers inside ``TrainState.epochs(N)`` send where they are with each timing window
 (``progress_epoch``, ``progress_epochs``, ``progress_epoch_steps``, ``progress_epoch_start_step``;
-see :func:`ringtrain.session.note_epoch`); :class:`RunProgress` folds rank 0's windows and the
-completed rounds' ``epoch`` metric into a fraction done, a 1-based ``epoch k/N`` label and an ETA.
+see :func:`ringtrain.worker.session.note_epoch`); :class:`RunProgress` folds rank 0's windows and
+the completed rounds' ``epoch`` metric into a fraction done, a 1-based ``epoch k/N`` label and an
+ETA.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ringtrain.console_io import stop_live, whole_writes
+from ringtrain.monitor.console_io import stop_live, whole_writes
 from ringtrain.monitor.eta import RunProgress
 from ringtrain.monitor.render import format_duration, format_metrics, format_value
 
@@ -95,7 +95,7 @@ class RichProgress(_ReporterBase):
 
     Args:
         console: The console to draw on; if None, one on stdout whose writes are never cut
-            short (:class:`ringtrain.console_io.WholeWrites`).
+            short (:class:`ringtrain.monitor.console_io.WholeWrites`).
         refresh_per_second: Redraws per second.
         clock: Monotonic clock in seconds (injectable for tests).
         max_worker_rows: Show at most this many workers in the table; the rest are summarised.

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 
 from rich.console import Console
 
-from ringtrain.console_io import whole_writes
+from ringtrain.monitor.console_io import whole_writes
 from ringtrain.monitor.eta import RunProgress
 from ringtrain.monitor.panel import (
     _FIRST_KEYS,

@@ -12,7 +12,6 @@ line in ``events.jsonl``, a ``result.json`` caught half-rewritten, a checkpoint 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Mapping
@@ -50,6 +49,7 @@ from ringtrain.monitor.storage import (
     read_json,
 )
 from ringtrain.rundir.reader import read_events
+from ringtrain.rundir.saved_run import pid_alive
 from ringtrain.rundir.schema import (
     CONFIG_FILE,
     EVENTS_FILE,
@@ -84,21 +84,6 @@ __all__ = [
     "summarize",
     "worker_range",
 ]
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this host."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, but belongs to someone else
-    except OSError:
-        return False
-    return True
 
 
 def _driver_gone(result: ResultRecord) -> bool:

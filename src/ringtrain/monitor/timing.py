@@ -1,8 +1,8 @@
 """Per-step timing inside a worker: where each training step's time goes.
 
 A :class:`StepTimer` lives in each worker's session when ``MonitorConfig.timing`` is on, fed by a
-worker plug-in (:class:`TimingPlugin`, :mod:`ringtrain.hooks`; :func:`install_timer` sets both up)
-and by hooks on the objects ringtrain already prepares, so the user's loop does not change:
+worker plug-in (:class:`TimingPlugin`, :mod:`ringtrain.worker.hooks`; :func:`install_timer` sets
+both up) and by hooks on the objects ringtrain already prepares, so the user's loop does not change:
 
 - the prepared data loader's batch hooks mark the step boundary and the data wait
   (``loader_fetch_start`` / ``loader_fetch_end``): a step runs from one ``next(loader)`` call to
@@ -48,10 +48,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.hooks import ModelSetup, WorkerPlugin
+from ringtrain.worker.hooks import ModelSetup, WorkerPlugin
 
 if TYPE_CHECKING:
-    from ringtrain.session import Session
+    from ringtrain.worker.session import Session
 
 _now = time.perf_counter
 
@@ -338,7 +338,7 @@ def memory_stats() -> dict[str, Any]:
 
 
 class TimingPlugin(WorkerPlugin):
-    """The worker plug-in that feeds ``timer`` (:mod:`ringtrain.hooks`): a prepared loader's
+    """The worker plug-in that feeds ``timer`` (:mod:`ringtrain.worker.hooks`): a prepared loader's
     batches bound the steps and the data wait; the prepared model gets forward, gradient and
     optimizer-step hooks (:func:`instrument_model`).
 

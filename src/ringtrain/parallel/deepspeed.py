@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.session import get_context
+from ringtrain.worker.session import get_context
 
 
 def _check_batch(config: Mapping[str, Any], world_size: int) -> None:

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ringtrain.fsdp import FSDPConfig
-from ringtrain.parallel.mesh import dp_mesh
+from ringtrain.cluster.mesh import dp_mesh
+from ringtrain.parallel.fsdp import FSDPConfig
 from ringtrain.parallel.pipeline_model import PipelineModel, StageModule, Unit, tie_groups
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def prepare_pipeline(
     stage_units = split_model(model, split_points)
     plan = _resolve_plan(model, tp_plan)
     if mesh is None:
-        from ringtrain.session import get_context
+        from ringtrain.worker.session import get_context
 
         mesh = get_context().mesh
     assert mesh is not None
@@ -278,7 +278,7 @@ def _wrap_stage(
     own = {name: style for name, style in plan.items() if _holds(chain, name)}
     if data_parallel == "fsdp" or plan:
         from ringtrain.parallel.tensor import wrap_on_mesh
-        from ringtrain.session import get_context
+        from ringtrain.worker.session import get_context
 
         config = dataclasses.replace(fsdp_config or FSDPConfig(), sync_module_states=False)
         return wrap_on_mesh(chain, get_context(), mesh, config, own or None)

@@ -4,8 +4,8 @@
 
     precision = strategy.check(precision)   # validation, before any process group
     module = strategy.place(model, ctx)     # device placement
-    ...                                     # precision, the before_wrap hooks (ringtrain.hooks)
-    model = strategy.wrap(module, ctx)      # DDP / FSDP2 / nothing
+    ...                                     # precision, the before_wrap hooks
+    (ringtrain.worker.hooks) model = strategy.wrap(module, ctx)      # DDP / FSDP2 / nothing
     ...                                     # the after_wrap hooks (step timing)
 
 A strategy owns its options as the fields of a frozen dataclass and validates them when it is
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from torch import nn
 
-from ringtrain.amp import normalize_precision
+from ringtrain.cluster.env import DistributedContext
 from ringtrain.comm.ddp import DDP_OPTIONS, check_bucket_order, validate_comm_options
-from ringtrain.env import DistributedContext
-from ringtrain.fsdp import FSDPConfig
+from ringtrain.parallel.fsdp import FSDPConfig
+from ringtrain.worker.precision import normalize_precision
 
 if TYPE_CHECKING:
     import torch
@@ -194,8 +194,8 @@ class DDPStrategy:
         world size > 1 (:func:`ringtrain.comm.ddp.wrap_ddp`); ``model`` itself at world size 1."""
         if ctx.world_size == 1:
             return model
+        from ringtrain.cluster.distributed import init_process_group
         from ringtrain.comm.ddp import wrap_ddp
-        from ringtrain.distributed import init_process_group
 
         init_process_group(ctx.context)
         return wrap_ddp(
@@ -251,9 +251,9 @@ class FSDPStrategy:
         return model  # wrap places the shards (on the host with cpu_offload; meta: to_empty)
 
     def wrap(self, model: nn.Module, ctx: WrapContext) -> nn.Module:
-        """:func:`ringtrain.fsdp.wrap_fsdp`: checks first, then the process group, broadcast,
-        activation checkpointing, ``fully_shard`` per unit and on the root."""
-        from ringtrain.fsdp import wrap_fsdp
+        """:func:`ringtrain.parallel.fsdp.wrap_fsdp`: checks first, then the process group,
+        broadcast, activation checkpointing, ``fully_shard`` per unit and on the root."""
+        from ringtrain.parallel.fsdp import wrap_fsdp
 
         return wrap_fsdp(model, ctx.context, self.config)
 

@@ -23,14 +23,20 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ringtrain.fsdp import FSDPConfig, check_fsdp_model, finish_meta, prepare_sharding, shard_units
-from ringtrain.parallel.mesh import dp_mesh
+from ringtrain.cluster.mesh import dp_mesh
+from ringtrain.parallel.fsdp import (
+    FSDPConfig,
+    check_fsdp_model,
+    finish_meta,
+    prepare_sharding,
+    shard_units,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from ringtrain.env import DistributedContext
+    from ringtrain.cluster.env import DistributedContext
 
 logger = logging.getLogger("ringtrain")
 

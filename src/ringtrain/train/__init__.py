@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 from ringtrain.checkpoint.checkpoint import Checkpoint
+from ringtrain.cluster.env import DistributedContext as TrainContext
 from ringtrain.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ringtrain.env import DistributedContext as TrainContext
 from ringtrain.result import Result, TrainingFailedError
-from ringtrain.session import get_checkpoint, get_context, report
 from ringtrain.train import torch
+from ringtrain.worker.session import get_checkpoint, get_context, report
 
 
 def get_dataset_shard(dataset_name: str | None = None) -> Any:

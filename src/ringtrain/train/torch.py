@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from ringtrain.prepare import PreparedDataLoader, get_device
 from ringtrain.prepare import prepare_data_loader as _prepare_data_loader
 from ringtrain.prepare import prepare_model as _prepare_model
-from ringtrain.session import get_context
 from ringtrain.train.torch_config import TorchConfig
+from ringtrain.worker.session import get_context
 
 if TYPE_CHECKING:
     from ringtrain.train.trainer import TorchTrainer

@@ -16,7 +16,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ringtrain.console_io import stop_live, whole_writes, write_whole
+from ringtrain.monitor.console_io import stop_live, whole_writes, write_whole
 
 STATUS_STYLES = {
     "PENDING": "dim",

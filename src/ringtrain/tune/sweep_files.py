@@ -57,7 +57,7 @@ def write_sweep_files(
     """
     from ringtrain import __version__
     from ringtrain.checkpoint.signing import from_run_config
-    from ringtrain.payload import dumps
+    from ringtrain.wire.payload import dumps
 
     sweep.write_json(
         TUNER_FILE,

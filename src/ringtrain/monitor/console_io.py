@@ -2,7 +2,7 @@
 
 Why: ``write(2)`` to a terminal may return early: Linux writes to a tty in chunks of 2048 bytes
 and stops between two chunks when a signal is pending for the writing thread (any signal with a
-handler, a Ctrl-C held by :func:`ringtrain.interrupts.held_ctrl_c` included), or when a
+handler, a Ctrl-C held by :func:`ringtrain.monitor.interrupts.held_ctrl_c` included), or when a
 non-blocking terminal's buffer is full. Python's own streams do not always write the rest: under
 ``PYTHONUNBUFFERED=1`` (``python -u``; set on many machines and CI systems) ``sys.stdout`` is a
 text layer over an unbuffered file, and ``TextIOWrapper.write`` ignores how many bytes the file
@@ -23,7 +23,7 @@ import select
 import sys
 from typing import TYPE_CHECKING, TextIO, cast
 
-from ringtrain.interrupts import held_ctrl_c
+from ringtrain.monitor.interrupts import held_ctrl_c
 
 if TYPE_CHECKING:
     from rich.live import Live

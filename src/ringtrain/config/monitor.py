@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ringtrain.validation import check_int, short_errors
+from ringtrain.config.validation import check_int, short_errors
 
 
 @short_errors

@@ -1,7 +1,8 @@
 """The files of a :class:`~ringtrain.TrainState` checkpoint and what fills them: the file names,
 the checks of what a ``weights_only`` file can hold, RNG capture and restore, staging to host
 memory, the per-rank state attached to a prepared model, and the verified, weights-only loading of
-a file (``ringtrain.state`` builds and loads the payload; docs/run-directory.md has the layout).
+a file (``ringtrain.worker.state`` builds and loads the payload; docs/run-directory.md has the
+layout).
 """
 
 from __future__ import annotations

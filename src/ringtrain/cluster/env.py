@@ -10,7 +10,7 @@ says whether it started this process (``detect()``) and builds the :class:`Distr
 ringtrain's local launcher sets the same variables torchrun sets (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), Horovod's,
 and the bootstrap of its driver channel (:data:`BOOTSTRAP_ENV`). Everything else the driver tells a
-worker travels typed, as a :class:`~ringtrain.worker_config.WorkerConfig` inside the channel's
+worker travels typed, as a :class:`~ringtrain.wire.worker_config.WorkerConfig` inside the channel's
 authenticated ``Start`` message, which the worker puts into its context
 (:meth:`DistributedContext.with_config`).
 
@@ -27,8 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ringtrain.worker_config import WorkerConfig
-from ringtrain.worker_env import (
+from ringtrain.cluster.worker_env import (
     BOOTSTRAP_ENV,
     ENV_ATTEMPT,
     ENV_AUTHKEY,
@@ -40,6 +39,7 @@ from ringtrain.worker_env import (
     loopback_interface,
     worker_environment,
 )
+from ringtrain.wire.worker_config import WorkerConfig
 
 __all__ = [
     "BOOTSTRAP_ENV",
@@ -82,12 +82,13 @@ class DistributedContext:
         run_dir: the run directory (path or fsspec URL), or ``None`` outside a ringtrain run.
         source: where the information came from: ``"ringtrain"``, ``"torchrun"``, ``"slurm"``,
             or ``"single"`` (no distributed environment: a single process).
-        config: what the driver told this worker (:class:`~ringtrain.worker_config.WorkerConfig`;
+        config: what the driver told this worker
+        (:class:`~ringtrain.wire.worker_config.WorkerConfig`;
             the defaults outside a ringtrain-launched worker).
         mesh: this worker's ``torch.distributed.DeviceMesh`` (a property, built on first use):
             dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` sized by
             ``ScalingConfig.parallel``; without one, ``dp_shard`` is the world size and the
-            others 1 (:mod:`ringtrain.parallel.mesh`).
+            others 1 (:mod:`ringtrain.cluster.mesh`).
     """
 
     world_rank: int = 0
@@ -125,8 +126,8 @@ class DistributedContext:
     def mesh(self) -> Any:
         """This worker's ``DeviceMesh`` over the default process group (initialised here if it
         is not yet), built on first use by every rank: a collective, so call it on all ranks.
-        See :func:`ringtrain.parallel.mesh.context_mesh`."""
-        from ringtrain.parallel.mesh import context_mesh
+        See :func:`ringtrain.cluster.mesh.context_mesh`."""
+        from ringtrain.cluster.mesh import context_mesh
 
         return context_mesh(self, self._cache)
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ringtrain.config.validation import check_int, short_errors
 from ringtrain.preemption import NoticeSource, check_sources
-from ringtrain.validation import check_int, short_errors
 
 
 @short_errors
@@ -45,7 +45,7 @@ class FailureConfig:
             ``CallableNotice(fn, interval_s)``); the driver's SIGTERM/SIGUSR1 are always watched.
         slurm_requeue: inside a SLURM job (``SLURM_JOB_ID`` set), a run that ends ``PREEMPTED``
             asks for its job to be queued again (``scontrol requeue``); the requeued job resumes
-            the run by its name (:mod:`ringtrain.slurm`). ``False`` leaves the job ended.
+            the run by its name (:mod:`ringtrain.cluster.slurm`). ``False`` leaves the job ended.
     """
 
     max_failures: int = 0

@@ -1,4 +1,4 @@
-"""This rank's share of a :class:`~ringtrain.state.TrainState` payload when it is loaded: its
+"""This rank's share of a :class:`~ringtrain.worker.state.TrainState` payload when it is loaded: its
 per-rank file and the data loader position to restore, converted when the checkpoint was saved
 at another world size (elastic resize, or a restart with fewer or more workers) or on another
 device mesh (the data-parallel shards changed).
@@ -10,8 +10,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ringtrain.session import get_context
-from ringtrain.state_files import rank_file, require_layout, reshard_loader_state
+from ringtrain.worker.session import get_context
+from ringtrain.worker.state_files import rank_file, require_layout, reshard_loader_state
 
 logger = logging.getLogger("ringtrain")
 

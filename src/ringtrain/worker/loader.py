@@ -3,8 +3,8 @@
 :class:`PreparedDataLoader` hands out the batches of the current epoch on the worker's device,
 counts them (its ``state_dict()`` is the loader's part of an exact resume), reseeds its private
 generator from ``(seed, epoch)`` at every ``iter()``, and runs the loader hooks
-(:mod:`ringtrain.hooks`: elastic training pauses at a batch boundary, step timing measures the
-data wait) around each batch.
+(:mod:`ringtrain.worker.hooks`: elastic training pauses at a batch boundary, step timing measures
+the data wait) around each batch.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ringtrain.data import ResumableDistributedSampler, SampleSeeded
-from ringtrain.session import current_hooks, mark_progress
+from ringtrain.worker.data import ResumableDistributedSampler, SampleSeeded
+from ringtrain.worker.session import current_hooks, mark_progress
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -84,9 +84,9 @@ class PreparedDataLoader:
         Raises:
             ValueError: ``max_size`` is not an integer >= 1.
         """
-        # Imported here: importing the module ringtrain.accumulate first would shadow the
+        # Imported here: importing the module ringtrain.worker.accumulate first would shadow the
         # function rt.accumulate with the module of the same name (the package's lazy names).
-        from ringtrain.accumulate import micro_batches
+        from ringtrain.worker.accumulate import micro_batches
 
         size = max_size if max_size is not None else self.micro_batch_size
         return micro_batches(batch, model, size)

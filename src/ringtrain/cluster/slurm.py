@@ -20,8 +20,8 @@ A job submitted with ``--no-requeue`` (or a cluster with ``JobRequeue=0``) makes
 requeue`` fail: ringtrain then logs one message with scontrol's answer, and the run still ends
 ``PREEMPTED`` (resume it by hand with ``ringtrain run --resume RUN_DIR``).
 
-Like :mod:`ringtrain.env` (the ranks of ``srun`` tasks), this module reads ``SLURM_*`` variables:
-these are job-level facts of the driver's own job, not rank information.
+Like :mod:`ringtrain.cluster.env` (the ranks of ``srun`` tasks), this module reads ``SLURM_*``
+variables: these are job-level facts of the driver's own job, not rank information.
 """
 
 from __future__ import annotations

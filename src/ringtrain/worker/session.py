@@ -3,11 +3,11 @@
 A worker process has exactly one :class:`Session`, installed by the worker bootstrap
 (``ringtrain.launch.worker``) before the train function or script runs. It is the one place this
 process keeps distributed state, and it holds the worker's plug-ins (elastic training, step timing,
-precision: :mod:`ringtrain.hooks`); the slot below is the only module-level state of the worker
-side (the public functions of this module read it: they have no session argument to be given),
-and tests reset it with :func:`_reset_session`. A process that ringtrain did not start (a plain
-``python`` run, torchrun, SLURM) gets a session built lazily from its environment: reports are then
-kept in memory, and the process group is initialised on first need.
+precision: :mod:`ringtrain.worker.hooks`); the slot below is the only module-level state of the
+worker side (the public functions of this module read it: they have no session argument to be
+given), and tests reset it with :func:`_reset_session`. A process that ringtrain did not start (a
+plain ``python`` run, torchrun, SLURM) gets a session built lazily from its environment: reports are
+then kept in memory, and the process group is initialised on first need.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from ringtrain.channel import CheckpointDone, Heartbeat, Report, Timing, WorkerChannel
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.checkpoint import Checkpoint
-from ringtrain.env import DistributedContext, context_from_env
-from ringtrain.hooks import HookRegistry, StepState
+from ringtrain.cluster.env import DistributedContext, context_from_env
+from ringtrain.wire.channel import CheckpointDone, Heartbeat, Report, Timing, WorkerChannel
+from ringtrain.worker.hooks import HookRegistry, StepState
 
 if TYPE_CHECKING:  # the timer is monitor/timing's, which a worker with timing off never loads
     from ringtrain.monitor.timing import StepTimer
-from ringtrain.worker_config import WorkerConfig
+from ringtrain.wire.worker_config import WorkerConfig
 
 logger = logging.getLogger("ringtrain")
 
@@ -52,7 +52,7 @@ class Session:
             prepared loader, a step, a report); what the heartbeat tells the driver.
         timer: the step timer (``MonitorConfig.timing``), ``None`` when timing is off.
         timing_interval_s: how often the heartbeat thread sends a timing window (seconds).
-        hooks: this worker's plug-ins (:mod:`ringtrain.hooks`): elastic, timing, precision...
+        hooks: this worker's plug-ins (:mod:`ringtrain.worker.hooks`): elastic, timing, precision...
     """
 
     context: DistributedContext
@@ -225,13 +225,14 @@ def installed_session() -> Session | None:
 
 
 def current_hooks() -> HookRegistry:
-    """This process's hook registry (:mod:`ringtrain.hooks`), building the session on first use."""
+    """This process's hook registry (:mod:`ringtrain.worker.hooks`), building the session on
+    first use."""
     return current_session().hooks
 
 
 def step_taken(state: StepState) -> None:
     """``TrainState.step`` was set: record the progress and run the step hooks
-    (:meth:`ringtrain.hooks.WorkerPlugin.on_step`). Nothing outside a session's process."""
+    (:meth:`ringtrain.worker.hooks.WorkerPlugin.on_step`). Nothing outside a session's process."""
     session = _session
     if session is None:
         return
@@ -319,7 +320,7 @@ def _clean_metrics(metrics: Any) -> dict[str, Any]:
 @runtime_checkable
 class SavesCheckpoint(Protocol):
     """What ``report(checkpoint=...)`` saves besides a :class:`Checkpoint`: a
-    :class:`~ringtrain.state.TrainState` (a Protocol, not the class: ``state`` imports this
+    :class:`~ringtrain.worker.state.TrainState` (a Protocol, not the class: ``state`` imports this
     module). ``checkpoint_writers(staged)`` maps each file name to a function that writes it."""
 
     def checkpoint_writers(self, staged: bool) -> dict[str, Callable[[Any], None]]: ...

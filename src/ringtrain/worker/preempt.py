@@ -1,18 +1,18 @@
 """The worker side of preemption: stop at one agreed step, save the ``TrainState`` there, exit.
 
-:class:`PreemptionPlugin` is a worker plug-in (:mod:`ringtrain.hooks`) the worker bootstrap
+:class:`PreemptionPlugin` is a worker plug-in (:mod:`ringtrain.worker.hooks`) the worker bootstrap
 registers in every ringtrain-launched worker. At each ``TrainState.step`` boundary (``on_step``)
 it reads the driver's messages waiting on the channel (:meth:`Session.poll_driver
-<ringtrain.session.Session.poll_driver>`, the one reader of driver messages on a worker) and
+<ringtrain.worker.session.Session.poll_driver>`, the one reader of driver messages on a worker) and
 every rank allreduces (MAX) a one-int "stop requested" flag: 1 once a
-:class:`~ringtrain.channel.PreemptRequest` arrived, or this process itself received SIGTERM from
-someone other than the driver. Ranks see the request at different steps, but the first boundary
+:class:`~ringtrain.wire.channel.PreemptRequest` arrived, or this process itself received SIGTERM
+from someone other than the driver. Ranks see the request at different steps, but the first boundary
 where the MAX is 1 is the same on every rank: the **stop step**. Each rank then lets the rest of
 that iteration run (the user's own ``report()`` of that step included) and, when a prepared data
 loader is asked for the next batch (``on_batch_start``; in a loop without one, at the next step
 boundary), saves its ``TrainState`` through the normal checkpoint path (one more ``report()``
 round with the last metrics, verified and published by the driver like any other), says
-:class:`~ringtrain.channel.PreemptSaved` and leaves the train function with
+:class:`~ringtrain.wire.channel.PreemptSaved` and leaves the train function with
 :class:`PreemptStop`, which the bootstrap treats as a clean finish (it waits for the background
 write, then says ``Done``).
 
@@ -26,8 +26,8 @@ worker (called first thing in the bootstrap, before any thread starts) and waits
 thread with ``sigwaitinfo``, which says who sent it. From the driver (the worker's parent, or its
 grandparent when the parent is a ringtrain fork server: :func:`launchers`; stopping the group,
 as on every restart) it terminates the process as before; from anyone else
-it is a notice: the rank tells the driver (:class:`~ringtrain.channel.WorkerNotice`), raises its
-flag and keeps training until the stop step.
+it is a notice: the rank tells the driver (:class:`~ringtrain.wire.channel.WorkerNotice`), raises
+its flag and keeps training until the stop step.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.channel import PreemptRequest, PreemptSaved, WorkerNotice
-from ringtrain.hooks import StepState, WorkerPlugin
 from ringtrain.monitor.timing import StepLimitReached
-from ringtrain.session import Session
+from ringtrain.wire.channel import PreemptRequest, PreemptSaved, WorkerNotice
+from ringtrain.worker.hooks import StepState, WorkerPlugin
+from ringtrain.worker.session import Session
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ class PreemptionPlugin(WorkerPlugin):
     """One worker's part in stopping for a preemption (see the module docs).
 
     Args:
-        session: the worker's :class:`~ringtrain.session.Session` (with a channel).
+        session: the worker's :class:`~ringtrain.worker.session.Session` (with a channel).
     """
 
     def __init__(self, session: Session) -> None:
@@ -178,8 +178,8 @@ class PreemptionPlugin(WorkerPlugin):
 
     def _stop(self, state: StepState) -> None:
         """Save ``state`` (a TrainState) as one more report round, say PreemptSaved, leave."""
-        from ringtrain.session import report
-        from ringtrain.state import TrainState
+        from ringtrain.worker.session import report
+        from ringtrain.worker.state import TrainState
 
         session = self.session
         round_: int | None = None

@@ -2,14 +2,14 @@
 
 Everything the driver tells a worker about how to behave (timeouts, checkpoint mode, step timing,
 a step limit, elastic settings, the attempt and the first report round) travels as one frozen
-:class:`WorkerConfig` inside the authenticated :class:`~ringtrain.channel.Start` message; the worker
-reads it as ``get_context().config`` (and ``Session.worker_config``).
+:class:`WorkerConfig` inside the authenticated :class:`~ringtrain.wire.channel.Start` message; the
+worker reads it as ``get_context().config`` (and ``Session.worker_config``).
 
 Environment variables remain only where another program's contract needs them before Python code of
 ours runs: torchrun's and Horovod's rank variables, ``MASTER_ADDR``/``MASTER_PORT``,
-``OMP_NUM_THREADS``, gloo's interface variables (:func:`ringtrain.env.worker_environment`), and the
-bootstrap a worker needs before it can receive ``Start`` at all
-(:data:`ringtrain.env.BOOTSTRAP_ENV`:
+``OMP_NUM_THREADS``, gloo's interface variables (:func:`ringtrain.cluster.env.worker_environment`),
+and the bootstrap a worker needs before it can receive ``Start`` at all
+(:data:`ringtrain.cluster.env.BOOTSTRAP_ENV`:
 the driver's channel address and secret, and the reaper's run token). The channel is authenticated
 (HMAC challenge both ways) before a single byte is unpickled, so the config is as trustworthy as the
 driver; it is built from the same classes on both sides, so nothing is parsed back from strings.
@@ -25,13 +25,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ringtrain.parallel_config import MeshShape
+from ringtrain.config.parallel import MeshShape
+from ringtrain.config.run import ELASTIC_BATCH_POLICIES
 
-if TYPE_CHECKING:  # only to type build_worker_config: config imports this module's constants
+if TYPE_CHECKING:
     from ringtrain.config import RunConfig, ScalingConfig
-
-ELASTIC_BATCH_POLICIES = ("resize_batch", "accumulate", "scale_lr")
-"""``ScalingConfig.elastic_batch_policy`` values (re-exported by :mod:`ringtrain.config`)."""
 
 COMM_TIMING_MODES = ("auto", "hook", "wait")
 """``MonitorConfig.comm_timing`` values."""
@@ -102,7 +100,7 @@ class WorkerConfig:
         driver_pid: the driver process's pid, when its workers run on its machine (the local
             launcher sets it: a worker's parent, or its grandparent through the warm pool's
             zygote); its SIGTERM stops a worker at once, anyone else's is a preemption notice
-            (:mod:`ringtrain.preempt_worker`). ``None`` where the driver is elsewhere (Ray).
+            (:mod:`ringtrain.worker.preempt`). ``None`` where the driver is elsewhere (Ray).
 
     Raises:
         ValueError: from ``__post_init__`` for a value out of range (the message names the field

@@ -2,11 +2,11 @@
 
 Built on :mod:`multiprocessing.connection`: the driver listens on loopback (or on the node address a
 multi-node backend needs) with a per-run secret; a client must answer an HMAC-SHA256 challenge
-with that secret (:mod:`ringtrain.handshake`) before a single byte is unpickled, so nobody else on
-the host can inject reports, and idle or garbage connections cannot stall the workers'.
+with that secret (:mod:`ringtrain.wire.handshake`) before a single byte is unpickled, so nobody else
+on the host can inject reports, and idle or garbage connections cannot stall the workers'.
 Messages are small frozen dataclasses; what the driver tells a worker travels typed, as the
-:class:`~ringtrain.worker_config.WorkerConfig` inside :class:`Start`, never as strings to parse.
-This module imports neither torch nor the controller, so both sides can use it.
+:class:`~ringtrain.wire.worker_config.WorkerConfig` inside :class:`Start`, never as strings to
+parse. This module imports neither torch nor the controller, so both sides can use it.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ringtrain import handshake
-from ringtrain.handshake import (
+from ringtrain.wire import handshake
+from ringtrain.wire.handshake import (
     HANDSHAKE_TIMEOUT_S,
     HandshakeListener,
     listen_backlog,
     listen_socket,
 )
-from ringtrain.worker_config import WorkerConfig
+from ringtrain.wire.worker_config import WorkerConfig
 
 # ---------------------------------------------------------------- messages (worker -> driver)
 
@@ -264,7 +264,7 @@ def new_authkey() -> bytes:
 
 class DriverListener:
     """The driver's end of the channel: accepts worker connections on ``host`` and hands each
-    one that authenticates (:mod:`ringtrain.handshake`: HMAC-SHA256 both ways, nothing read
+    one that authenticates (:mod:`ringtrain.wire.handshake`: HMAC-SHA256 both ways, nothing read
     from the socket is unpickled before) to ``on_connection``.
 
     Handshakes run in one non-blocking loop with a deadline each, so idle or garbage
@@ -345,6 +345,6 @@ class WorkerChannel:
     def close(self, timeout_s: float = 5.0) -> None:
         """Close the channel once the driver has read everything sent on it (it closes its end
         at end of file), waiting ``timeout_s`` seconds at most
-        (:func:`ringtrain.handshake.close_gracefully`). Never raises."""
+        (:func:`ringtrain.wire.handshake.close_gracefully`). Never raises."""
         with self.lock:  # not in the middle of another thread's send
             handshake.close_gracefully(self.conn, timeout_s)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.hooks import ModelSetup, WorkerPlugin
+from ringtrain.worker.hooks import ModelSetup, WorkerPlugin
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 """The values of ``prepare_model(precision=...)``."""
@@ -137,8 +137,8 @@ def apply_precision(module: torch.nn.Module, precision: str, device: torch.devic
 
 
 class PrecisionPlugin(WorkerPlugin):
-    """Precision as a worker plug-in (:mod:`ringtrain.hooks`, the ``before_wrap`` hook): one per
-    worker session, found or registered by :func:`precision_plugin`, so that what it holds goes
+    """Precision as a worker plug-in (:mod:`ringtrain.worker.hooks`, the ``before_wrap`` hook): one
+    per worker session, found or registered by :func:`precision_plugin`, so that what it holds goes
     with the session (no module-level state).
 
     ``prepare_model`` sets :attr:`precision` to the precision it was given, then runs the
@@ -161,7 +161,7 @@ class PrecisionPlugin(WorkerPlugin):
 
 def precision_plugin() -> PrecisionPlugin:
     """This worker session's :class:`PrecisionPlugin` (registered on first use)."""
-    from ringtrain.session import current_hooks
+    from ringtrain.worker.session import current_hooks
 
     hooks = current_hooks()
     plugin = hooks.find(PrecisionPlugin)
@@ -305,7 +305,7 @@ def prepare_optimizer(
         ValueError: an unknown precision, or ``grad_scaler`` outside ``"16-mixed"``.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
     """
-    from ringtrain.session import get_context
+    from ringtrain.worker.session import get_context
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(

@@ -8,7 +8,7 @@ group. Every name is always present (a dimension of size 1 when unused), so that
 
 :func:`context_mesh` is what ``DistributedContext.mesh`` calls: it initialises the default process
 group if needed (a one-rank group at world size 1), builds the mesh from the run's
-:class:`~ringtrain.parallel_config.MeshShape` (``WorkerConfig.mesh``) and caches it on the context.
+:class:`~ringtrain.config.parallel.MeshShape` (``WorkerConfig.mesh``) and caches it on the context.
 Without a ``ParallelConfig`` the shape is ``dp_shard = world size``: one data-parallel dimension
 over every rank (what DDP and FSDP use).
 """
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ringtrain.parallel_config import MESH_DIMS, MeshShape
+from ringtrain.config.parallel import MESH_DIMS, MeshShape
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ringtrain.env import DistributedContext
+    from ringtrain.cluster.env import DistributedContext
 
 
 class Resolvable(Protocol):
@@ -58,7 +58,7 @@ def build_mesh(
 
     Args:
         parallel: a :class:`ringtrain.ParallelConfig`, a resolved
-            :class:`~ringtrain.parallel_config.MeshShape`, or ``None`` (one data-parallel
+            :class:`~ringtrain.config.parallel.MeshShape`, or ``None`` (one data-parallel
             dimension: ``dp_shard = world_size``).
         world_size: the number of ranks (``torch.distributed.get_world_size()``).
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
@@ -88,7 +88,7 @@ def _init_group(ctx: DistributedContext) -> None:
     import torch
     import torch.distributed as dist
 
-    from ringtrain.distributed import init_process_group
+    from ringtrain.cluster.distributed import init_process_group
 
     if dist.is_initialized():
         return
@@ -133,7 +133,7 @@ def context_mesh(ctx: DistributedContext, cache: dict[str, Any]) -> DeviceMesh:
 def elastic_shape(shape: MeshShape | None, ctx: DistributedContext) -> MeshShape | None:
     """``shape`` (resolved for ``max_workers``) at the current world size of an elastic run:
     ``dp_replicate`` becomes ``world_size / (pp * dp_shard * tp)``, the other sizes stay
-    (:mod:`ringtrain.replica_groups`: only whole replica groups leave and join). ``shape``
+    (:mod:`ringtrain.config.replica_groups`: only whole replica groups leave and join). ``shape``
     itself outside an elastic run, or when the world size is the one it was resolved for."""
     if shape is None or ctx.config.elastic is None or shape.world_size == ctx.world_size:
         return shape

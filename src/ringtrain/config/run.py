@@ -15,14 +15,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ringtrain.failure_config import FailureConfig
-from ringtrain.launch.backends import backend_for
-from ringtrain.monitor_config import MonitorConfig
-from ringtrain.parallel_config import ParallelConfig
-from ringtrain.replica_groups import elastic_mesh_refusal
-from ringtrain.validation import check_int, short_errors
-from ringtrain.worker_config import ELASTIC_BATCH_POLICIES
+from ringtrain.config.backends import check_backend_fields, check_backend_name
+from ringtrain.config.failure import FailureConfig
+from ringtrain.config.monitor import MonitorConfig
+from ringtrain.config.parallel import ParallelConfig
+from ringtrain.config.replica_groups import elastic_mesh_refusal
+from ringtrain.config.validation import check_int, short_errors
 
+ELASTIC_BATCH_POLICIES = ("resize_batch", "accumulate", "scale_lr")
 """``ScalingConfig.elastic_batch_policy`` values (docs/elastic.md, "Same math")."""
 
 CALLBACK_HOOKS = (
@@ -135,7 +135,7 @@ class ScalingConfig:
             )
         if not isinstance(self.use_gpu, bool):
             raise TypeError(f"ScalingConfig.use_gpu must be True or False, got {self.use_gpu!r}")
-        backend = backend_for(self)  # ValueError naming the known backends
+        check_backend_name(self)  # ValueError naming the known backends
         if self.resources_per_worker is not None:
             if not isinstance(self.resources_per_worker, Mapping):
                 raise TypeError(
@@ -144,7 +144,7 @@ class ScalingConfig:
                 )
             # A frozen dataclass may still hold a caller's mutable dict; keep our own copy.
             object.__setattr__(self, "resources_per_worker", dict(self.resources_per_worker))
-        backend.validate()  # resource names, placement_strategy, ray_address, ...
+        check_backend_fields(self)  # resource names, placement_strategy, ray_address, ...
         self._check_resource_amounts()
 
     def _check_preload_modules(self) -> None:
@@ -223,7 +223,7 @@ class ScalingConfig:
                 "ScalingConfig.parallel must be a ringtrain.ParallelConfig or None, got "
                 f"{type(parallel).__name__} (e.g. parallel=rt.ParallelConfig(dp_shard=2, tp=2))"
             )
-        if self.elastic:  # only the replica count may vary: ringtrain.replica_groups
+        if self.elastic:  # only the replica count may vary: ringtrain.config.replica_groups
             refusal = elastic_mesh_refusal(parallel, self.min_workers, self.max_workers)
             if refusal is not None:
                 raise ValueError(refusal)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.state_files import RANK_STATE_ATTR, attach_rank_state, unwrap
+from ringtrain.worker.state_files import RANK_STATE_ATTR, attach_rank_state, unwrap
 
 _NAME = "accumulation"
 
@@ -184,8 +184,9 @@ def split_batch(batch: Any, max_size: int) -> list[tuple[Any, float]]:
 def micro_batches(batch: Any, model: Any, max_size: int | None) -> Iterator[tuple[Any, float]]:
     """Yield ``(micro_batch, weight)`` for each part of :func:`split_batch`; the caller runs the
     forward and ``(loss * weight).backward()`` of each before taking the next. With a DDP
-    ``model``, all but the last run under ``no_sync()`` (through :func:`ringtrain.accumulate`),
-    so the gradients are allreduced once per step. ``max_size=None``: ``batch`` whole."""
+    ``model``, all but the last run under ``no_sync()`` (through
+    :func:`ringtrain.accumulate`), so the gradients are allreduced once per step.
+    ``max_size=None``: ``batch`` whole."""
     parts = [(batch, 1.0)] if max_size is None else split_batch(batch, max_size)
     if model is None:
         yield from parts

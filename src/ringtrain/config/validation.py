@@ -43,3 +43,12 @@ def check_int(owner: str, name: str, value: Any, minimum: int, fix: str) -> None
         )
     if value < minimum:
         raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value} ({fix})")
+
+
+def short_error(exc: BaseException) -> BaseException:
+    """``exc`` without its traceback through ringtrain, for errors whose message is the whole
+    story (configuration and usage errors): the user sees their own line and the fix. With
+    ``RINGTRAIN_DEBUG=1`` the traceback is kept."""
+    if os.environ.get("RINGTRAIN_DEBUG", "") not in ("", "0"):
+        return exc
+    return exc.with_traceback(None)

@@ -24,7 +24,7 @@ existed before get back their RNG streams, new ranks keep theirs, and a warning 
 The same two payloads, as ``{file name: content}``, are the state's public form:
 :meth:`TrainState.to_payload` builds them and :meth:`TrainState.load_payload` loads them, for a
 disk checkpoint (one ``torch.save`` per entry) and an in-memory elastic snapshot alike. The file
-layout, staging and safe loading are in :mod:`ringtrain.state_files`.
+layout, staging and safe loading are in :mod:`ringtrain.worker.state_files`.
 
 Both are loaded with ``torch.load(weights_only=True)``: a checkpoint file can never run code. The
 contract: restore, then continue, and the parameters are bit-identical to never having stopped
@@ -45,14 +45,14 @@ import torch.distributed as dist
 from ringtrain.checkpoint import deepspeed_io
 from ringtrain.checkpoint import sharded as sharded_io
 from ringtrain.checkpoint.checkpoint import Checkpoint
-from ringtrain.session import (
+from ringtrain.worker.session import (
     get_checkpoint,
     get_context,
     installed_session,
     note_epoch,
     step_taken,
 )
-from ringtrain.state_files import (
+from ringtrain.worker.state_files import (
     FORMAT,
     PENDING_ATTR,
     RANK_STATE_ATTR,
@@ -73,7 +73,7 @@ from ringtrain.state_files import (
     torch_writer,
     unwrap,
 )
-from ringtrain.state_resume import PayloadReader, payload_reader, rank_part
+from ringtrain.worker.state_resume import PayloadReader, payload_reader, rank_part
 
 __all__ = [
     "RANK_STATE_ATTR",
@@ -172,7 +172,7 @@ class TrainState:
     @property
     def step(self) -> int:
         """The step counter; setting it counts as progress for hang detection and runs the
-        session's step hooks (:meth:`ringtrain.hooks.WorkerPlugin.on_step`: an elastic run's
+        session's step hooks (:meth:`ringtrain.worker.hooks.WorkerPlugin.on_step`: an elastic run's
         in-memory snapshots)."""
         return self._step
 
@@ -265,7 +265,7 @@ class TrainState:
         ``torch.save`` per entry) and an elastic snapshot keeps in memory.
 
         Args:
-            shared: include :data:`~ringtrain.state_files.STATE_FILE` (model, optimizer, LR
+            shared: include :data:`~ringtrain.worker.state_files.STATE_FILE` (model, optimizer, LR
                 scheduler, ..., step, epoch, extras; identical on every data-parallel rank);
                 default: on rank 0 only. ``rank_NNNNN.pt`` (this rank's RNG states, data position
                 and per-rank model state) is always included. FSDP-sharded objects are not in it
@@ -331,7 +331,7 @@ class TrainState:
         A no-op returning False on a fresh run. Reads only files the checkpoint's signed manifest
         lists, hashing each as it is read, and loads them with ``weights_only=True``
         (docs/security.md). Then runs the session's restore hooks
-        (:meth:`ringtrain.hooks.WorkerPlugin.on_restore`).
+        (:meth:`ringtrain.worker.hooks.WorkerPlugin.on_restore`).
 
         Returns:
             True if a checkpoint was restored.

@@ -42,30 +42,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.env import DistributedContext
-from ringtrain.fsdp_config import MIXED_PRECISION, FSDPConfig
+from ringtrain.checkpoint.sharded import is_sharded_module, is_sharded_optimizer
+from ringtrain.cluster.env import DistributedContext
+from ringtrain.config.fsdp import MIXED_PRECISION, FSDPConfig
 
 logger = logging.getLogger("ringtrain")
 
 # --------------------------------------------------------------------------------- inspection
-
-
-def is_sharded_module(obj: Any) -> bool:
-    """Whether ``obj`` is a module with ``DTensor`` parameters (sharded by ``fully_shard``)."""
-    if not isinstance(obj, nn.Module):
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in obj.parameters())
-
-
-def is_sharded_optimizer(obj: Any) -> bool:
-    """Whether ``obj`` is an optimizer over ``DTensor`` parameters."""
-    if not isinstance(obj, torch.optim.Optimizer):
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for g in obj.param_groups for p in g["params"])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -280,7 +263,7 @@ def wrap_fsdp(model: nn.Module, ctx: DistributedContext, config: FSDPConfig | No
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ringtrain.distributed import init_process_group
+    from ringtrain.cluster.distributed import init_process_group
 
     if ctx.world_size > 1:
         init_process_group(ctx)

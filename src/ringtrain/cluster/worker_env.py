@@ -3,8 +3,8 @@ the thread counts, the GPUs a CPU worker does not see, the bootstrap of ringtrai
 channel (:data:`BOOTSTRAP_ENV`), and the variables that keep gloo on loopback for a run on one
 machine.
 
-The writing side of :mod:`ringtrain.env` (which reads these variables back in the worker); it
-imports nothing of ringtrain, so both the launchers and ``env`` can use it.
+The writing side of :mod:`ringtrain.cluster.env` (which reads these variables back in the worker);
+it imports nothing of ringtrain, so both the launchers and ``env`` can use it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ BOOTSTRAP_ENV = frozenset({ENV_DRIVER_ADDR, ENV_AUTHKEY, ENV_RUN_TOKEN, ENV_RAY_
 """The only ``RINGTRAIN_*`` variables a launcher sets in a worker's environment: the channel's
 address and secret (needed before ``Start`` can arrive), the reaper's run token (it finds a group's
 processes by their environment) and, on Ray, the node id (informational). Configuration travels in
-:class:`~ringtrain.worker_config.WorkerConfig`."""
+:class:`~ringtrain.wire.worker_config.WorkerConfig`."""
 
 
 def worker_environment(
@@ -42,7 +42,7 @@ def worker_environment(
 ) -> dict[str, str]:
     """The variables the launcher sets in each worker: torchrun's, Horovod's, the thread count
     OpenMP and MKL read at start-up, and the bootstrap of ringtrain's channel (the rest of what
-    the driver tells a worker comes typed in ``Start``: :mod:`ringtrain.worker_config`).
+    the driver tells a worker comes typed in ``Start``: :mod:`ringtrain.wire.worker_config`).
 
     Horovod's (``HOROVOD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``, ``_CROSS_RANK``,
     ``_CROSS_SIZE``), as ``horovodrun`` sets them, for Horovod scripts and tooling: the cross

@@ -10,19 +10,43 @@ continues it, with a :class:`RunContinuedWarning`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import time
 from typing import Any
 
-import ringtrain
 from ringtrain.checkpoint.signing import SIG_SUFFIX, Signer
 from ringtrain.checkpoint.signing import resolve as resolve_signer
 from ringtrain.checkpoint.storage import is_local_fs
+from ringtrain.cluster import slurm
 from ringtrain.config import RunConfig, ScalingConfig
-from ringtrain.monitor.runs import pid_alive
 from ringtrain.rundir import RunDirectory
 from ringtrain.rundir.schema import CONFIG_FILE, PAYLOAD_FILE, RESULT_FILE, ConfigRecord
+
+
+def installed_version() -> str:
+    """The installed ringtrain's version (its package metadata: ``pyproject.toml``'s), or
+    ``"unknown"`` when ringtrain runs from a source tree that was never installed."""
+    try:
+        return importlib.metadata.version("ringtrain")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, but belongs to someone else
+    except OSError:
+        return False
+    return True
 
 
 def check_signed(run_dir: RunDirectory, filename: str, data: bytes, signer: Signer) -> None:
@@ -197,7 +221,7 @@ def write_run_config(
         entrypoint=entrypoint,
         script=script,
         script_args=list(script_args),
-        ringtrain_version=ringtrain.__version__,
+        ringtrain_version=installed_version(),
         created=time.time(),
         scaling_config=scaling_config.to_dict(),
         run_config={**run_config.to_dict(), "name": run_dir.name},
@@ -212,3 +236,12 @@ def write_run_config(
     write_signed(run_dir, CONFIG_FILE, config_json, signer)
     if payload is not None:
         write_signed(run_dir, PAYLOAD_FILE, payload, signer)
+
+
+def default_run_name(entrypoint: str) -> str:
+    """``{entrypoint}_{YYYY-mm-dd_HH-MM-SS}``; inside a SLURM job ``{entrypoint}_slurm{JOB_ID}``,
+    the same for the requeued job, which so resumes the run (:mod:`ringtrain.cluster.slurm`)."""
+    safe = (
+        "".join(c if c.isalnum() or c in "_.-" else "_" for c in entrypoint).strip("_.-") or "run"
+    )
+    return slurm.default_run_name(safe) or f"{safe}_{time.strftime('%Y-%m-%d_%H-%M-%S')}"

@@ -1,6 +1,6 @@
 """``FSDPConfig``: how :func:`ringtrain.prepare_model` shards a model with FSDP2 (units,
 mixed precision, CPU offload, activation checkpointing, meta-device initialisation), validated
-when it is built. The sharding itself is :mod:`ringtrain.fsdp`.
+when it is built. The sharding itself is :mod:`ringtrain.parallel.fsdp`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Worker lifecycle hooks: how elastic training, step timing and precision plug into a worker
 without the core (session, state, prepare, data) importing them.
 
-Each worker's :class:`~ringtrain.session.Session` holds one :class:`HookRegistry`. A plug-in is
-any object with some of the methods of :class:`WorkerPlugin` (subclass it to inherit a no-op for
+Each worker's :class:`~ringtrain.worker.session.Session` holds one :class:`HookRegistry`. A plug-in
+is any object with some of the methods of :class:`WorkerPlugin` (subclass it to inherit a no-op for
 every hook you leave out); ``session.hooks.register(plugin)`` adds it. The core calls the
 registry at each point of the worker's life, and the registry calls, in registration order, the
 plug-ins that define that hook::
@@ -126,7 +126,8 @@ class WorkerPlugin(Protocol):
     """
 
     def on_worker_start(self, session: Any) -> None:
-        """The session (:class:`ringtrain.session.Session`) is installed; no train function ran."""
+        """The session (:class:`ringtrain.worker.session.Session`) is installed; no train
+        function ran."""
         return None
 
     def on_worker_stop(self, error: BaseException | None) -> None:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ringtrain import slurm
+from ringtrain.cluster import slurm
 from ringtrain.config import RunConfig
 
 

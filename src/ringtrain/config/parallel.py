@@ -1,6 +1,6 @@
 """The device mesh a run is laid out on: :class:`ParallelConfig` (what the user states) and
 :class:`MeshShape` (the resolved sizes that travel to the workers in
-:class:`~ringtrain.worker_config.WorkerConfig`).
+:class:`~ringtrain.wire.worker_config.WorkerConfig`).
 
 The mesh has four named dimensions, in torchtitan's order (``ParallelDims``), outermost first::
 
@@ -13,7 +13,7 @@ apart. ``dp_replicate x dp_shard`` are the data-parallel ranks: each sees its ow
 
 This module imports neither torch nor the controller (the driver validates with it before any
 process starts; the workers build their mesh from :class:`MeshShape`,
-:func:`ringtrain.parallel.mesh.build_mesh`).
+:func:`ringtrain.cluster.mesh.build_mesh`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ringtrain.validation import short_errors
+from ringtrain.config.validation import short_errors
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 """The mesh's dimension names, outermost first (``ctx.mesh.mesh_dim_names``)."""

@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # env's ctx.mesh imports this module (parallel/mesh.py): no run-time cycle
-    from ringtrain.env import DistributedContext
+    from ringtrain.cluster.env import DistributedContext
 
 DEFAULT_TIMEOUT_S = 1800.0
 
