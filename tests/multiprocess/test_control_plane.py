@@ -158,6 +158,15 @@ def test_workers_get_the_loopback_interface_for_gloo(tmp_path):
 
 
 def _environ(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was exec'd with. Between its fork and its exec a child's
+    ``/proc/PID/environ`` is still the parent's (on a loaded machine the exec can come late), so
+    this waits for the exec: the worker's command line names its bootstrap."""
+
+    def execd() -> bool:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"ringtrain.launch.worker" in f.read()
+
+    assert wait_until(execd, timeout_s=60), f"pid {pid} never exec'd the worker bootstrap"
     with open(f"/proc/{pid}/environ", "rb") as f:
         raw = f.read().split(b"\0")
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
