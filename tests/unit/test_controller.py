@@ -616,7 +616,10 @@ def test_a_resize_clears_the_straggler_flags_of_the_old_group(tmp_path):
     for rank in range(3):
         detector.update(rank, window)
     detector.flagged.add(2)
-    new = ctl.coordinator.next_generation(Generation(0, 3), 2, {"old_world_size": 3})
+    from ringtrain.controller.elastic import ResizePlan
+
+    plan = ResizePlan(1, {0: 0, 1: 1}, {}, {"old_world_size": 3}, (), "resized")
+    new = ctl._next_generation(Generation(0, 3), plan)
     assert (new.world_size, ctl.world_size, new.resize) == (2, 2, {"old_world_size": 3})
     assert ctl.progress.cleared == [(2, False)]
     assert detector.flagged == set() and detector.latest == {}

@@ -12,8 +12,11 @@ from fakes import FakeGroup, FakeLauncher
 from fakes import HeartbeatGroup as _HeartbeatGroup
 from fakes import controller_events as _events
 from fakes import make_controller as _controller
+from ringtrain.config import FailureConfig
+from ringtrain.controller.policy import FailurePolicy
 from ringtrain.controller.states import (
     Growing,
+    Leaving,
     PreemptionNotice,
     Resizing,
     Restarting,
@@ -259,3 +262,113 @@ def test_ctrl_c_in_any_state_is_aborted(tmp_path):
         "KeyboardInterrupt()",
     )
     assert ctl.launcher.groups[0].stopped
+
+
+def test_a_partial_notice_is_a_leaving_state_that_re_forms_without_the_leaving_ranks(tmp_path):
+    group = ElasticGroup(3)
+    ctl = _elastic_controller(tmp_path, group)
+    notice = PreemptionNotice(time=1.0, deadline_s=60, reason="node drain", ranks=(2,))
+    t = ctl.step(notice)
+    assert (t.from_, t.to) == (RunState.RUNNING, RunState.LEAVING)
+    assert isinstance(t.target, Leaving) and t.target.notice is notice
+    assert t.reason.startswith("preemption notice for ranks [2] (node drain): they leave")
+    _assert_written(tmp_path, t)
+    assert [c for c in group.calls if c[0] == "send"] == [("send", 0), ("send", 1), ("send", 2)]
+    assert not ctl.step(_paused(0, 0, 5, grow=True)).changed
+    assert not ctl.step(_paused(1, 0, 5, grow=True)).changed  # rank 2 has not paused yet
+    t = ctl.step(_paused(2, 0, 5, grow=True))
+    assert (t.from_, t.to) == (RunState.LEAVING, RunState.RUNNING)
+    assert t.reason == "re-formed the group: 3 -> 2 workers (preemption notice for ranks [2])"
+    _assert_written(tmp_path, t)
+    assert group.calls[-1] == ("resize", {0: 0, 1: 1})
+    assert ctl.world_size == 2 and ctl.generation == 1 and ctl.failures == []
+    preemptions = [e for e in _events(tmp_path) if e["type"] == "preemption"]
+    assert [p["ranks"] for p in preemptions] == [[2]]
+
+
+def test_a_failure_while_leaving_ends_the_leave_and_resizes(tmp_path):
+    group = ElasticGroup(3)
+    ctl = _elastic_controller(tmp_path, group)
+    t = ctl.step(PreemptionNotice(time=1.0, deadline_s=60, reason="drain", ranks=(2,)))
+    assert t.to is RunState.LEAVING
+    t = ctl.step(Exited(0, 1.0, -9))
+    assert (t.from_, t.to) == (RunState.LEAVING, RunState.RESIZING)
+    assert t.reason == "rank 0 was killed by SIGKILL; resizing in place"
+
+
+class CountingPolicy(FailurePolicy):
+    """A FailurePolicy that counts how often it is asked."""
+
+    def __init__(self, max_failures):
+        super().__init__(FailureConfig(max_failures=max_failures))
+        self.asked = []
+
+    def decide(self, failure, failures_so_far):
+        self.asked.append((failure.rank, failures_so_far))
+        return super().decide(failure, failures_so_far)
+
+
+@pytest.mark.parametrize("max_failures", [0, 1])
+def test_the_failure_policy_is_asked_once_per_failure(tmp_path, max_failures):
+    # Elastic, max_failures=0: the resize is refused by the policy and the group restarts from
+    # disk; the restart does not ask again (it used to: a veto, then the decision). With
+    # max_failures=1 the policy allows it and the group resizes in place.
+    group = ElasticGroup(3)
+    ctl = _elastic_controller(tmp_path, group)
+    policy = ctl.failure_policy = CountingPolicy(max_failures)
+    assert ctl.step(Exited(2, 1.0, -9)).to is RunState.RESIZING
+    ctl.step(_paused(0, 0, 3, grow=False))
+    t = ctl.step(_paused(1, 0, 3, grow=False))
+    if max_failures == 0:
+        assert (t.from_, t.to) == (RunState.RESIZING, RunState.RESTARTING)
+        assert t.reason.startswith("stopping: rank 2 was killed by SIGKILL; failure 1 exceeds")
+        t = ctl.step()
+        assert (t.from_, t.to) == (RunState.RESTARTING, RunState.ERRORED)
+        decision = [e for e in _events(tmp_path) if e["type"] == "decision"]
+        assert [d["decision"] for d in decision] == ["raise"]
+    else:
+        assert (t.from_, t.to) == (RunState.RESIZING, RunState.RUNNING)
+    assert policy.asked == [(2, 1)]
+    assert [f.rank for f in ctl.failures] == [2]
+
+
+def test_a_loss_while_growing_stops_the_joiners_of_the_plan_the_state_carries(tmp_path):
+    group = ElasticGroup(3)
+    ctl = _elastic_controller(tmp_path, group, grow_after_s=0.0)
+    assert ctl.step(Exited(2, 1.0, -9)).to is RunState.RESIZING
+    ctl.step(_paused(0, 0, 3, grow=False))
+    assert ctl.step(_paused(1, 0, 3, grow=False)).to is RunState.RUNNING
+    t = ctl.step(Resumed(rank=0, time=1.5, generation=1, step=4))
+    assert t.to is RunState.GROWING
+    plan = t.target.plan
+    t = ctl.step(Exited(1, 2.0, -9))  # a member lost while rank 2 is joining
+    assert (t.from_, t.to) == (RunState.GROWING, RunState.RESIZING)
+    assert t.target.plan is plan  # the one place the grow plan lives
+    t = ctl.step(_paused(0, 1, 5, grow=False))
+    assert t.to is RunState.RESTARTING  # 1 of 2 left, below min=2: restart from disk
+    assert ("discard", [2]) not in group.calls  # the restart stops the whole group instead
+
+
+def test_a_resize_stops_the_joiners_of_a_grow_under_way(tmp_path):
+    group = ElasticGroup(4)
+    ctl = _controller(
+        tmp_path,
+        FakeLauncher([group]),
+        world_size=4,
+        max_failures=3,
+        elastic=ElasticPolicy(2, 4, grow_after_s=0.0),
+    )
+    assert ctl.step().to is RunState.RUNNING
+    assert ctl.step(Exited(3, 1.0, -9)).to is RunState.RESIZING
+    for rank in range(3):
+        t = ctl.step(_paused(rank, 0, 3, grow=False))
+    assert t.to is RunState.RUNNING and ctl.world_size == 3
+    t = ctl.step(Resumed(rank=0, time=1.5, generation=1, step=4))
+    assert t.to is RunState.GROWING and t.target.plan.ranks == [3]
+    assert ctl.step(Exited(2, 2.0, -9)).to is RunState.RESIZING
+    ctl.step(_paused(0, 1, 5, grow=False))
+    t = ctl.step(_paused(1, 1, 5, grow=False))
+    assert (t.from_, t.to) == (RunState.RESIZING, RunState.RUNNING)
+    assert ("discard", [3]) in group.calls
+    grow_failed = [e for e in _events(tmp_path) if e["type"] == "grow_failed"]
+    assert grow_failed[-1]["reason"] == "a member was lost (rank 2 was killed by SIGKILL)"

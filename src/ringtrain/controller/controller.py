@@ -10,12 +10,18 @@ states and their data are in :mod:`ringtrain.controller.states`::
                  Restarting ──▶ Starting (FailurePolicy: RESTART) | Errored (RAISE)
 
 Elastic runs (``ScalingConfig(num_workers=(min, max))``) go through ``Resizing`` after a failure
-(the group continues in place with fewer ranks) and ``Growing`` when capacity returns: those
-handlers call :class:`~ringtrain.controller.elastic.ElasticCoordinator`. Round book-keeping and
-checkpoint publication are in :mod:`ringtrain.controller.rounds`, liveness (hangs) in
-:mod:`ringtrain.controller.health`, one worker group's book-keeping in
-:mod:`ringtrain.controller.generation`, the checkpoint each group resumes from (and those set aside)
-in :mod:`ringtrain.controller.resume`.
+(the group continues in place with fewer ranks), ``Growing`` when capacity returns and ``Leaving``
+when a preemption notice names some ranks; a notice for the whole run enters ``Preempting``.
+
+The controller is the only object that executes decisions and owns the run's mutable state. The
+deciders it asks take facts and return values: what a worker event means
+(:mod:`~ringtrain.controller.events`), resize and grow plans (:mod:`~ringtrain.controller.elastic`,
+:mod:`~ringtrain.controller.leaving`), preemption (:mod:`~ringtrain.controller.preempting`), restart
+or raise (:mod:`~ringtrain.controller.policy`), round publication
+(:mod:`~ringtrain.controller.rounds`), liveness (:mod:`~ringtrain.controller.health`); their
+effects (:mod:`~ringtrain.controller.effects`) are executed by :meth:`Controller.apply`. The class
+is written in four files: this one (the loop, starting, running, restarting), ``executor.py``
+(executing effects), ``in_place.py`` (the elastic states) and ``notices.py`` (preemption).
 
 A caller may also ask a running job to stop early (``stop_event``, e.g. a sweep pruning a trial):
 its group is stopped at once and the run ends ``STOPPED``, its published checkpoints kept.
@@ -31,11 +37,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.controller import events
 from ringtrain.controller.attempt import root_cause
-from ringtrain.controller.elastic import ElasticCoordinator
-from ringtrain.controller.events import GroupEvents
-from ringtrain.controller.generation import Generation
-from ringtrain.controller.outputs import build_result, call_callbacks, write_result
+from ringtrain.controller.effects import (
+    Say,
+)
+from ringtrain.controller.elastic import Rendezvous
+from ringtrain.controller.executor import Executor
+from ringtrain.controller.generation import Generation, Grow
+from ringtrain.controller.in_place import InPlace
+from ringtrain.controller.notices import TRAINING, Notices
+from ringtrain.controller.outputs import RunBook, build_result, call_callbacks, result_record
 from ringtrain.controller.policy import Decision, FailurePolicy
 from ringtrain.controller.preempting import Preemption
 from ringtrain.controller.resume import ResumePoint
@@ -45,6 +57,7 @@ from ringtrain.controller.states import (
     Errored,
     Finished,
     Growing,
+    Leaving,
     Preempting,
     PreemptionNotice,
     Resizing,
@@ -56,7 +69,7 @@ from ringtrain.controller.states import (
     Stopped,
     Transition,
 )
-from ringtrain.elastic.policy import ElasticAction, ElasticPolicy
+from ringtrain.elastic.policy import ElasticPolicy
 from ringtrain.launch.base import ChannelReading, Launcher, WorkerGroup, WorkerSpec
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.monitor.straggler import StragglerDetector
@@ -80,12 +93,14 @@ logger = logging.getLogger("ringtrain")
 SpecFactory = Callable[[int, int, "str | None"], WorkerSpec]
 """(attempt, start_round, latest checkpoint URI) -> the spec of that attempt's workers."""
 
-_Live = Running | Growing | Resizing | Restarting
-"""The states with a worker group whose events are handled."""
 
-
-class Controller:
+class Controller(Executor, InPlace, Notices):
     """Runs a training job to completion through restarts.
+
+    The controller owns the run's mutable state (the current state, the worker group, the
+    :class:`~ringtrain.controller.outputs.RunBook`, the elastic
+    :class:`~ringtrain.controller.elastic.Rendezvous`) and executes what its deciders return
+    (:meth:`apply`); the deciders never hold it.
 
     Args:
         launcher: starts worker groups.
@@ -93,7 +108,7 @@ class Controller:
         world_size: number of workers.
         run_dir: the run directory writer.
         checkpoints: publication and retention of checkpoints.
-        failure_policy: restart-or-raise decisions.
+        failure_policy: restart-or-raise decisions (asked once per failure).
         progress: the live display.
         callbacks: driver-side callbacks (the hooks of :data:`ringtrain.config.CALLBACK_HOOKS`).
         failure_grace_s: how long to keep collecting events after the first failure (seconds);
@@ -154,21 +169,15 @@ class Controller:
         self.stragglers = stragglers
         self.elastic = elastic
         self.stop_event = stop_event
-        self.coordinator = ElasticCoordinator(self, elastic)
-        self.publisher = Publisher(checkpoints, run_dir, progress, self.callback)
-        self.events = GroupEvents(self)
+        self.publisher = Publisher(checkpoints)
         self.preemption = Preemption(notice_sources, preemption_grace_s)
+        self.resume = ResumePoint(checkpoints, run_dir, progress)
 
         self.current: State = Starting(0)
         self.group: WorkerGroup | None = None
-        self.failures: list[WorkerFailure] = []
-        self.follow_on_failures: list[WorkerFailure] = []  # the other ranks' (result.py)
-        self.error: TrainingFailedError | None = None
-        self.metrics_per_rank: dict[int, dict[str, Any]] = {}
-        self.history: dict[int, dict[str, Any]] = {}  # round -> rank 0's metrics
+        self.book = RunBook()
+        self.rendezvous = Rendezvous()
         self.next_round = checkpoints.next_round
-        self.start_time = time.time()
-        self.resume = ResumePoint(checkpoints, run_dir, progress)
 
     @property
     def state(self) -> RunState:
@@ -178,7 +187,17 @@ class Controller:
     @property
     def generation(self) -> int:
         """The elastic rendezvous generation of the worker group (0 for fresh processes)."""
-        return self.coordinator.generation
+        return self.rendezvous.generation
+
+    @property
+    def failures(self) -> list[WorkerFailure]:
+        """The failures that stopped or resized a worker group, in order."""
+        return self.book.failures
+
+    @property
+    def error(self) -> TrainingFailedError | None:
+        """What ``Trainer.fit`` raises, once the failure policy gave up."""
+        return self.book.error
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Result:
@@ -212,7 +231,7 @@ class Controller:
         finally:
             result = self.result()
             self.run_dir.write(
-                RunEndEvent(status=self.state.value, duration_s=time.time() - self.start_time)
+                RunEndEvent(status=self.state.value, duration_s=time.time() - self.book.start_time)
             )
             self._write_result()
             self.run_dir.close()
@@ -237,8 +256,8 @@ class Controller:
             transition = self._preempt(state, event)
         elif isinstance(state, Starting):
             transition = self._step_starting(state)
-        elif isinstance(state, Running | Growing):
-            transition = self._step_running(state, event)
+        elif isinstance(state, TRAINING):
+            transition = self._step_training(state, event)
         elif isinstance(state, Resizing):
             transition = self._step_resizing(state, event)
         elif isinstance(state, Restarting):
@@ -267,17 +286,16 @@ class Controller:
         reason = f"started {gen.world_size} workers (attempt {state.attempt}{how})"
         return Transition(state, Running(gen), reason)
 
-    def _step_running(self, state: Running | Growing, event: Event | None) -> Transition:
+    def _step_training(self, state: Running | Growing | Leaving, event: Event | None) -> Transition:
         gen = state.generation
-        self._take(gen, event)
+        self._take(gen, event, state.plan if isinstance(state, Growing) else None)
         if self._stop_requested():
             return self._stop(state)
         if gen.first_failure_at is None and not gen.all_exited:
-            if self.elastic is not None:
-                moved = self._grow_step(state)
-                if moved is not None:
-                    return moved
-            self.events.check_hang(gen)
+            moved = self._in_place(state)
+            if moved is not None:
+                return moved
+            self.apply(events.hang(gen, self.worker_timeout_s), gen)
         if gen.first_failure_at is not None:
             return self._failed(state, gen)
         if gen.all_exited and self._last_messages_due(gen):
@@ -296,46 +314,15 @@ class Controller:
         group = self.group
         return isinstance(group, ChannelReading) and gen.last_messages_due(group.reading)
 
-    def _grow_step(self, state: Running | Growing) -> Transition | None:
-        gen = state.generation
-        grown = self.coordinator.grow_tick(gen)
-        if grown is not None:
-            info = grown.resize or {}
-            reason = (
-                f"re-formed the group: {info.get('old_world_size')} -> {grown.world_size} "
-                f"workers ({info.get('cause')})"
-            )
-            return Transition(state, Running(grown), reason)
-        plan = self.coordinator.grow
-        if plan is not None and not isinstance(state, Growing):
-            reason = f"capacity returned: starting ranks {plan.ranks} to join"
-            return Transition(state, Growing(gen, plan), reason)
-        if plan is None and isinstance(state, Growing):
-            return Transition(state, Running(gen), "growing back failed; the group trains on")
-        return None
-
-    def _failed(self, state: State, gen: Generation) -> Transition:
+    def _failed(self, state: Running | Growing | Leaving, gen: Generation) -> Transition:
         """A failure (or, elastic runs, a survivor's Interrupted) was seen in ``gen``."""
         failures = list(gen.failures.values())
         failure = failures[0] if failures else None
         reason = failure.message if failure else "a rank was interrupted"
         if self.elastic is not None and not gen.elastic_fallback:
-            return Transition(state, Resizing(gen, failure), f"{reason}; resizing in place")
+            plan = state.plan if isinstance(state, Growing) else None
+            return Transition(state, Resizing(gen, failure, plan), f"{reason}; resizing in place")
         return Transition(state, Restarting(gen, failure), reason)
-
-    def _step_resizing(self, state: Resizing, event: Event | None) -> Transition:
-        gen = state.generation
-        self._take(gen, event)
-        if self._stop_requested():
-            return self._stop(state)
-        if gen.all_exited:
-            return Transition(state, Restarting(gen, state.failure), "every worker exited")
-        decision, new = self.coordinator.after_failure(gen)
-        if decision.action is ElasticAction.RESIZE:
-            return Transition(state, Running(new), decision.reason)
-        if decision.action is ElasticAction.FALLBACK:
-            return Transition(state, Restarting(gen, state.failure), decision.reason)
-        return Transition(state, state)  # waiting for the survivors
 
     def _step_restarting(self, state: Restarting, event: Event | None) -> Transition:
         gen = state.generation
@@ -351,21 +338,22 @@ class Controller:
             self._stop_group(gen)
         if not gen.failures:
             return Transition(state, Finished(), "the group ended without a failure")
-        failure = root_cause(list(gen.failures.values()))
-        self.follow_on_failures += follow_ons(list(gen.failures.values()), failure)
-        if self.resume.set_aside_unloadable(failure):
+        everyone = list(gen.failures.values())
+        failure = state.failure if state.verdict is not None else root_cause(everyone)
+        assert failure is not None
+        self.book.follow_on_failures += follow_ons(everyone, failure)
+        if state.verdict is None and self.resume.set_aside_unloadable(failure):
             # Bounded: each time, one checkpoint fewer is left to resume from.
             reason = f"the checkpoint could not be loaded ({failure.message}); set aside"
             return Transition(state, Starting(gen.number + 1), reason)
-        self.failures.append(failure)
+        self.book.failures.append(failure)
         self.callback("on_failure", failure)
-        decision = self.failure_policy.decide(failure, len(self.failures))
-        logger.warning(decision.reason)
-        self.progress.message(decision.reason)
+        decision = state.verdict or self.failure_policy.decide(failure, len(self.failures))
+        self.apply([Say(decision.reason, warn=True)])
         self.run_dir.write(DecisionEvent(decision=decision.decision.value, reason=decision.reason))
         if decision.decision is Decision.RAISE:
-            self.error = TrainingFailedError(self.failures, self.follow_on_failures)
-            return Transition(state, Errored(self.error), decision.reason)
+            self.book.error = TrainingFailedError(self.failures, self.book.follow_on_failures)
+            return Transition(state, Errored(self.book.error), decision.reason)
         return Transition(state, Starting(gen.number + 1), decision.reason)
 
     def _drained(self, gen: Generation) -> bool:
@@ -381,42 +369,11 @@ class Controller:
             return since >= self.checkpoint_grace_s
         return gen.all_failed_or_exited or since > self.failure_grace_s
 
-    def _due_notice(self) -> PreemptionNotice | None:
-        """A queued preemption notice to handle now: only in a live state (one received while
-        the group starts waits for it to run); more notices while ``Preempting`` are dropped."""
-        if isinstance(self.current, Preempting):
-            self.preemption.queue.clear()
-            return None
-        return self.preemption.take() if isinstance(self.current, _Live) else None
-
-    def _preempt(self, state: State, notice: PreemptionNotice) -> Transition:
-        if not isinstance(state, _Live):
-            return Transition(state, state)
-        if notice.ranks is not None and self.elastic is not None and isinstance(state, Running):
-            # Some ranks of an elastic run: they leave in place while min_workers holds.
-            leaving = self.coordinator.leaving
-            why_not = leaving.refusal(state.generation, notice)
-            if why_not is None:
-                return Transition(state, state, leaving.start(state.generation, notice))
-            logger.warning("preemption notice for ranks %s: %s", list(notice.ranks), why_not)
-        group = self.group if isinstance(state, Running | Growing) else None  # else: failing
-        return self.preemption.enter(self, state, state.generation, group, notice)
-
-    def _step_preempting(self, state: Preempting, event: Event | None) -> Transition:
-        if self.preemption.asked and self.group is not None:
-            self._take(state.generation, event)
-            self.preemption.resend(self.group)
-            gen = state.generation
-            if gen.all_exited and self._last_messages_due(gen):
-                return Transition(state, state)  # the stop round's CheckpointDone, Done
-        return self.preemption.step(self, state)
-
     def _stop(self, state: State) -> Transition:
         self.run_dir.write(StopRequestedEvent(round=self.next_round - 1))
         if self.group is not None:
             self.group.stop(grace_s=self.stop_grace_s)
             self.group = None
-        self.coordinator.grow = None
         return Transition(state, Stopped(), f"stop requested after round {self.next_round - 1}")
 
     # ------------------------------------------------------------------ a group's life
@@ -427,8 +384,8 @@ class Controller:
         # Rounds after the checkpoint we resume from are recomputed: their report indices must
         # line up with the restored state, and their metrics replace the lost attempt's.
         self.next_round = latest.round + 1 if latest is not None else 0
-        for stale in [r for r in self.history if r >= self.next_round]:
-            del self.history[stale]
+        for stale in [r for r in self.book.history if r >= self.next_round]:
+            del self.book.history[stale]
         spec = self.make_spec(number, self.next_round, self.resume.uri)
         gen = Generation(number, spec.world_size)
         self.reset_stragglers()
@@ -436,20 +393,23 @@ class Controller:
         for rank in range(spec.world_size):
             self.progress.worker_state(rank, "starting")
         self.group = self.launcher.start(spec)
-        self.coordinator.reset()  # a (re)start has max workers, at generation 0
+        self.rendezvous = Rendezvous()  # a (re)start has max workers, at generation 0
+        mesh = getattr(getattr(getattr(self.group, "spec", None), "config", None), "mesh", None)
+        if self.elastic is not None and mesh is not None:
+            self.elastic.use_mesh(mesh.dp_shard)  # a lost rank's replica group leaves with it
         return gen, latest.checkpoint.uri if latest is not None else None
 
-    def _take(self, gen: Generation, event: Event | None) -> None:
+    def _take(self, gen: Generation, event: Event | None, plan: Grow | None = None) -> None:
         """Handle ``event``, or what one poll of the group brings (stopping at a stop request:
-        the reports still queued belong to rounds after it)."""
+        the reports still queued belong to rounds after it); ``plan``: a grow under way."""
         assert self.group is not None
-        events = [event] if event is not None else self.group.poll(self.poll_interval_s)
-        for ev in events:
+        batch = [event] if event is not None else self.group.poll(self.poll_interval_s)
+        for ev in batch:
             if isinstance(ev, WorkerNotice):
                 self.preemption.from_worker(ev)
             elif isinstance(ev, PreemptSaved):
                 self.preemption.saved[ev.rank] = ev
-            self.events.handle(gen, ev)
+            self.apply(events.handle(gen, ev, generation=self.generation, grow=plan), gen)
             if self._stop_requested():
                 break
 
@@ -457,7 +417,6 @@ class Controller:
         if self.group is not None:
             self.group.stop(grace_s=self.stop_grace_s)
             self.group = None
-        self.coordinator.grow = None
         self._end_generation(gen)
 
     def _stop_requested(self) -> bool:
@@ -489,10 +448,25 @@ class Controller:
     # ------------------------------------------------------------------ outputs
     def result(self) -> Result:
         """The run's result so far."""
-        return build_result(self)
+        status = self.state.value if self.state.terminal else "RUNNING"
+        return build_result(
+            self.book,
+            self.checkpoints,
+            uri=self.run_dir.uri,
+            status=status,
+            preemptions=len(self.preemption.handled),
+        )
 
     def _write_result(self) -> None:
-        write_result(self)
+        """Write ``result.json`` (status ``RUNNING`` until the state is terminal)."""
+        record = result_record(
+            self.result(),
+            self.book,
+            name=self.run_dir.name,
+            world_size=self.world_size,
+            rounds=self.next_round,
+        )
+        self.run_dir.write_result(record)
 
     def callback(self, hook: str, *args: Any) -> None:
         """Call ``hook(*args)`` on the run's callbacks (:func:`call_callbacks`)."""

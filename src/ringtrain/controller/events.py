@@ -1,22 +1,39 @@
-"""What the controller does with each worker event: a collaborator of
-:class:`~ringtrain.controller.controller.Controller` that updates one
-:class:`~ringtrain.controller.generation.Generation` (rounds, health, failures) and writes the
-run's ``report``, ``timing``, ``straggler`` and ``failure`` events. Every handler is O(1) in the
-world size except :meth:`GroupEvents.check_hang` (O(world size), throttled)."""
+"""What a worker event means for one worker group: a decider over the group's book-keeping.
+
+:func:`handle` records a worker event in the :class:`~ringtrain.controller.generation.Generation`
+it belongs to (rounds, health, failures, the ranks that paused or finished) and returns the
+effects (:mod:`ringtrain.controller.effects`) the controller then executes: the run's
+``report``, ``timing``, ``failure`` and ``resize`` events, the live display, the callbacks, a
+checkpoint to publish. It never holds the controller. Every handler is O(1) in the world size
+except :func:`hang` (O(world size), throttled by :meth:`Health.hung`).
+"""
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import TYPE_CHECKING
 
 from ringtrain.controller.attempt import signal_name
-from ringtrain.controller.generation import Generation
+from ringtrain.controller.effects import (
+    DumpStacks,
+    Effect,
+    GrowIdle,
+    Notify,
+    Publish,
+    RankMetrics,
+    RoundDone,
+    Say,
+    Show,
+    Timed,
+    Write,
+)
+from ringtrain.controller.generation import Generation, Grow
 from ringtrain.controller.rounds import round_metrics
+from ringtrain.monitor.straggler import StragglerEvent as StragglerChange
 from ringtrain.result import WorkerFailure, is_follow_on
 from ringtrain.rundir.schema import (
     FailureEvent,
     ReportEvent,
+    ResizeEvent,
     StragglerClearedEvent,
     StragglerEvent,
     TimingEvent,
@@ -29,87 +46,80 @@ from ringtrain.wire.channel import (
     Heartbeat,
     Hello,
     Interrupted,
+    JoinReady,
     Report,
     Resumed,
     Timing,
     WorkerError,
 )
 
-if TYPE_CHECKING:
-    from ringtrain.controller.controller import Controller
 
-logger = logging.getLogger("ringtrain")
+def handle(gen: Generation, event: Event, *, generation: int, grow: Grow | None) -> list[Effect]:
+    """Record ``event`` in ``gen`` and return what the controller does about it.
 
-
-class GroupEvents:
-    """Handles the events of the controller ``ctl``'s current worker group."""
-
-    def __init__(self, ctl: Controller) -> None:
-        self.ctl = ctl
-
-    def handle(self, gen: Generation, event: Event) -> None:
-        rank = getattr(event, "rank", None)
-        if isinstance(rank, int) and rank >= gen.world_size:
-            # Elastic runs: a worker started to join, or a stale event of a rank that left.
-            self.ctl.coordinator.on_joiner_event(event)
-            return
-        if isinstance(rank, int) and not isinstance(event, Exited):
-            now = time.monotonic()
-            gen.health.seen(rank, now)
-            if isinstance(event, Heartbeat):
-                gen.health.heartbeat(event, now)
-                return
-            if isinstance(event, Report):
-                gen.health.progressed(rank, now)
+    Args:
+        gen: the worker group the event belongs to (updated in place: its book-keeping).
+        event: a worker event (a message, or the launcher's ``Exited``).
+        generation: the group's elastic rendezvous generation (an ``Interrupted`` of an older
+            generation is stale).
+        grow: the grow in progress (an event of a rank at or above the world size is a joining
+            worker's, recorded there), or ``None``.
+    """
+    rank = getattr(event, "rank", None)
+    if isinstance(rank, int) and rank >= gen.world_size:
+        # Elastic runs: a worker started to join, or a stale event of a rank that left.
+        if grow is not None:
+            joiner(grow, event)
+        return []
+    if isinstance(rank, int) and not isinstance(event, Exited):
+        now = time.monotonic()
+        gen.health.seen(rank, now)
+        if isinstance(event, Heartbeat):
+            gen.health.heartbeat(event, now)
+            return []
         if isinstance(event, Report):
-            self.on_report(gen, event)
-        elif isinstance(event, Hello):
-            self.ctl.progress.worker_state(event.rank, "running")
-        elif isinstance(event, Interrupted):
-            self.on_interrupted(gen, event)
-        elif isinstance(event, Resumed):
-            self.ctl.coordinator.on_resumed(gen, event)
-        elif isinstance(event, Timing):
-            self.on_timing(gen, event)
-        elif isinstance(event, CheckpointDone):
-            outcome = ("files", event.files) if event.error is None else ("error", event.error)
-            gen.rounds.add_outcome(event.round, event.rank, outcome)
-            self.ctl.publisher.try_publish(gen.rounds, event.round)
-        elif isinstance(event, Done):
-            gen.done.add(event.rank)
-        elif isinstance(event, WorkerError):
-            self.on_failure(
-                gen,
-                WorkerFailure(
-                    rank=event.rank,
-                    kind="exception",
-                    message=f"rank {event.rank} raised {event.exc_type}: {event.message}",
-                    exc_type=event.exc_type,
-                    traceback=event.traceback,
-                    attempt=gen.number,
-                    round=gen.last_round(event.rank),
-                    time=event.time,
-                    step=gen.last_step(event.rank),
-                ),
-            )
-        elif isinstance(event, Exited):
-            self.on_exit(gen, event)
+            gen.health.progressed(rank, now)
+    if isinstance(event, Report):
+        return report(gen, event)
+    if isinstance(event, Hello):
+        return [Show("worker_state", (event.rank, "running"))]
+    if isinstance(event, Interrupted):
+        interrupted(gen, event, generation)
+    elif isinstance(event, Resumed):
+        return resumed(gen, event)
+    elif isinstance(event, Timing):
+        return timing(gen, event)
+    elif isinstance(event, CheckpointDone):
+        outcome = ("files", event.files) if event.error is None else ("error", event.error)
+        gen.rounds.add_outcome(event.round, event.rank, outcome)
+        return [Publish(event.round)]
+    elif isinstance(event, Done):
+        gen.done.add(event.rank)
+    elif isinstance(event, WorkerError):
+        return failed(gen, raised(gen, event))
+    elif isinstance(event, Exited):
+        return exited(gen, event)
+    return []
 
-    def on_interrupted(self, gen: Generation, event: Interrupted) -> None:
-        if 0 <= event.generation < self.ctl.coordinator.generation:
-            return  # it left a generation already replaced; its Resize is on its way
-        gen.interrupted[event.rank] = event
-        # A pause at a step boundary to let workers join (``grow``) is not a failure.
-        if not event.grow and gen.first_failure_at is None:
-            gen.first_failure_at = time.monotonic()
 
-    def on_report(self, gen: Generation, report: Report) -> None:
-        ctl = self.ctl
-        ctl.metrics_per_rank[report.rank] = report.metrics
-        step = report.metrics.get("step")
-        if isinstance(step, int) and not isinstance(step, bool):
-            gen.health.last_step[report.rank] = step
-        ctl.run_dir.write(
+def interrupted(gen: Generation, event: Interrupted, generation: int) -> None:
+    """A member paused: it lost a peer, or was asked to pause at a step boundary (a grow)."""
+    if 0 <= event.generation < generation:
+        return  # it left a generation already replaced; its Resize is on its way
+    gen.interrupted[event.rank] = event
+    # A pause at a step boundary to let workers join (``grow``) is not a failure.
+    if not event.grow and gen.first_failure_at is None:
+        gen.first_failure_at = time.monotonic()
+
+
+def report(gen: Generation, report: Report) -> list[Effect]:
+    """One rank's ``report()``: its metrics, and its round once every rank's is in."""
+    step = report.metrics.get("step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        gen.health.last_step[report.rank] = step
+    effects: list[Effect] = [
+        RankMetrics(report.rank, report.metrics),
+        Write(
             ReportEvent(
                 time=report.time,
                 rank=report.rank,
@@ -117,62 +127,89 @@ class GroupEvents:
                 metrics=report.metrics,
                 checkpoint=report.checkpoint_files is not None or report.checkpoint_pending,
             )
-        )
-        ctl.progress.report(report.rank, report.round, report.metrics)
-        ctl.callback("on_report", report.rank, report.round, report.metrics)
-        reports = gen.rounds.add_report(report)
-        if reports is None:
-            return
-        metrics = round_metrics(reports)
-        ctl.history[report.round] = metrics
-        ctl.next_round = report.round + 1
-        ctl.progress.round_complete(report.round, metrics)
-        ctl.callback("on_round", report.round, metrics)
-        if gen.rounds.complete(report.round, reports):
-            ctl.publisher.try_publish(gen.rounds, report.round)
+        ),
+        Show("report", (report.rank, report.round, report.metrics)),
+        Notify("on_report", (report.rank, report.round, report.metrics)),
+    ]
+    reports = gen.rounds.add_report(report)
+    if reports is None:
+        return effects
+    metrics = round_metrics(reports)
+    effects += [
+        RoundDone(report.round, metrics),
+        Show("round_complete", (report.round, metrics)),
+        Notify("on_round", (report.round, metrics)),
+    ]
+    if gen.rounds.complete(report.round, reports):
+        effects.append(Publish(report.round))
+    return effects
 
-    def on_timing(self, gen: Generation, timing: Timing) -> None:
-        ctl = self.ctl
-        window = timing.window
-        ctl.run_dir.write(
-            TimingEvent(time=timing.time, rank=timing.rank, attempt=gen.number, window=window)
-        )
-        ctl.progress.timing(timing.rank, window)
-        ctl.callback("on_timing", timing.rank, window)
-        if ctl.stragglers is None:
-            return
-        for ev in ctl.stragglers.update(timing.rank, window):
-            logger.info(ev.message)
-            ctl.progress.message(ev.message)
-            ctl.progress.straggler(ev.rank, ev.flagged)
-            if ev.flagged:
-                ctl.run_dir.write(
-                    StragglerEvent(
-                        rank=ev.rank,
-                        attempt=gen.number,
-                        busy_s=ev.busy_s,
-                        median_s=ev.median_s,
-                        ratio=ev.ratio,
-                        reason=ev.reason,
-                        message=ev.message,
-                    )
-                )
-            else:
-                ctl.run_dir.write(
-                    StragglerClearedEvent(rank=ev.rank, attempt=gen.number, message=ev.message)
-                )
-            ctl.callback("on_straggler", ev)
 
-    def on_failure(self, gen: Generation, failure: WorkerFailure) -> None:
-        previous = gen.failures.get(failure.rank)
-        if previous is not None and previous.kind == "exception":
-            return  # the exception says more than the exit status that follows it
-        others = [f for r, f in gen.failures.items() if r != failure.rank]
-        gen.failures[failure.rank] = failure
-        if gen.first_failure_at is None:
-            gen.first_failure_at = time.monotonic()
-        self.ctl.progress.worker_state(failure.rank, "failed")
-        self.ctl.run_dir.write(
+def timing(gen: Generation, event: Timing) -> list[Effect]:
+    """A rank's window of step timings (one per ``MonitorConfig.timing_interval_s``)."""
+    window = event.window
+    return [
+        Write(TimingEvent(time=event.time, rank=event.rank, attempt=gen.number, window=window)),
+        Show("timing", (event.rank, window)),
+        Notify("on_timing", (event.rank, window)),
+        Timed(event.rank, window),
+    ]
+
+
+def resumed(gen: Generation, event: Resumed) -> list[Effect]:
+    """The first step after a resize or grow completed: the ``resize`` event, with how long the
+    group did not train."""
+    if gen.resize is None:
+        return []
+    info, gen.resize = gen.resize, None
+    resume_s = max(0.0, event.time - info["failure_time"])
+    pause_time = info.pop("pause_time", None)
+    extra = {} if pause_time is None else {"paused_s": max(0.0, event.time - pause_time)}
+    grew = info["new_world_size"] > info["old_world_size"]
+    since = "capacity returned" if grew or pause_time is not None else "the failure"
+    text = (
+        f"resized {info['old_world_size']} -> {info['new_world_size']} workers; training "
+        f"resumed {resume_s:.2f} s after {since}, at step {event.step}"
+    )
+    if "paused_s" in extra:
+        text += f" (paused {extra['paused_s']:.2f} s)"
+    return [
+        Write(ResizeEvent(**info, resume_s=resume_s, **extra)),
+        # Below max: the next try to grow back is measured from here.
+        GrowIdle(time.monotonic(), grew=grew),
+        Say(text),
+    ]
+
+
+def raised(gen: Generation, event: WorkerError) -> WorkerFailure:
+    """The failure a rank's ``WorkerError`` (an exception in its train function) is."""
+    return WorkerFailure(
+        rank=event.rank,
+        kind="exception",
+        message=f"rank {event.rank} raised {event.exc_type}: {event.message}",
+        exc_type=event.exc_type,
+        traceback=event.traceback,
+        attempt=gen.number,
+        round=gen.last_round(event.rank),
+        time=event.time,
+        step=gen.last_step(event.rank),
+    )
+
+
+def failed(gen: Generation, failure: WorkerFailure) -> list[Effect]:
+    """Record ``failure`` in ``gen`` (an exception is kept over the exit status that follows it)
+    and say so: the rank's ``failure`` event, marked ``follow_on`` when a peer's failure
+    explains it (counted apart by ``ringtrain show`` and the dashboard)."""
+    previous = gen.failures.get(failure.rank)
+    if previous is not None and previous.kind == "exception":
+        return []
+    others = [f for r, f in gen.failures.items() if r != failure.rank]
+    gen.failures[failure.rank] = failure
+    if gen.first_failure_at is None:
+        gen.first_failure_at = time.monotonic()
+    return [
+        Show("worker_state", (failure.rank, "failed")),
+        Write(
             FailureEvent(
                 time=failure.time,
                 rank=failure.rank,
@@ -180,61 +217,99 @@ class GroupEvents:
                 message=failure.message,
                 traceback=failure.traceback,
                 attempt=gen.number,
-                follow_on=is_follow_on(
-                    failure, others
-                ),  # counted apart (ringtrain show, dashboard)
+                follow_on=is_follow_on(failure, others),
             )
-        )
+        ),
+    ]
 
-    def on_exit(self, gen: Generation, event: Exited) -> None:
-        gen.exited[event.rank] = event.returncode
-        if event.returncode == 0:
-            self.ctl.progress.worker_state(event.rank, "finished")
-            return
-        # Events are only handled before the group is stopped, so a non-zero exit here is a real
-        # failure of this rank (perhaps caused by a peer's: root_cause sorts that out).
-        if event.returncode < 0:
-            kind, what = "signal", f"was killed by {signal_name(-event.returncode)}"
-        else:
-            kind, what = "exit", f"exited with status {event.returncode}"
-        if event.rank in gen.failures:
-            return
-        self.on_failure(
-            gen,
-            WorkerFailure(
-                rank=event.rank,
-                kind=kind,
-                message=f"rank {event.rank} {what}",
-                returncode=event.returncode,
-                attempt=gen.number,
-                round=gen.last_round(event.rank),
-                time=event.time,
-                step=gen.last_step(event.rank),
-            ),
-        )
 
-    def check_hang(self, gen: Generation) -> None:
-        """Fail the rank stuck longer than ``worker_timeout_s`` (see
-        :meth:`~ringtrain.controller.health.Health.hung`)."""
-        timeout = self.ctl.worker_timeout_s
-        if timeout is None:
-            return
-        found = gen.health.hung(timeout, gen.exited, time.monotonic())
-        if found is None:
-            return
-        rank, how = found
-        if self.ctl.group is not None:
-            # Before the group is stopped: where the rank is stuck reaches the driver's stderr.
-            self.ctl.group.dump_stacks([rank])
-        self.on_failure(
-            gen,
-            WorkerFailure(
-                rank=rank,
-                kind="hang",
-                message=f"rank {rank} {how}",
-                attempt=gen.number,
-                round=gen.last_round(rank),
-                time=time.time(),
-                step=gen.last_step(rank),
-            ),
+def exited(gen: Generation, event: Exited) -> list[Effect]:
+    """A worker process exited; a non-zero status is a failure of that rank."""
+    gen.exited[event.rank] = event.returncode
+    if event.returncode == 0:
+        return [Show("worker_state", (event.rank, "finished"))]
+    # Events are only handled before the group is stopped, so a non-zero exit here is a real
+    # failure of this rank (perhaps caused by a peer's: root_cause sorts that out).
+    if event.returncode < 0:
+        kind, what = "signal", f"was killed by {signal_name(-event.returncode)}"
+    else:
+        kind, what = "exit", f"exited with status {event.returncode}"
+    if event.rank in gen.failures:
+        return []
+    return failed(
+        gen,
+        WorkerFailure(
+            rank=event.rank,
+            kind=kind,
+            message=f"rank {event.rank} {what}",
+            returncode=event.returncode,
+            attempt=gen.number,
+            round=gen.last_round(event.rank),
+            time=event.time,
+            step=gen.last_step(event.rank),
+        ),
+    )
+
+
+def hang(gen: Generation, timeout_s: float | None) -> list[Effect]:
+    """Fail the rank stuck longer than ``timeout_s`` (:meth:`~ringtrain.controller.health.
+    Health.hung`; ``None``: never), after asking it for its stacks."""
+    if timeout_s is None:
+        return []
+    found = gen.health.hung(timeout_s, gen.exited, time.monotonic())
+    if found is None:
+        return []
+    rank, how = found
+    failure = WorkerFailure(
+        rank=rank,
+        kind="hang",
+        message=f"rank {rank} {how}",
+        attempt=gen.number,
+        round=gen.last_round(rank),
+        time=time.time(),
+        step=gen.last_step(rank),
+    )
+    # Before the group is stopped: where the rank is stuck reaches the driver's stderr.
+    return [DumpStacks((rank,)), *failed(gen, failure)]
+
+
+def joiner(grow: Grow, event: Event) -> None:
+    """An event of a worker started to join (its rank is at or above the world size)."""
+    rank = getattr(event, "rank", -1)
+    if rank not in grow.ranks:
+        return  # a stale event of a rank that left
+    if isinstance(event, JoinReady):
+        grow.ready.add(rank)
+    elif isinstance(event, WorkerError):
+        grow.dead.setdefault(rank, f"joining rank {rank} raised {event.exc_type}: {event.message}")
+    elif isinstance(event, Exited):
+        how = (
+            f"was killed by {signal_name(-event.returncode)}"
+            if event.returncode < 0
+            else f"exited with status {event.returncode}"
         )
+        grow.dead.setdefault(rank, f"joining rank {rank} {how}")
+
+
+def straggler(change: StragglerChange, attempt: int) -> list[Effect]:
+    """A rank flagged as a straggler, or cleared, by the driver's detector
+    (:class:`~ringtrain.monitor.straggler.StragglerDetector`)."""
+    record = (
+        StragglerEvent(
+            rank=change.rank,
+            attempt=attempt,
+            busy_s=change.busy_s,
+            median_s=change.median_s,
+            ratio=change.ratio,
+            reason=change.reason,
+            message=change.message,
+        )
+        if change.flagged
+        else StragglerClearedEvent(rank=change.rank, attempt=attempt, message=change.message)
+    )
+    return [
+        Say(change.message),
+        Show("straggler", (change.rank, change.flagged)),
+        Write(record),
+        Notify("on_straggler", (change,)),
+    ]

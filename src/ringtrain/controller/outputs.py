@@ -1,5 +1,6 @@
 """The controller's outputs: the :class:`~ringtrain.result.Result` and ``result.json`` (a
-:class:`~ringtrain.rundir.schema.ResultRecord`)."""
+:class:`~ringtrain.rundir.schema.ResultRecord`), built from a :class:`RunBook`: the run's
+results so far, which the controller owns and fills as it executes its deciders' effects."""
 
 from __future__ import annotations
 
@@ -7,59 +8,81 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-from ringtrain.result import Result
+from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.result import Result, TrainingFailedError, WorkerFailure
 from ringtrain.rundir.schema import ResultRecord
 
-if TYPE_CHECKING:
-    from ringtrain.controller.controller import Controller
+
+@dataclass
+class RunBook:
+    """What a run has produced so far (owned by the controller).
+
+    Attributes:
+        metrics_per_rank: rank -> the metrics of its latest ``report()``.
+        history: round -> the round's metrics (rank 0's), for every completed round.
+        failures: the failures that stopped or resized a worker group, in order.
+        follow_on_failures: the other ranks' failures those caused (:mod:`ringtrain.result`).
+        error: what ``Trainer.fit`` raises once the failure policy gave up.
+        start_time: when the run started (Unix seconds).
+    """
+
+    metrics_per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+    history: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failures: list[WorkerFailure] = field(default_factory=list)
+    follow_on_failures: list[WorkerFailure] = field(default_factory=list)
+    error: TrainingFailedError | None = None
+    start_time: float = field(default_factory=time.time)
 
 
-def build_result(ctl: Controller) -> Result:
-    """What ``Trainer.fit`` returns, from the controller's state now."""
-    best = [(t.checkpoint, t.metrics) for t in ctl.checkpoints.ranked()]
-    latest = ctl.checkpoints.latest
+def build_result(
+    book: RunBook, checkpoints: CheckpointManager, *, uri: str, status: str, preemptions: int
+) -> Result:
+    """What ``Trainer.fit`` returns. ``status``: the run's state kind, or ``"RUNNING"`` while it
+    is not terminal; ``preemptions``: the notices the run acted on."""
+    best = [(t.checkpoint, t.metrics) for t in checkpoints.ranked()]
+    latest = checkpoints.latest
     return Result(
-        metrics=dict(ctl.metrics_per_rank.get(0, {})),
-        metrics_per_rank={r: dict(m) for r, m in sorted(ctl.metrics_per_rank.items())},
+        metrics=dict(book.metrics_per_rank.get(0, {})),
+        metrics_per_rank={r: dict(m) for r, m in sorted(book.metrics_per_rank.items())},
         checkpoint=latest.checkpoint if latest else None,
         best_checkpoints=best,
-        path=ctl.run_dir.uri,
-        error=ctl.error,
-        failures=list(ctl.failures),
-        follow_on_failures=list(ctl.follow_on_failures),
-        metrics_history=[ctl.history[r] for r in sorted(ctl.history)],
-        status=ctl.state.value if ctl.state.terminal else "RUNNING",
-        preemptions=len(ctl.preemption.handled),
+        path=uri,
+        error=book.error,
+        failures=list(book.failures),
+        follow_on_failures=list(book.follow_on_failures),
+        metrics_history=[book.history[r] for r in sorted(book.history)],
+        status=status,
+        preemptions=preemptions,
     )
 
 
-def write_result(ctl: Controller) -> None:
-    """Write ``result.json`` (status ``RUNNING`` until the state is terminal)."""
-    result = build_result(ctl)
+def result_record(
+    result: Result, book: RunBook, *, name: str, world_size: int, rounds: int
+) -> ResultRecord:
+    """``result.json`` for ``result`` (its ``status`` ``RUNNING`` until the run ends)."""
     now = time.time()
-    finished = ctl.state.terminal
-    ctl.run_dir.write_result(
-        ResultRecord(
-            status=ctl.state.value if finished else "RUNNING",
-            name=ctl.run_dir.name,
-            path=ctl.run_dir.uri,
-            driver_pid=os.getpid(),
-            start_time=ctl.start_time,
-            end_time=now if finished else None,
-            duration_s=now - ctl.start_time,
-            world_size=ctl.world_size,
-            rounds=ctl.next_round,
-            metrics=result.metrics,
-            metrics_per_rank={str(r): m for r, m in result.metrics_per_rank.items()},
-            checkpoint=result.checkpoint.uri if result.checkpoint else None,
-            best_checkpoints=[{"path": c.uri, "metrics": m} for c, m in result.best_checkpoints],
-            error=str(ctl.error) if ctl.error else None,
-            failures=[f.to_dict() for f in ctl.failures],
-            follow_on_failures=[f.to_dict() for f in ctl.follow_on_failures],
-            preemptions=result.preemptions,
-        )
+    finished = result.status != "RUNNING"
+    return ResultRecord(
+        status=result.status,
+        name=name,
+        path=result.path,
+        driver_pid=os.getpid(),
+        start_time=book.start_time,
+        end_time=now if finished else None,
+        duration_s=now - book.start_time,
+        world_size=world_size,
+        rounds=rounds,
+        metrics=result.metrics,
+        metrics_per_rank={str(r): m for r, m in result.metrics_per_rank.items()},
+        checkpoint=result.checkpoint.uri if result.checkpoint else None,
+        best_checkpoints=[{"path": c.uri, "metrics": m} for c, m in result.best_checkpoints],
+        error=str(book.error) if book.error else None,
+        failures=[f.to_dict() for f in book.failures],
+        follow_on_failures=[f.to_dict() for f in book.follow_on_failures],
+        preemptions=result.preemptions,
     )
 
 

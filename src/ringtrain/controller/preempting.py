@@ -5,12 +5,13 @@ A :class:`Preemption` starts the run's notice sources (:mod:`ringtrain.preemptio
 controller's loop starts and stops them when it ends; a source's ``notify`` only appends to a
 deque (safe from a signal handler and from any thread). The controller takes a queued notice
 whenever it is in a live state (a notice received while the group starts waits for it to run)
-and enters ``Preempting``: every worker is sent a :class:`~ringtrain.wire.channel.PreemptRequest`.
-:meth:`Preemption.outcome` then decides, at each step of ``Preempting``, whether the state is
-done: every worker exited (after saving at the stop step, or finishing first), or the deadline
-passed (the group is killed; what was not written is said in a ``preemption_incomplete`` event
-and the previous checkpoint stays, since a round is published only once every rank's files are
-verified).
+and enters ``Preempting`` (:meth:`Preemption.enter`): every worker is sent a
+:class:`~ringtrain.wire.channel.PreemptRequest` (by the controller, to the ranks
+:meth:`Preemption.unreached` names). :meth:`Preemption.outcome` then decides, at each step of
+``Preempting``, whether the state is done: every worker exited (after saving at the stop step,
+or finishing first), or the deadline passed (the group is killed; what was not written is said in a
+``preemption_incomplete`` event and the previous checkpoint stays, since a round is published only
+once every rank's files are verified).
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from ringtrain.controller.effects import Effect, Say, Show, Write
 from ringtrain.controller.generation import Generation
 from ringtrain.controller.states import Finished, Preempted, Preempting, State, Transition
-from ringtrain.launch.base import WorkerGroup
 from ringtrain.preemption import NoticeSource, PreemptionNotice
 from ringtrain.rundir.schema import (
     PreemptionEvent,
@@ -32,9 +32,6 @@ from ringtrain.rundir.schema import (
     PreemptionSavedEvent,
 )
 from ringtrain.wire.channel import PreemptRequest, PreemptSaved, WorkerNotice
-
-if TYPE_CHECKING:
-    from ringtrain.controller.controller import Controller
 
 logger = logging.getLogger("ringtrain")
 
@@ -66,7 +63,7 @@ class Preemption:
         self.handled: list[PreemptionNotice] = []
         self.saved: dict[int, PreemptSaved] = {}
         self.asked = False
-        self._request: PreemptRequest | None = None
+        self.request: PreemptRequest | None = None
         self._unreached: set[int] = set()
         self._started: list[NoticeSource] = []
 
@@ -108,91 +105,73 @@ class Preemption:
 
     # ------------------------------------------------------------------ Preempting
     def enter(
-        self,
-        ctl: Controller,
-        state: State,
-        gen: Generation,
-        group: WorkerGroup | None,
-        notice: PreemptionNotice,
-    ) -> Transition:
-        """``state`` -> ``Preempting``: write the ``preemption`` event and ask ``group``'s
-        workers to stop (``group`` None: the group is failing and is not asked)."""
+        self, state: State, gen: Generation, notice: PreemptionNotice, world_size: int | None
+    ) -> tuple[Transition, list[Effect]]:
+        """``state`` -> ``Preempting``: the ``preemption`` event, and the request every worker
+        is to be sent (:meth:`unreached`; ``world_size`` ``None``: the group is failing or
+        cannot be sent messages, so it is not asked and is stopped at once)."""
         grace = notice.grace_s(self.grace_s)
         ranks = list(notice.ranks) if notice.ranks is not None else None
-        ctl.run_dir.write(
-            PreemptionEvent(
-                source=notice.source or None,
-                reason=notice.reason or None,
-                grace_s=grace,
-                ranks=ranks,
+        effects: list[Effect] = [
+            Write(
+                PreemptionEvent(
+                    source=notice.source or None,
+                    reason=notice.reason or None,
+                    grace_s=grace,
+                    ranks=ranks,
+                )
+            ),
+            Show("message", (f"preemption notice ({notice.reason or notice.source}): saving",)),
+        ]
+        self.handled.append(notice)
+        self.asked = world_size is not None
+        if world_size is not None:
+            deadline = notice.time + grace
+            self.request = PreemptRequest(time=notice.time, deadline=deadline, reason=notice.reason)
+            self._unreached = set(range(world_size))
+        else:
+            logger.warning(
+                "preemption: the worker group cannot be sent messages; stopping the group"
             )
-        )
-        ctl.progress.message(f"preemption notice ({notice.reason or notice.source}): saving")
-        why_not = self.ask(group, notice)
-        if why_not is not None:
-            logger.warning("preemption: %s; stopping the group", why_not)
         reason = f"preemption notice: the workers go in {grace:g} s"
         if notice.reason:
             reason += f" ({notice.reason})"
-        return Transition(state, Preempting(gen, notice, notice.deadline(self.grace_s)), reason)
+        target = Preempting(gen, notice, notice.deadline(self.grace_s))
+        return Transition(state, target, reason), effects
 
-    def step(self, ctl: Controller, state: Preempting) -> Transition:
-        """One step of ``Preempting`` (the controller took the group's events first): stay, or
-        stop the group and end ``Preempted`` (``Finished`` when the workers finished first)."""
-        outcome = self.outcome(state.generation, state.deadline)
-        if outcome is None:
-            return Transition(state, state)
-        ctl._stop_group(state.generation)
+    def end(
+        self, state: Preempting, outcome: Outcome, kept: str | None
+    ) -> tuple[State, str, list[Effect]]:
+        """How ``Preempting`` ends with ``outcome`` (the controller stops the group): the
+        terminal state, the reason and the effects. ``kept``: the newest published checkpoint
+        (what a resume starts from when the workers could not save)."""
         if outcome.status == "finished":
-            return Transition(state, Finished(), outcome.reason)
+            return Finished(), outcome.reason, []
         if outcome.status == "saved":
             saved_s = time.monotonic() - state.notice.monotonic
-            ctl.run_dir.write(
-                PreemptionSavedEvent(step=outcome.step, round=outcome.round, saved_s=saved_s)
-            )
             where = "" if outcome.round is None else f" (round {outcome.round}'s checkpoint)"
-            return Transition(state, Preempted(), outcome.reason + where)
-        latest = ctl.checkpoints.latest
-        kept = latest.checkpoint.uri if latest is not None else None
-        ctl.run_dir.write(PreemptionIncompleteEvent(reason=outcome.reason, checkpoint=kept))
+            record = PreemptionSavedEvent(step=outcome.step, round=outcome.round, saved_s=saved_s)
+            return Preempted(), outcome.reason + where, [Write(record)]
         message = f"{outcome.reason}; a resume starts from {kept or 'scratch'}"
-        logger.warning("preemption: %s", message)
-        ctl.progress.message(message)
-        return Transition(state, Preempted(), message)
+        effects: list[Effect] = [
+            Write(PreemptionIncompleteEvent(reason=outcome.reason, checkpoint=kept)),
+            Say(message, warn=True, log_prefix="preemption: "),
+        ]
+        return Preempted(), message, effects
 
-    def ask(self, group: WorkerGroup | None, notice: PreemptionNotice) -> str | None:
-        """Send every worker of ``group`` a PreemptRequest. Returns None, or why they cannot be
-        asked (then the group is stopped at once). A rank that cannot be sent to now (not yet
-        connected, or already gone: workers that got SIGTERM themselves may have saved and
-        exited before the driver took their notice) is sent again at each step
-        (:meth:`resend`)."""
-        self.handled.append(notice)
-        self.asked = False
-        send = getattr(group, "send", None)
-        if group is None or not callable(send):
-            return "the worker group cannot be sent messages"
-        deadline = notice.time + notice.grace_s(self.grace_s)
-        self._request = PreemptRequest(time=notice.time, deadline=deadline, reason=notice.reason)
-        self._unreached = set(range(group.world_size))
-        self.asked = True
-        self.resend(group)
-        return None
-
-    def resend(self, group: WorkerGroup | None) -> None:
-        """Send the PreemptRequest to the ranks it has not reached yet."""
-        send = getattr(group, "send", None)
-        if self._request is None or not callable(send):
-            return
-        for rank in sorted(self._unreached):
-            if rank in self.saved:
-                self._unreached.discard(rank)
-                continue
-            try:
-                send(rank, self._request)
-            except OSError as exc:
-                logger.debug("preemption: rank %d not reached yet (%s)", rank, exc)
-                continue
+    def unreached(self) -> list[int]:
+        """The ranks the request has not reached yet (not yet connected, or gone: workers that
+        got SIGTERM themselves may have saved and exited before the driver took their notice);
+        the controller sends it to them at each step of ``Preempting``."""
+        if self.request is None:
+            return []
+        for rank in [r for r in self._unreached if r in self.saved]:
             self._unreached.discard(rank)
+        return sorted(self._unreached)
+
+    def reached(self, rank: int) -> None:
+        """The request was sent to ``rank``."""
+        self._unreached.discard(rank)
 
     def outcome(self, gen: Generation, deadline: float) -> Outcome | None:
         """What ended ``Preempting`` for ``gen``, or None while it goes on."""

@@ -7,17 +7,12 @@ background) is published once every such rank's write outcome is in, and retenti
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import Any
 
 from ringtrain.checkpoint.manager import CheckpointManager
-from ringtrain.monitor.progress import ProgressReporter
-from ringtrain.rundir import RunDirectory
+from ringtrain.controller.effects import Effect, Notify, Say, Show, Write
 from ringtrain.rundir.schema import CheckpointDeletedEvent, CheckpointEvent, CheckpointFailedEvent
 from ringtrain.wire.channel import Report
-
-logger = logging.getLogger("ringtrain")
 
 Outcome = tuple[str, Any]
 """A rank's checkpoint write: ``("files", {rel: info})`` or ``("error", "why")``."""
@@ -101,43 +96,38 @@ def round_metrics(reports: dict[int, Report]) -> dict[str, Any]:
 class Publisher:
     """Turns a round's staged checkpoint files into a published checkpoint (or says why not).
 
+    The controller executes a :class:`~ringtrain.controller.effects.Publish` effect with
+    :meth:`try_publish`, which publishes through the checkpoint manager and returns what the
+    controller then writes, shows and calls back.
+
     Args:
         checkpoints: publication and retention.
-        run_dir: where ``checkpoint``, ``checkpoint_failed`` and ``checkpoint_deleted`` events go.
-        progress: the live display.
-        callback: the controller's callback dispatcher (``on_checkpoint``).
     """
 
-    def __init__(
-        self,
-        checkpoints: CheckpointManager,
-        run_dir: RunDirectory,
-        progress: ProgressReporter,
-        callback: Callable[..., None],
-    ) -> None:
+    def __init__(self, checkpoints: CheckpointManager) -> None:
         self.checkpoints = checkpoints
-        self.run_dir = run_dir
-        self.progress = progress
-        self.callback = callback
+        # A file name two ranks wrote is said once per run (with the fix), not every round.
+        self.said_shared: set[str] = set()
 
-    def try_publish(self, rounds: Rounds, round_: int) -> None:
+    def try_publish(self, rounds: Rounds, round_: int) -> list[Effect]:
         """Publish round ``round_``'s checkpoint once all its reports are in and every rank that
-        attached files has finished writing them."""
+        attached files has finished writing them; the ``checkpoint``, ``checkpoint_deleted``
+        (retention) or ``checkpoint_failed`` events and the ``on_checkpoint`` callback."""
         ready = rounds.take_publishable(round_)
         if ready is None:
-            return
+            return []
         reports, expected, outcomes = ready
         metrics = round_metrics(reports)
         errors = [why for kind, why in (outcomes[r] for r in sorted(expected)) if kind == "error"]
         if errors:
-            self._not_saved(
+            return self._not_saved(
                 round_,
                 f"checkpoint of round {round_} was not saved ({'; '.join(errors)}); "
                 "training continues, a restart would resume from the previous checkpoint",
                 errors,
             )
-            return
-        files = self._merge_files(round_, expected, outcomes)
+        effects: list[Effect] = []
+        files = self._merge_files(round_, expected, outcomes, effects)
         score_metrics = dict(metrics)
         for r in sorted(reports):  # a score attribute only some rank reported still counts
             for k, v in reports[r].metrics.items():
@@ -146,33 +136,43 @@ class Publisher:
             tracked = self.checkpoints.publish(round_, files, score_metrics)
         except ValueError as bad:  # a file name no manifest may hold (a backslash, say)
             message = f"checkpoint of round {round_} was not saved ({bad}); training continues"
-            self._not_saved(round_, message, [str(bad)])
-            return
+            return effects + self._not_saved(round_, message, [str(bad)])
         name = tracked.checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
-        self.run_dir.write(CheckpointEvent(round=round_, path=name, metrics=metrics))
+        effects.append(Write(CheckpointEvent(round=round_, path=name, metrics=metrics)))
         for path, reason in self.checkpoints.deleted:
-            self.run_dir.write(CheckpointDeletedEvent(path=path, reason=reason))
+            effects.append(Write(CheckpointDeletedEvent(path=path, reason=reason)))
         self.checkpoints.deleted.clear()
-        self.callback("on_checkpoint", tracked.checkpoint, metrics)
+        effects.append(Notify("on_checkpoint", (tracked.checkpoint, metrics)))
+        return effects
 
-    def _not_saved(self, round_: int, message: str, errors: list[str]) -> None:
-        logger.warning(message)
-        self.progress.message(message)
-        self.run_dir.write(CheckpointFailedEvent(round=round_, errors=errors))
+    def _not_saved(self, round_: int, message: str, errors: list[str]) -> list[Effect]:
         self.checkpoints.discard_staging(round_)
+        return [Say(message, warn=True), Write(CheckpointFailedEvent(round=round_, errors=errors))]
 
     def _merge_files(
-        self, round_: int, expected: set[int], outcomes: dict[int, Outcome]
+        self,
+        round_: int,
+        expected: set[int],
+        outcomes: dict[int, Outcome],
+        effects: list[Effect],
     ) -> dict[str, dict[str, Any]]:
         files: dict[str, dict[str, Any]] = {}
         owners: dict[str, int] = {}
         for rank in sorted(expected):
             for rel, info in outcomes[rank][1].items():
                 if rel in files:
-                    self.progress.message(
-                        f"round {round_}: ranks {owners[rel]} and {rank} both wrote checkpoint "
-                        f"file {rel!r}; the last write wins (use distinct file names per rank)"
-                    )
+                    if rel not in self.said_shared:
+                        self.said_shared.add(rel)
+                        effects.append(
+                            Show(
+                                "message",
+                                (
+                                    f"round {round_}: ranks {owners[rel]} and {rank} both wrote "
+                                    f"checkpoint file {rel!r}; the last write wins (use distinct "
+                                    "file names per rank; said once per run)",
+                                ),
+                            )
+                        )
                     info = _digest_on_storage(self.checkpoints, round_, rel)
                 files[rel] = {**info, "rank": owners.setdefault(rel, rank)}
         return files

@@ -9,6 +9,9 @@
     Running       Resizing      the same, in an elastic run
     Running       Growing       elastic runs below max: workers were started to join
     Growing       Running       the group was re-formed with them (or the grow failed)
+    Running       Leaving       elastic runs: a preemption notice for some ranks, which leave in
+                                place while min_workers holds without them
+    Leaving       Running       every member paused; the group was re-formed without them
     Resizing      Running       the survivors continue in place as a smaller group
     Resizing      Restarting    resizing in place cannot be done (the reason says why)
     Restarting    Starting      the FailurePolicy says RESTART (or the checkpoint was unloadable)
@@ -22,7 +25,9 @@
     Preempting    Finished      every worker finished before reaching the stop step
     any           Aborted       the driver raised (Ctrl-C, a bug)
 
-A failure while ``Growing`` leaves it as from ``Running`` (to ``Resizing`` or ``Restarting``).
+A failure while ``Growing`` or ``Leaving`` leaves it as from ``Running`` (to ``Resizing`` or
+``Restarting``); the grow plan goes with the state (``Growing.plan``, then ``Resizing.plan``,
+whose joiners are stopped), and a leave in progress ends.
 Every state's ``kind`` is a :class:`RunState`; ``Controller.state`` is the current kind (the
 ``status`` of ``result.json`` and of the ``run_end`` event once terminal).
 """
@@ -37,7 +42,7 @@ from ringtrain.preemption import PreemptionNotice
 
 if TYPE_CHECKING:
     from ringtrain.controller.generation import Generation, Grow
-    from ringtrain.elastic.policy import ElasticDecision
+    from ringtrain.controller.policy import FailureDecision
     from ringtrain.result import TrainingFailedError, WorkerFailure
 
 
@@ -48,6 +53,7 @@ class RunState(enum.Enum):
     RUNNING = "RUNNING"
     GROWING = "GROWING"
     RESIZING = "RESIZING"
+    LEAVING = "LEAVING"
     RESTARTING = "RESTARTING"
     PREEMPTING = "PREEMPTING"
     FINISHED = "FINISHED"
@@ -106,15 +112,27 @@ class Growing(State):
 
 
 @dataclass(frozen=True)
+class Leaving(State):
+    """Elastic runs: a preemption ``notice`` for some ranks, which leave in place: every member
+    was asked to pause at the next step boundary they all reach; once all paused, the group is
+    re-formed without the leaving ranks (``Running``)."""
+
+    kind: ClassVar[RunState] = RunState.LEAVING
+    generation: Generation = field(repr=False, compare=False)
+    notice: PreemptionNotice
+
+
+@dataclass(frozen=True)
 class Resizing(State):
     """Elastic runs: ``failure`` lost a rank; the survivors are waited for (each says
     ``Interrupted``), then the group continues in place with fewer ranks (``Running``) or, when
-    that cannot be done (``decision``'s reason says why), is restarted (``Restarting``)."""
+    that cannot be done, is restarted (``Restarting``). ``plan``: the grow that was under way
+    (its joiners are stopped when the group is re-formed)."""
 
     kind: ClassVar[RunState] = RunState.RESIZING
     generation: Generation = field(repr=False, compare=False)
     failure: WorkerFailure | None
-    decision: ElasticDecision | None = None
+    plan: Grow | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -122,11 +140,14 @@ class Restarting(State):
     """A rank failed (``failure``: the first one seen). The group's remaining events are still
     collected for ``failure_grace_s`` (the real cause must win over its peers' connection
     errors) and while a live rank finishes a checkpoint write; then the group is stopped and the
-    FailurePolicy decides: ``Starting(attempt + 1)`` or ``Errored``."""
+    FailurePolicy decides: ``Starting(attempt + 1)`` or ``Errored``. ``verdict``: the policy's
+    decision when it was already asked about this failure (an elastic run whose resize it
+    refused): the policy is asked once per failure."""
 
     kind: ClassVar[RunState] = RunState.RESTARTING
     generation: Generation = field(repr=False, compare=False)
     failure: WorkerFailure | None
+    verdict: FailureDecision | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

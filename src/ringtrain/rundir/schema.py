@@ -205,8 +205,9 @@ class DecisionEvent(EventRecord):
 @dataclass(frozen=True, kw_only=True)
 class TransitionEvent(EventRecord):
     """The controller's state machine went ``from_`` (JSON key ``from``) ``to`` another state
-    (``STARTING``, ``RUNNING``, ``GROWING``, ``RESIZING``, ``RESTARTING``, ``PREEMPTING``,
-    ``FINISHED``, ``ERRORED``, ``ABORTED``, ``STOPPED``, ``PREEMPTED``), for ``reason``."""
+    (``STARTING``, ``RUNNING``, ``GROWING``, ``LEAVING``, ``RESIZING``, ``RESTARTING``,
+    ``PREEMPTING``, ``FINISHED``, ``ERRORED``, ``ABORTED``, ``STOPPED``, ``PREEMPTED``), for
+    ``reason``."""
 
     KIND: ClassVar[str] = "transition"
     from_: str | None = field(default=None, metadata={"key": "from"})

@@ -1,0 +1,111 @@
+"""The controller's executor of effects: :meth:`Executor.apply` runs what a decider returned
+(:mod:`ringtrain.controller.effects`) on the run's directory, display, callbacks, checkpoints,
+worker group and book-keeping.
+
+:class:`Executor` is a part of :class:`~ringtrain.controller.controller.Controller` (its base
+class), kept in its own file; nothing else executes effects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+from ringtrain.checkpoint.manager import CheckpointManager
+from ringtrain.controller import events
+from ringtrain.controller.effects import (
+    Discard,
+    DiscardStaging,
+    DumpStacks,
+    Effect,
+    GrowIdle,
+    Notify,
+    Publish,
+    RankMetrics,
+    RoundDone,
+    Say,
+    Send,
+    Show,
+    Timed,
+    Write,
+)
+from ringtrain.controller.elastic import Rendezvous
+from ringtrain.controller.generation import Generation
+from ringtrain.controller.outputs import RunBook
+from ringtrain.controller.rounds import Publisher
+from ringtrain.launch.base import GrowableGroup, WorkerGroup
+from ringtrain.monitor.progress import ProgressReporter
+from ringtrain.monitor.straggler import StragglerDetector
+from ringtrain.rundir import RunDirectory
+
+logger = logging.getLogger("ringtrain")
+
+
+class Executor:
+    """Executes effects (see the module docstring)."""
+
+    # The controller's state the effects change (Controller.__init__ sets it).
+    run_dir: RunDirectory
+    progress: ProgressReporter
+    checkpoints: CheckpointManager
+    publisher: Publisher
+    stragglers: StragglerDetector | None
+    group: WorkerGroup | None
+    book: RunBook
+    rendezvous: Rendezvous
+    next_round: int
+    callback: Callable[..., None]
+    _growable: Callable[[], GrowableGroup | None]
+
+    def apply(self, effects: Sequence[Effect], gen: Generation | None = None) -> None:
+        """Execute a decider's ``effects`` in order (:mod:`ringtrain.controller.effects`);
+        ``gen``: the worker group they are about (its rounds publish, its attempt number)."""
+        for effect in effects:
+            if isinstance(effect, Write):
+                self.run_dir.write(effect.record)
+            elif isinstance(effect, Say):
+                log = logger.warning if effect.warn else logger.info
+                log("%s%s", effect.log_prefix, effect.text)
+                self.progress.message(effect.text)
+            elif isinstance(effect, Show):
+                getattr(self.progress, effect.method)(*effect.args)
+            elif isinstance(effect, Notify):
+                self.callback(effect.hook, *effect.args)
+            elif isinstance(effect, Publish | Timed):
+                assert gen is not None
+                self._apply_group(effect, gen)
+            else:
+                self._apply_run(effect)
+
+    def _apply_group(self, effect: Publish | Timed, gen: Generation) -> None:
+        if isinstance(effect, Publish):
+            self.apply(self.publisher.try_publish(gen.rounds, effect.round))
+        elif self.stragglers is not None:
+            for change in self.stragglers.update(effect.rank, effect.window):
+                self.apply(events.straggler(change, gen.number))
+
+    def _apply_run(self, effect: Effect) -> None:
+        if isinstance(effect, RankMetrics):
+            self.book.metrics_per_rank[effect.rank] = effect.metrics
+        elif isinstance(effect, RoundDone):
+            self.book.history[effect.round] = effect.metrics
+            self.next_round = effect.round + 1
+        elif isinstance(effect, DumpStacks):
+            if self.group is not None:
+                self.group.dump_stacks(list(effect.ranks))
+        elif isinstance(effect, Send):
+            for rank in effect.ranks:
+                with contextlib.suppress(OSError):  # gone: its failure follows
+                    self.group.send(rank, effect.message)  # type: ignore[union-attr]
+        elif isinstance(effect, Discard):
+            group = self._growable()
+            if group is not None:
+                group.discard(list(effect.ranks))
+        elif isinstance(effect, DiscardStaging):
+            for round_ in effect.rounds:
+                self.checkpoints.discard_staging(round_)
+        elif isinstance(effect, GrowIdle):
+            self.rendezvous.idle_since = effect.since
+            if effect.grew:
+                self.rendezvous.grow_failures = 0
