@@ -7,16 +7,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 MIXED_PRECISION = {
-    "bf16": (torch.bfloat16, torch.float32),
-    "fp16": (torch.float16, torch.float32),
+    "bf16": ("bfloat16", "float32"),
+    "fp16": ("float16", "float32"),
 }
-"""``FSDPConfig.mixed_precision`` -> (parameter dtype for compute, gradient reduction dtype)."""
+"""``FSDPConfig.mixed_precision`` -> (parameter dtype for compute, gradient reduction dtype),
+as names of ``torch`` dtypes (the config layer does not import torch)."""
+
+
+def _is_module_class(obj: object) -> bool:
+    """Whether ``obj`` is a subclass of ``torch.nn.Module``, without importing torch (a class
+    whose method resolution order holds ``torch.nn.modules.module.Module``)."""
+    return isinstance(obj, type) and any(
+        (c.__module__, c.__qualname__) == ("torch.nn.modules.module", "Module") for c in obj.__mro__
+    )
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ class FSDPConfig:
                     "FSDPConfig.shard_modules must be a non-empty list of nn.Module classes "
                     f"(e.g. [TransformerBlock]) or None for the size policy, got {mods!r}"
                 )
-            bad = [m for m in mods if not (isinstance(m, type) and issubclass(m, nn.Module))]
+            bad = [m for m in mods if not _is_module_class(m)]
             if bad:
                 raise TypeError(
                     f"FSDPConfig.shard_modules must hold nn.Module classes, got {bad!r} (pass "

@@ -318,7 +318,9 @@ def shard_units(
     )
 
     if config.mixed_precision is not None:
-        param_dtype, reduce_dtype = MIXED_PRECISION[config.mixed_precision]
+        param_dtype, reduce_dtype = (
+            getattr(torch, name) for name in MIXED_PRECISION[config.mixed_precision]
+        )
         unit_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         root_mp = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32
