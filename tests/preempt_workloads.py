@@ -9,11 +9,15 @@ import signal
 import subprocess
 import time
 
+import torch
+from torch.utils.data import DataLoader
+
 import ringtrain as rt
 import workloads
 from ringtrain.wire.channel import PreemptRequest
 from ringtrain.worker.hooks import WorkerPlugin
 from ringtrain.worker.preempt import PreemptionPlugin
+from ringtrain.worker.session import current_session
 
 
 class NoticeAt(WorkerPlugin):
@@ -44,7 +48,7 @@ class NoticeAt(WorkerPlugin):
         slow driver lets these fast steps run to the end first, and the run rightly ends
         FINISHED: the test would depend on the machine's speed. The peers wait in the next
         collective, so every rank stops at one step, as in a real run."""
-        session = rt.session.current_session()
+        session = current_session()
         plugin = session.hooks.find(PreemptionPlugin)
         assert plugin is not None
         deadline = time.monotonic() + 120
@@ -89,5 +93,28 @@ def preempt_fn(config):
         with open(os.path.join(config["pid_dir"], f"rank{ctx.world_rank}"), "w") as f:
             f.write(str(os.getpid()))
     if config.get("how") and ctx.world_rank == config.get("notice_rank", 0):
-        rt.session.current_session().hooks.register(NoticeAt(config))
+        current_session().hooks.register(NoticeAt(config))
     workloads.exact_fn(config)
+
+
+def uneven_step_fn(config):
+    """DDP training where ``config["setter"]`` alone sets ``TrainState.step`` (``"once"``), or
+    adds 2 to it per batch while the others add 1 (``"jump"``)."""
+    torch.manual_seed(0)
+    model = rt.prepare_model(workloads.make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = rt.prepare_data_loader(DataLoader(workloads.make_dataset(), batch_size=2))
+    state = rt.TrainState(model=model, optimizer=optimizer, data_loader=loader)
+    rank = rt.get_context().world_rank
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if config["how"] == "once" and rank == config["setter"]:
+            if state.step == 0:
+                with open(config["first_set"], "w") as f:
+                    f.write(repr(time.time()))
+            state.step += 1
+        elif config["how"] == "jump":
+            state.step += 2 if rank == config["setter"] else 1

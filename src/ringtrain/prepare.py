@@ -33,7 +33,7 @@ from ringtrain.worker.data import ResumableDistributedSampler, SampleSeeded
 from ringtrain.worker.hooks import LoaderSetup, ModelSetup
 from ringtrain.worker.loader import PreparedDataLoader
 from ringtrain.worker.precision import check_precision, precision_plugin
-from ringtrain.worker.session import current_hooks, current_timer, get_context
+from ringtrain.worker.session import current_hooks, get_context
 
 
 def get_device() -> torch.device:
@@ -156,7 +156,7 @@ def prepare_model(
     precision = strategy.check(precision)
     check_precision(precision, ctx.device)
     mesh = ctx.mesh if getattr(strategy, "uses_mesh", False) else None
-    target = WrapContext(ctx, move_to_device, precision, current_timer(), mesh=mesh)
+    target = WrapContext(ctx, move_to_device, precision, mesh=mesh)
     return _wrap(model, strategy, target)
 
 
@@ -215,13 +215,19 @@ def check_strategy(strategy: object, keywords: list[str]) -> None:
 def _wrap(model: torch.nn.Module, strategy: ModelStrategy, target: WrapContext) -> torch.nn.Module:
     """Place, apply precision and the ``before_wrap`` hooks, wrap, run the ``after_wrap`` hooks."""
     hooks = current_hooks()
-    precision_plugin().precision = target.precision  # its before_wrap applies it
+    if target.precision != "32":
+        precision_plugin()  # registered on first use; its before_wrap applies the precision
     module = strategy.place(model, target)
     setup = ModelSetup(
-        module=module, model=module, device=target.device, world_size=target.world_size
+        module=module,
+        model=module,
+        device=target.device,
+        world_size=target.world_size,
+        precision=target.precision,
     )
     hooks.before_wrap(setup)
-    setup.model = strategy.wrap(setup.module, replace(target, sync_token=setup.sync_token))
+    wrap = replace(target, sync_token=setup.sync_token, comm_observer=setup.comm_observer)
+    setup.model = strategy.wrap(setup.module, wrap)
     hooks.after_wrap(setup)  # step timing instruments the model here (monitor/timing.py)
     return setup.model
 

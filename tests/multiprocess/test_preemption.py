@@ -176,3 +176,36 @@ def test_a_file_notice_with_too_short_a_grace_keeps_the_previous_checkpoint(
     assert second.status == "FINISHED", why
     final = torch.load(config["out"], weights_only=True)
     assert_bit_identical(final, _baseline(tmp_path_factory, 2))
+
+
+@pytest.mark.parametrize("how", ["once", "jump"])
+def test_a_rank_that_sets_the_step_alone_fails_with_a_clear_error_not_a_hang(tmp_path, how):
+    """Setting ``TrainState.step`` joins the preemption agreement, a collective of every rank.
+    At W=3, rank 1 sets it while ranks 0 and 2 do not (``once``): the run fails with rank 1's
+    StepAgreementError naming the step, within the agreement's timeout (half of
+    worker_timeout_s: before the driver's hang detection blames a rank stuck behind it, and far
+    within the collective timeout of 2 * 20 + 10 s), instead of the deadlock it was (the flag
+    allreduce paired with DDP's gradient allreduce). Rank 1 adds 2 per batch where the others
+    add 1 (``jump``): every rank fails with it at the next boundary (the steps are compared)."""
+    import ringtrain as rt
+
+    first_set = tmp_path / "first_set"
+    with pytest.raises(rt.TrainingFailedError) as failed:
+        run_job(
+            preempt_workloads.uneven_step_fn,
+            3,
+            storage_path=tmp_path / "runs",
+            name=f"uneven-{how}",
+            train_loop_config={"how": how, "setter": 1, "first_set": str(first_set)},
+            worker_timeout_s=20.0,
+        )
+    root = failed.value.failures[-1]
+    assert root.exc_type == "StepAgreementError", root.message
+    assert "TrainState.step" in root.message and "every rank must set it" in root.message
+    if how == "once":
+        assert root.rank == 1 and "set TrainState.step to 1" in root.message
+        assert "did not within 10 s" in root.message
+        waited = root.time - float(first_set.read_text())
+        assert waited < 2 * 20.0 + 10, f"failed {waited:.1f} s after the step was set"
+    else:  # at the first boundary that reads an agreement: steps 1 and 2 met
+        assert "differs across ranks (from 1 to 2 at the same boundary)" in root.message

@@ -33,6 +33,12 @@ class Recorder(WorkerPlugin):
     def on_worker_stop(self, error: BaseException | None) -> None:
         self.log.append(("on_worker_stop", self.tag, error))
 
+    def on_group_formed(self) -> None:
+        self.log.append(("on_group_formed", self.tag))
+
+    def on_epoch(self, epoch: int, num_epochs: int, steps: int | None) -> None:
+        self.log.append(("on_epoch", self.tag, epoch, num_epochs, steps))
+
     def on_step(self, state: Any) -> None:
         self.log.append(("on_step", self.tag, state.step))
 
@@ -59,6 +65,9 @@ class Recorder(WorkerPlugin):
 
     def on_report(self, metrics: Any, round_: int) -> None:
         self.log.append(("on_report", self.tag, dict(metrics), round_))
+
+    def on_heartbeat(self) -> None:
+        self.log.append(("on_heartbeat", self.tag))
 
 
 def test_every_hook_does_nothing_by_default():
@@ -146,6 +155,8 @@ def _one_call_of_each(registry: HookRegistry) -> dict[str, tuple[Any, ...]]:
     return {
         "on_worker_start": (object(),),
         "on_worker_stop": (None,),
+        "on_group_formed": (),
+        "on_epoch": (0, 3, 2),
         "on_step": (_Step(7),),
         "on_batch_start": (),
         "on_batch": ("batch",),
@@ -155,6 +166,7 @@ def _one_call_of_each(registry: HookRegistry) -> dict[str, tuple[Any, ...]]:
         "after_wrap": (ModelSetup(module, module, torch.device("cpu"), 1),),
         "on_restore": (object(), "ckpt"),
         "on_report": ({"loss": 1.0}, 0),
+        "on_heartbeat": (),
     }
 
 

@@ -41,8 +41,7 @@ from ringtrain.comm.powersgd import (
     single_bucket_mb,
     wire_bytes,
 )
-from ringtrain.monitor.timing import StepTimer, timed_allreduce_hook
-from ringtrain.worker.hooks import SYNC_TOKEN_ATTR
+from ringtrain.worker.hooks import SYNC_TOKEN_ATTR, CommObserver
 
 logger = logging.getLogger("ringtrain")
 
@@ -147,10 +146,10 @@ def check_bucket_order(bucket_order: str, where: str = "prepare_model") -> None:
 
 
 def _timed_hook(
-    timer: StepTimer, hook: Callable[[Any, Any], Any], comm_hook: str
+    timer: CommObserver, hook: Callable[[Any, Any], Any], comm_hook: str
 ) -> Callable[[Any, Any], Any]:
     """``hook``, timed per bucket from launch to completion like
-    :func:`ringtrain.monitor.timing.timed_comm_hook`, but reporting the bytes the hook puts on
+    :func:`timed_comm_hook`, but reporting the bytes the hook puts on
     the wire (compressed), not the bucket's fp32 size."""
 
     @as_comm_hook
@@ -163,6 +162,53 @@ def _timed_hook(
         def done(f: torch.futures.Future[Any]) -> torch.Tensor:
             timer.comm_done(started, nbytes)
             return f.value()
+
+        return fut.then(done)
+
+    return timed
+
+
+def timed_comm_hook(
+    timer: CommObserver, hook: Callable[[Any, Any], Any]
+) -> Callable[[Any, Any], Any]:
+    """Wrap a DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` so that each
+    bucket's communication, from launch to completion, and its size in bytes reach ``timer`` (a
+    :class:`~ringtrain.worker.hooks.CommObserver`: the step timer)."""
+
+    # No annotations (hence the type: ignores): DDP checks them against dist.GradBucket and
+    # Future, and with ``from __future__ import annotations`` they would be strings.
+    def timed(state, bucket):  # type: ignore[no-untyped-def, unused-ignore]
+        buf = bucket.buffer()
+        nbytes = buf.numel() * buf.element_size()
+        started = time.perf_counter()
+        fut = hook(state, bucket)
+
+        def done(f: Any) -> Any:
+            timer.comm_done(started, nbytes)
+            return f.value()
+
+        return fut.then(done)
+
+    return timed
+
+
+def timed_allreduce_hook(timer: CommObserver) -> Callable[[Any, Any], Any]:
+    """DDP's default averaging allreduce (as ``torch.distributed.algorithms.ddp_comm_hooks.
+    default_hooks.allreduce_hook``: divide by the world size, then sum), timed, with a single
+    completion callback per bucket (wrapping torch's hook with :func:`timed_comm_hook` would run
+    two)."""
+
+    def timed(process_group, bucket):  # type: ignore[no-untyped-def, unused-ignore]
+        group = process_group if process_group is not None else dist.group.WORLD
+        buf = bucket.buffer()
+        nbytes = buf.numel() * buf.element_size()
+        started = time.perf_counter()
+        buf.div_(dist.get_world_size(group))
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+        def done(f):  # type: ignore[no-untyped-def, unused-ignore]
+            timer.comm_done(started, nbytes)
+            return f.value()[0]
 
         return fut.then(done)
 
@@ -262,7 +308,7 @@ def sync_unless_restored(ddp: torch.nn.Module, generation: int) -> None:
 def wrap_ddp(
     model: torch.nn.Module,
     ctx: DistributedContext,
-    timer: StepTimer | None,
+    timer: CommObserver | None,
     *,
     ddp_kwargs: Mapping[str, Any] | None = None,
     comm_hook: str | None = None,
@@ -276,7 +322,8 @@ def wrap_ddp(
     Args:
         model: the module to wrap.
         ctx: this worker's context (``cuda:{local_rank}`` becomes DDP's ``device_ids`` on GPU).
-        timer: the step timer, or None when timing is off.
+        timer: who times the gradient allreduce (the step timer, offered by the timing plug-in
+            in ``ModelSetup.comm_observer``), or None when timing is off.
         ddp_kwargs: ``DistributedDataParallel`` arguments, already validated by
             :func:`validate_comm_options`.
         comm_hook: ``None`` (DDP's built-in allreduce) or one of :data:`COMM_HOOKS`.

@@ -82,11 +82,23 @@ class ElasticRuntime(WorkerPlugin):
         ctx = self.session.context
         if ctx.use_gpu:
             init_process_group(ctx)
-            return
-        _, self.group_sockets = GroupSockets.opened_by(
-            lambda: init_process_group(ctx), store_port=ctx.master_port
-        )
-        self._build_mesh(ctx)
+        else:
+            _, self.group_sockets = GroupSockets.opened_by(
+                lambda: init_process_group(ctx), store_port=ctx.master_port
+            )
+        self._formed(ctx)
+
+    def _formed(self, ctx: DistributedContext) -> None:
+        """The group of this generation is formed: build its mesh (CPU), then let the plug-ins
+        make their sub-groups (the step agreement's gloo group), noting the gloo connections of
+        both with the group's (GPU runs too: the agreement's group is gloo there as well)."""
+        if not ctx.use_gpu:
+            self._build_mesh(ctx)
+        if ctx.world_size > 1 and dist.is_initialized():
+            _, sockets = GroupSockets.opened_by(
+                self.session.hooks.on_group_formed, store_port=ctx.master_port
+            )
+            self.group_sockets.fds.update(sockets.fds)
 
     def _build_mesh(self, ctx: DistributedContext) -> None:
         """On a device mesh (``ScalingConfig.parallel``), build this generation's ``ctx.mesh``
@@ -402,9 +414,10 @@ class ElasticRuntime(WorkerPlugin):
 
         if ctx.use_gpu:
             create()
+            self.group_sockets = GroupSockets()
         else:
             _, self.group_sockets = GroupSockets.opened_by(create, store_port=ctx.master_port)
-        self._build_mesh(ctx)
+        self._formed(ctx)
 
 
 RESTORED_ATTR = SYNC_TOKEN_ATTR

@@ -42,10 +42,11 @@ from ringtrain.cluster.distributed import destroy_process_group, init_process_gr
 from ringtrain.cluster.env import RingtrainEnvironment
 from ringtrain.launch.base import STACK_DUMP_SIGNAL
 from ringtrain.launch.reaper import use_worker_temp_dir
-from ringtrain.monitor.timing import StepLimitReached, install_timer
+from ringtrain.monitor.timing import install_timer
 from ringtrain.wire.channel import Done, Hello, Start, WorkerChannel, WorkerError
 from ringtrain.wire.worker_config import WorkerConfig
 from ringtrain.worker import preempt as preempt_worker
+from ringtrain.worker.hooks import StopTraining
 
 PR_SET_PDEATHSIG = 1
 FINISH_WRITE_TIMEOUT_S = 120.0
@@ -119,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
             _run_function(start, sess)
         sess.hooks.on_worker_stop(None)
         sess.wait_for_checkpoint()  # the last checkpoint must be on storage before Done
-        _send_last_timing(sess)
         channel.send(Done(rank=sess.context.world_rank, time=time.time(), rounds=sess.next_round))
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
@@ -159,7 +159,7 @@ def _run_script(script: str, script_args: list[str], start: Start, sess: Any) ->
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
-    except StepLimitReached:
+    except StopTraining:  # a plug-in ended the run cleanly (max_steps, a preemption stop)
         pass
 
 
@@ -180,6 +180,7 @@ def _run_function(start: Start, sess: Any) -> None:
     elastic = start.config.elastic is not None
     if not elastic:
         init_process_group(sess.context)
+        sess.hooks.on_group_formed()  # the plug-ins' sub-groups (the step agreement's)
     try:
         if elastic:  # ScalingConfig(num_workers=(min, max)): resizes in place
             from ringtrain.elastic.worker import run_elastic
@@ -187,7 +188,7 @@ def _run_function(start: Start, sess: Any) -> None:
             run_elastic(train_fn, config, sess)
         else:
             call_train_fn(train_fn, config)
-    except StepLimitReached:
+    except StopTraining:  # a plug-in ended the run cleanly (max_steps, a preemption stop)
         pass
 
 
@@ -196,7 +197,6 @@ def _report_error(sess: Any, channel: WorkerChannel, exc: BaseException) -> None
     # A checkpoint this rank was writing in the background is finished first (bounded): a
     # peer's failure must not also cost the checkpoint this rank had nearly saved.
     sess.wait_for_checkpoint(timeout_s=FINISH_WRITE_TIMEOUT_S)
-    _send_last_timing(sess)
     formatted = user_traceback(exc)
     try:
         channel.send(
@@ -265,15 +265,6 @@ def _setup_timing(sess: Any, config: WorkerConfig) -> None:
         return
     # Without timing windows (a step limit only) it counts steps and sends nothing.
     install_timer(sess, config.max_steps, config.comm_timing, config.timing_interval_s)
-
-
-def _send_last_timing(sess: Any) -> None:
-    if sess.timing_interval_s == float("inf"):
-        return
-    try:
-        sess.send_timing()
-    except (OSError, ValueError):
-        pass
 
 
 def heartbeat_interval(worker_timeout_s: float | None) -> float:

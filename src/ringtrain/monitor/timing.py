@@ -1,8 +1,9 @@
 """Per-step timing inside a worker: where each training step's time goes.
 
-A :class:`StepTimer` lives in each worker's session when ``MonitorConfig.timing`` is on, fed by a
-worker plug-in (:class:`TimingPlugin`, :mod:`ringtrain.worker.hooks`; :func:`install_timer` sets
-both up) and by hooks on the objects ringtrain already prepares, so the user's loop does not change:
+A :class:`StepTimer` is held by the worker plug-in :class:`TimingPlugin` (:mod:`ringtrain.worker.
+hooks`) when ``MonitorConfig.timing`` is on (the worker bootstrap registers it:
+:func:`install_timer`; nothing of the worker's core knows about it). It is fed through the hooks
+and by hooks on the objects ringtrain already prepares, so the user's loop does not change:
 
 - the prepared data loader's batch hooks mark the step boundary and the data wait
   (``loader_fetch_start`` / ``loader_fetch_end``): a step runs from one ``next(loader)`` call to
@@ -10,9 +11,10 @@ both up) and by hooks on the objects ringtrain already prepares, so the user's l
 - forward pre/post hooks on the prepared model and a post-accumulate-grad hook on each parameter
   bound the compute (forward + backward: from the first forward of the step to the last gradient
   accumulated);
-- the DDP communication hook (:func:`timed_allreduce_hook`, or a user's hook wrapped by
-  :func:`timed_comm_hook`) records each bucket's allreduce from launch to completion, and its size
-  (``MonitorConfig.comm_timing="hook"``, the default on GPU); without a hook (``"wait"``, the
+- the timer is the :class:`~ringtrain.worker.hooks.CommObserver` the plug-in offers
+  ``prepare_model`` (``before_wrap``): DDP's communication hook reports each bucket's allreduce
+  from launch to completion, and its size, to it (:mod:`ringtrain.comm.ddp`,
+  ``MonitorConfig.comm_timing="hook"``, the default on GPU); without a hook (``"wait"``, the
   default on CPU, where a hook would cost one more pass over the gradients) the communication
   the step waits for is the gap between the last gradient and ``optimizer.step()``;
 - global optimizer step hooks time ``optimizer.step()``.
@@ -25,9 +27,10 @@ Each closed step is split into disjoint parts that add up to its wall time::
 communication not hidden behind backward (with DDP's copy of the last bucket before its launch),
 which includes waiting for slower peers. ``comm`` (total, overlapped
 or not) is reported beside it. ``other`` is everything else (the loss's ``.item()``, logging,
-``report()``...). The heartbeat thread takes one aggregated *window* every
+``report()``...). On the heartbeat thread the plug-in takes one aggregated *window* every
 ``MonitorConfig.timing_interval_s`` seconds (:meth:`StepTimer.take_window`) and sends it to the
-driver: one message per window, never one per step.
+driver: one message per window, never one per step; the first ``report()`` of an epoch sends one
+ahead of itself, carrying the epoch (the driver's progress bar and ETA).
 
 On GPU the parts are host-side times: kernels run asynchronously, so a part ends when its work
 was queued, not when it finished; the step total is exact whenever the loop synchronises (a
@@ -39,16 +42,18 @@ The cost is a few ``time.perf_counter()`` calls per step plus one per parameter 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.worker.hooks import ModelSetup, WorkerPlugin
+from ringtrain.wire.channel import Timing
+from ringtrain.worker.hooks import ModelSetup, StopTraining, WorkerPlugin
 
 if TYPE_CHECKING:
     from ringtrain.worker.session import Session
@@ -65,10 +70,10 @@ def warmup_steps(total_steps: int, fraction: float = 0.2, minimum: int = 2) -> i
     return max(minimum, math.ceil(fraction * total_steps))
 
 
-class StepLimitReached(BaseException):
+class StepLimitReached(StopTraining):
     """Raised from the prepared data loader when the run's ``max_steps`` (``ringtrain bench``)
-    are done; the worker treats it as a clean finish. A BaseException, so that a train function's
-    ``except Exception`` does not swallow it."""
+    are done; the worker treats it as a clean finish (a
+    :class:`~ringtrain.worker.hooks.StopTraining`)."""
 
 
 class _Step:
@@ -338,16 +343,33 @@ def memory_stats() -> dict[str, Any]:
 
 
 class TimingPlugin(WorkerPlugin):
-    """The worker plug-in that feeds ``timer`` (:mod:`ringtrain.worker.hooks`): a prepared loader's
-    batches bound the steps and the data wait; the prepared model gets forward, gradient and
-    optimizer-step hooks (:func:`instrument_model`).
+    """The worker plug-in that holds and feeds ``timer`` and sends its windows
+    (:mod:`ringtrain.worker.hooks`): a prepared loader's batches bound the steps and the data
+    wait; the prepared model gets forward, gradient and optimizer-step hooks
+    (:func:`instrument_model`); the timer is the model's communication observer; windows go to
+    the driver from the heartbeat thread every ``interval_s`` seconds, ahead of the first report
+    of each epoch, and when the train function ends.
+
+    Args:
+        timer: the step timer.
+        session: the worker's session (its channel and rank; ``None``: send nothing).
+        interval_s: seconds between windows (``None``: a step limit only, send nothing).
 
     Raises (from ``on_batch_start``):
         StepLimitReached: when the timer's ``max_steps`` are done.
     """
 
-    def __init__(self, timer: StepTimer) -> None:
+    def __init__(
+        self, timer: StepTimer, session: Session | None = None, interval_s: float | None = None
+    ) -> None:
         self.timer = timer
+        self.session = session
+        self.interval_s = interval_s
+        self._last_window = time.monotonic()
+        self._send_lock = threading.Lock()
+        # Where training is (on_epoch): sent with each window for the driver's progress bar.
+        self.hint: dict[str, Any] = {}
+        self._hint_sent: dict[str, Any] | None = None
 
     def on_batch_start(self) -> None:
         self.timer.loader_fetch_start()  # ends the previous step, starts this one
@@ -358,14 +380,61 @@ class TimingPlugin(WorkerPlugin):
     def on_batches_end(self) -> None:
         self.timer.loader_exhausted()  # end of epoch, or the loop broke out early
 
+    def before_wrap(self, setup: ModelSetup) -> None:
+        setup.comm_observer = self.timer  # DDP's allreduce reports to it (comm.ddp)
+
     def after_wrap(self, setup: ModelSetup) -> None:
         instrument_model(self.timer, setup.model, setup.module)
+
+    def on_epoch(self, epoch: int, num_epochs: int, steps: int | None) -> None:
+        hint: dict[str, Any] = {
+            "progress_epoch": epoch,
+            "progress_epochs": num_epochs,
+            "progress_epoch_start_step": int(self.timer.steps_total),
+        }
+        if steps is not None:
+            hint["progress_epoch_steps"] = steps
+        self.hint = hint
+
+    def on_report(self, metrics: Mapping[str, object], round_: int) -> None:
+        if self.hint and self.hint is not self._hint_sent:
+            # A new epoch since the last window: send one now, ahead of this report on the same
+            # connection, so that the driver shows this round's epoch as "k/N" (once per epoch).
+            self._hint_sent = self.hint
+            self.send()
+
+    def on_heartbeat(self) -> None:
+        if self.interval_s is None or time.monotonic() - self._last_window < self.interval_s:
+            return
+        self._last_window = time.monotonic()
+        self.send()
+
+    def on_worker_stop(self, error: BaseException | None) -> None:
+        """The last window (the steps since the previous one), unless the channel is gone."""
+        with contextlib.suppress(OSError, ValueError):
+            self.send()
+
+    def send(self) -> None:
+        """Send the steps timed since the last window to the driver (nothing when none, or
+        without a channel). Called from the heartbeat and the training thread.
+
+        Raises:
+            OSError, ValueError: the channel is closed.
+        """
+        session = self.session
+        if self.interval_s is None or session is None or session.channel is None:
+            return
+        with self._send_lock:
+            while (window := self.timer.take_window()) is not None:  # the warm-up apart
+                window = {**window, **self.hint}
+                rank = session.context.world_rank
+                session.channel.send(Timing(rank=rank, time=time.time(), window=window))
 
 
 def install_timer(
     session: Session, max_steps: int | None, comm_timing: str, interval_s: float | None
 ) -> StepTimer:
-    """Give ``session`` a :class:`StepTimer` and register its :class:`TimingPlugin`.
+    """Register a :class:`TimingPlugin` with a new :class:`StepTimer` on ``session``.
 
     Args:
         session: the worker's session.
@@ -375,13 +444,13 @@ def install_timer(
             (a step limit without timing).
 
     Returns:
-        The timer (also ``session.timer``).
+        The timer (the plug-in's ``timer``).
     """
     timer = StepTimer(max_steps=max_steps)
     timer.comm_timing = comm_timing
-    session.timer = timer
-    session.timing_interval_s = interval_s if interval_s is not None else float("inf")
-    session.hooks.register(TimingPlugin(timer))
+    session.hooks.register(TimingPlugin(timer, session, interval_s))
+    if interval_s is not None:
+        session.beat_at_least_every(interval_s)
     return timer
 
 
@@ -425,48 +494,3 @@ def install_optimizer_hooks(timer: StepTimer) -> None:
     pre = register_optimizer_step_pre_hook(lambda _o, _a, _k: timer.optimizer_start())
     post = register_optimizer_step_post_hook(lambda _o, _a, _k: timer.optimizer_end())
     timer.optimizer_hooks = (pre, post)
-
-
-def timed_comm_hook(timer: StepTimer, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """Wrap a DDP communication hook ``hook(state, bucket) -> Future[Tensor]`` so that each
-    bucket's communication, from launch to completion, and its size in bytes reach ``timer``."""
-
-    # No annotations (hence the type: ignores): DDP checks them against dist.GradBucket and
-    # Future, and with ``from __future__ import annotations`` they would be strings.
-    def timed(state, bucket):  # type: ignore[no-untyped-def, unused-ignore]
-        buf = bucket.buffer()
-        nbytes = buf.numel() * buf.element_size()
-        started = _now()
-        fut = hook(state, bucket)
-
-        def done(f: Any) -> Any:
-            timer.comm_done(started, nbytes)
-            return f.value()
-
-        return fut.then(done)
-
-    return timed
-
-
-def timed_allreduce_hook(timer: StepTimer) -> Callable[[Any, Any], Any]:
-    """DDP's default averaging allreduce (as ``torch.distributed.algorithms.ddp_comm_hooks.
-    default_hooks.allreduce_hook``: divide by the world size, then sum), timed, with a single
-    completion callback per bucket (wrapping torch's hook with :func:`timed_comm_hook` would run
-    two)."""
-    import torch.distributed as dist
-
-    def timed(process_group, bucket):  # type: ignore[no-untyped-def, unused-ignore]
-        group = process_group if process_group is not None else dist.group.WORLD
-        buf = bucket.buffer()
-        nbytes = buf.numel() * buf.element_size()
-        started = _now()
-        buf.div_(dist.get_world_size(group))
-        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-
-        def done(f):  # type: ignore[no-untyped-def, unused-ignore]
-            timer.comm_done(started, nbytes)
-            return f.value()[0]
-
-        return fut.then(done)
-
-    return timed

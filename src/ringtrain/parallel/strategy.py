@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ringtrain.monitor.timing import StepTimer
+    from ringtrain.worker.hooks import CommObserver
 
 _DDP_ONLY = (
     "ddp_kwargs",
@@ -62,8 +62,9 @@ class WrapContext:
             ``context.device`` (FSDP places its shards itself and ignores it).
         precision: the normalised precision (``"32"``, ``"bf16-mixed"``, ``"16-mixed"``) that
             :meth:`ModelStrategy.check` returned.
-        timer: the step timer when ``MonitorConfig(timing=True)``, else ``None`` (DDP times its
-            communication hooks with it).
+        comm_observer: who times communication (the timing plug-in's step timer, from
+            ``ModelSetup.comm_observer`` after the ``before_wrap`` hooks), else ``None``: DDP
+            times its gradient allreduce for it.
         sync_token: set by an elastic ``before_wrap`` hook when every rank is about to load the
             same snapshot into the module: DDP then skips its initial broadcast and checks at the
             first forward instead (:func:`ringtrain.comm.ddp.sync_unless_restored`).
@@ -74,7 +75,7 @@ class WrapContext:
     context: DistributedContext
     move_to_device: bool = True
     precision: str = "32"
-    timer: StepTimer | None = None
+    comm_observer: CommObserver | None = None
     sync_token: int | None = None
     mesh: DeviceMesh | None = None
 
@@ -201,7 +202,7 @@ class DDPStrategy:
         return wrap_ddp(
             model,
             ctx.context,
-            ctx.timer,
+            ctx.comm_observer,
             ddp_kwargs=self.ddp_arguments(),
             comm_hook=self.comm_hook,
             comm_hook_options=self.comm_hook_options,

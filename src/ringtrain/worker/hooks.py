@@ -7,17 +7,23 @@ every hook you leave out); ``session.hooks.register(plugin)`` adds it. The core 
 registry at each point of the worker's life, and the registry calls, in registration order, the
 plug-ins that define that hook::
 
-    class PrintSteps(rt.hooks.WorkerPlugin):
+    from ringtrain.worker.hooks import WorkerPlugin
+    from ringtrain.worker.session import current_session
+
+    class PrintSteps(WorkerPlugin):
         def on_step(self, state):
             print("step", state.step)
 
-    rt.session.current_session().hooks.register(PrintSteps())
+    current_session().hooks.register(PrintSteps())
 
 ============================  ==================================================================
 hook                          when (who calls it)
 ============================  ==================================================================
 ``on_worker_start(session)``  the worker's session is installed, before the train function
 ``on_worker_stop(error)``     the train function returned (``error=None``) or raised
+``on_group_formed()``         the default process group was formed (again, after an elastic
+                              resize): every rank at once, so a plug-in may make sub-groups
+``on_epoch(epoch, n, steps)`` ``TrainState.epochs`` enters ``epoch`` of ``n`` (``steps`` a pass)
 ``on_step(state)``            ``TrainState.step`` was set (after the new value is stored)
 ``on_batch_start()``          a prepared data loader is about to fetch its next batch
 ``on_batch(batch)``           a prepared data loader hands ``batch`` out (on the device)
@@ -27,11 +33,24 @@ hook                          when (who calls it)
 ``after_wrap(setup)``         ``prepare_model``: wrapped (DDP/FSDP), about to be returned
 ``on_restore(state, ckpt)``   ``TrainState.restore()`` loaded ``ckpt`` into ``state``
 ``on_report(metrics, round)`` ``report()`` is about to send round ``round``'s metrics
+``on_heartbeat()``            the heartbeat thread beats (the only hook not on the training
+                              thread: what a plug-in sends from here must be thread-safe)
 ============================  ==================================================================
 
 An exception a hook raises propagates to the caller: that is how the elastic plug-in leaves the
-train function to pause for a grow, and how the timing plug-in ends a run at ``max_steps``
-(both raise a ``BaseException`` a train function's ``except Exception`` does not catch).
+train function to pause for a grow, and how the timing and preemption plug-ins end a run cleanly
+(:class:`StopTraining`: a ``BaseException`` a train function's ``except Exception`` does not
+catch). What ``prepare_model`` wires into the model travels in :class:`ModelSetup`: the
+precision a precision plug-in applies in ``before_wrap``, and the :class:`CommObserver` a timing
+plug-in offers there, which DDP's communication hook reports to.
+
+The plug-ins (none of them imported by the core: session, state, data, loader, accumulate, this
+module): precision (:mod:`ringtrain.worker.precision`, registered by ``prepare_model``,
+``prepare_optimizer`` or ``backward`` on first use), step timing
+(:mod:`ringtrain.monitor.timing`, registered by the worker bootstrap when the run asks for it),
+the preemption agreement (:mod:`ringtrain.worker.preempt`, registered by the bootstrap in every
+ringtrain-launched worker), elastic training (:mod:`ringtrain.elastic.runtime`) and the chaos
+injector (:mod:`ringtrain.chaos.worker`).
 A hook that is not defined costs nothing: the registry keeps, per hook, the tuple of bound
 methods to call, rebuilt on each ``register``/``unregister``.
 """
@@ -51,6 +70,8 @@ T = TypeVar("T")
 HOOKS = (
     "on_worker_start",
     "on_worker_stop",
+    "on_group_formed",
+    "on_epoch",
     "on_step",
     "on_batch_start",
     "on_batch",
@@ -60,8 +81,40 @@ HOOKS = (
     "after_wrap",
     "on_restore",
     "on_report",
+    "on_heartbeat",
 )
 """Every hook's name, in the order of a worker's life."""
+
+
+class StopTraining(BaseException):
+    """Raised by a plug-in's hook to end the train function cleanly (the worker then finishes
+    as if it had returned): the timing plug-in at ``max_steps``
+    (:class:`~ringtrain.monitor.timing.StepLimitReached`), the preemption plug-in at the agreed
+    stop step (:class:`~ringtrain.worker.preempt.PreemptStop`). A ``BaseException``, so that a
+    train function's ``except Exception`` does not swallow it."""
+
+
+class CommObserver(Protocol):
+    """What a plug-in that times communication offers ``prepare_model`` in
+    :attr:`ModelSetup.comm_observer` (the step timer, :class:`ringtrain.monitor.timing.StepTimer`):
+    DDP's wrapping (:func:`ringtrain.comm.ddp.wrap_ddp`) times its gradient allreduce for it.
+
+    Attributes:
+        comm_timing: ``MonitorConfig.comm_timing``: ``"hook"`` (time each bucket in a DDP
+            communication hook), ``"wait"`` (no hook: the observer measures the step's wait),
+            ``"auto"`` (a hook on CUDA or with a compression hook, else ``"wait"``).
+        wait_comm_bytes: set by the wrapping in ``"wait"`` mode: the bytes one step's allreduce
+            puts on the wire.
+    """
+
+    comm_timing: str
+    wait_comm_bytes: int | None
+
+    def comm_done(self, started: float, nbytes: int) -> None:
+        """One bucket's collective, launched at ``started`` (``time.perf_counter()``) and
+        carrying ``nbytes`` bytes, completed."""
+        ...
+
 
 SYNC_TOKEN_ATTR = "_ringtrain_restored_token"
 """Set on a module (unwrapped) by a restore plug-in to the :attr:`ModelSetup.sync_token` of the
@@ -109,6 +162,10 @@ class ModelSetup:
             state into the module before its first forward (an elastic snapshot): DDP then skips
             its initial broadcast, and checks at the first forward that every rank's module
             carries this token in :data:`SYNC_TOKEN_ATTR` (``None``: DDP broadcasts as usual).
+        precision: ``prepare_model(precision=...)``, normalised (``"32"``, ``"bf16-mixed"``,
+            ``"16-mixed"``): the precision plug-in applies it in ``before_wrap``.
+        comm_observer: set by a ``before_wrap`` hook that times communication (the timing
+            plug-in): the wrapping reports each gradient allreduce to it.
     """
 
     module: torch.nn.Module
@@ -116,6 +173,8 @@ class ModelSetup:
     device: torch.device
     world_size: int
     sync_token: int | None = None
+    precision: str = "32"
+    comm_observer: CommObserver | None = None
 
 
 class WorkerPlugin(Protocol):
@@ -132,6 +191,19 @@ class WorkerPlugin(Protocol):
 
     def on_worker_stop(self, error: BaseException | None) -> None:
         """The train function returned (``error`` is None) or raised ``error``."""
+        return None
+
+    def on_group_formed(self) -> None:
+        """The default process group was just formed (by the worker bootstrap, or re-formed by
+        an elastic resize). Every rank of the group calls it at the same point, so a plug-in
+        may create its own sub-groups here (``torch.distributed.new_group``: a collective);
+        the elastic runtime notes their gloo connections with the group's, to end them all when
+        a peer is lost."""
+        return None
+
+    def on_epoch(self, epoch: int, num_epochs: int, steps: int | None) -> None:
+        """``TrainState.epochs`` enters ``epoch`` (0-based) of ``num_epochs``; ``steps``: the
+        batches of one pass of the loader (``None``: unknown)."""
         return None
 
     def on_step(self, state: StepState) -> None:
@@ -168,6 +240,12 @@ class WorkerPlugin(Protocol):
 
     def on_report(self, metrics: Mapping[str, object], round_: int) -> None:
         """``report()`` is about to send round ``round_``'s (clean) ``metrics``."""
+        return None
+
+    def on_heartbeat(self) -> None:
+        """The heartbeat thread beats (every ``worker_timeout_s / 5``, or more often if a
+        plug-in asked with :meth:`~ringtrain.worker.session.Session.beat_at_least_every`). Runs
+        on that thread; ``OSError``/``ValueError`` (the channel closed) end the heartbeat."""
         return None
 
 
@@ -242,6 +320,14 @@ class HookRegistry:
         for call in self._calls["on_worker_stop"]:
             call(error)
 
+    def on_group_formed(self) -> None:
+        for call in self._calls["on_group_formed"]:
+            call()
+
+    def on_epoch(self, epoch: int, num_epochs: int, steps: int | None) -> None:
+        for call in self._calls["on_epoch"]:
+            call(epoch, num_epochs, steps)
+
     def on_step(self, state: StepState) -> None:
         for call in self._calls["on_step"]:
             call(state)
@@ -277,3 +363,7 @@ class HookRegistry:
     def on_report(self, metrics: Mapping[str, object], round_: int) -> None:
         for call in self._calls["on_report"]:
             call(metrics, round_)
+
+    def on_heartbeat(self) -> None:
+        for call in self._calls["on_heartbeat"]:
+            call()

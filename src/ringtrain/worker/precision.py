@@ -141,8 +141,9 @@ class PrecisionPlugin(WorkerPlugin):
     per worker session, found or registered by :func:`precision_plugin`, so that what it holds goes
     with the session (no module-level state).
 
-    ``prepare_model`` sets :attr:`precision` to the precision it was given, then runs the
-    ``before_wrap`` hooks: this one puts the autocast hooks on the placed, unwrapped module.
+    ``prepare_model`` registers it (when a precision other than ``"32"`` is asked) and passes the
+    precision in ``ModelSetup.precision`` to the ``before_wrap`` hooks: this one records it and
+    puts the autocast hooks on the placed, unwrapped module.
     :func:`prepare_optimizer` reads :attr:`precision` as its default and records the optimizer
     that :func:`backward` scales the loss for.
 
@@ -156,7 +157,8 @@ class PrecisionPlugin(WorkerPlugin):
         self.optimizer: PreparedOptimizer | None = None
 
     def before_wrap(self, setup: ModelSetup) -> None:
-        apply_precision(setup.module, self.precision, setup.device)
+        self.precision = setup.precision
+        apply_precision(setup.module, setup.precision, setup.device)
 
 
 def precision_plugin() -> PrecisionPlugin:

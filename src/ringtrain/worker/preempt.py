@@ -4,7 +4,8 @@
 registers in every ringtrain-launched worker. At each ``TrainState.step`` boundary (``on_step``)
 it reads the driver's messages waiting on the channel (:meth:`Session.poll_driver
 <ringtrain.worker.session.Session.poll_driver>`, the one reader of driver messages on a worker) and
-every rank allreduces (MAX) a one-int "stop requested" flag: 1 once a
+every rank allreduces (MAX), on a process group of its own (:data:`AGREEMENT`), a "stop
+requested" flag and its step: the flag is 1 once a
 :class:`~ringtrain.wire.channel.PreemptRequest` arrived, or this process itself received SIGTERM
 from someone other than the driver. Ranks see the request at different steps, but the first boundary
 where the MAX is 1 is the same on every rank: the **stop step**. Each rank then lets the rest of
@@ -19,6 +20,14 @@ write, then says ``Done``).
 The TrainState saved is the one whose ``step`` setter ran the hook; a train function without a
 ``TrainState`` has nothing to save: it stops at the agreed step and the run resumes from its
 last own checkpoint.
+
+**Every rank must set ``TrainState.step`` at the same steps**: each set joins this collective.
+A rank that sets it while the others do not (``if rank == 0: state.step += 1``) waits for them
+for at most :func:`agreement_timeout_s` and then fails with :class:`StepAgreementError` naming
+the step; ranks that set it at different counts (one sets it twice per batch) fail with it at
+once, since the agreement compares the steps. The agreement has its own process group, so a
+mismatch never pairs it with the model's collectives (DDP's gradient allreduce).
+
 
 **SIGTERM to a worker** (a node going away with the whole process tree, or someone signalling
 the workers' process groups): :func:`watch_worker_signals` blocks SIGTERM in every thread of the
@@ -38,11 +47,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.monitor.timing import StepLimitReached
+from ringtrain.cluster.distributed import collective_timeout_s
 from ringtrain.wire.channel import PreemptRequest, PreemptSaved, WorkerNotice
-from ringtrain.worker.hooks import StepState, WorkerPlugin
+from ringtrain.worker.hooks import StepState, StopTraining, WorkerPlugin
 from ringtrain.worker.session import Session
 
 if TYPE_CHECKING:
@@ -53,11 +63,32 @@ logger = logging.getLogger("ringtrain")
 WATCHED = frozenset({signal.SIGTERM})
 """The signals a worker treats as a preemption notice when they do not come from its driver."""
 
+AGREEMENT = "ringtrain step agreement"
+"""What the agreement's own gloo process group is: made by every rank when the default group is
+formed (the ``on_group_formed`` hook: the bootstrap, an elastic resize), or at the first step
+boundary where the train function formed the default group itself (script mode)."""
 
-class PreemptStop(StepLimitReached):
+
+class StepAgreementError(RuntimeError):
+    """``TrainState.step`` was not set on every rank at the same steps (see the module docs)."""
+
+
+def agreement_timeout_s(worker_timeout_s: float | None) -> float:
+    """How long a rank waits at a step boundary for every rank's part of the previous step's
+    agreement (seconds): half of ``FailureConfig.worker_timeout_s`` (at least 5 s), so that the
+    rank that set the step names the mismatch before the driver's hang detection blames a rank
+    stuck behind it; the collective timeout (1800 s) without one. Ranks in step (data-parallel
+    lockstep) have started it long before: a rank waits only for a peer less than a step behind.
+    """
+    if worker_timeout_s is None:
+        return collective_timeout_s(None)
+    return min(collective_timeout_s(worker_timeout_s), max(worker_timeout_s / 2, 5.0))
+
+
+class PreemptStop(StopTraining):
     """Raised out of the train function after the stop step's state was saved (internal). A
-    :class:`~ringtrain.monitor.timing.StepLimitReached`, so the bootstrap ends the worker
-    cleanly; a BaseException, so a train function's ``except Exception`` lets it pass."""
+    :class:`~ringtrain.worker.hooks.StopTraining`, so the bootstrap ends the worker cleanly; a
+    BaseException, so a train function's ``except Exception`` lets it pass."""
 
 
 class PreemptionPlugin(WorkerPlugin):
@@ -75,6 +106,8 @@ class PreemptionPlugin(WorkerPlugin):
         # The flag's allreduce in flight (started at the previous boundary), its buffer, and the
         # process group it runs on (an elastic resize replaces the group: then it is dropped).
         self._pending: tuple[Any, torch.Tensor, object] | None = None
+        self._group: Any = None  # the agreement's process group, and the default group it
+        self._group_for: Any = None  # was made for (an elastic resize replaces that one)
         self._lock = threading.Lock()
         self.allreduces = 0  # steps agreed on (for tests and the overhead benchmark)
 
@@ -103,6 +136,13 @@ class PreemptionPlugin(WorkerPlugin):
             pass
 
     # ------------------------------------------------------------------ hooks
+    def on_group_formed(self) -> None:
+        """Make the agreement's gloo group over the new default group (every rank does, now)."""
+        import torch.distributed as dist
+
+        if self.session.context.world_size > 1 and dist.is_initialized():
+            self._new_group(step=None)
+
     def on_step(self, state: StepState) -> None:
         """Agree, with one allreduce, whether any rank must stop (see the module docs).
 
@@ -115,7 +155,7 @@ class PreemptionPlugin(WorkerPlugin):
         self.session.poll_driver()
         for message in self.session.take_messages(PreemptRequest):
             self.request(message.reason or "preemption notice from the driver")
-        if self._agreed():
+        if self._agreed(int(state.step)):
             self.stop_after = int(state.step)
             self.state = state
             logger.info(
@@ -131,14 +171,19 @@ class PreemptionPlugin(WorkerPlugin):
             self._stop(self.state)
 
     # ------------------------------------------------------------------ the stop
-    def _agreed(self) -> bool:
+    def _agreed(self, step: int) -> bool:
         """Whether any rank raised its flag, agreed over the group with a MAX allreduce (the
         local flag alone at world size 1 or without a process group).
 
         Pipelined so that it costs no wait: each boundary starts the allreduce of this rank's
-        flag asynchronously and reads the one started at the previous boundary (done by now:
-        the step's compute ran meanwhile). Every rank reads the same result at the same
+        flag and step asynchronously and reads the one started at the previous boundary (done by
+        now: the step's compute ran meanwhile). Every rank reads the same result at the same
         boundary, so the stop step is the same everywhere, one step after the flag was raised.
+
+        Raises:
+            StepAgreementError: the ranks set ``TrainState.step`` at different steps, or not
+                every rank joined the previous boundary's agreement within
+                :func:`agreement_timeout_s`.
         """
         flag = int(self.reason is not None)
         ctx = self.session.context
@@ -149,19 +194,68 @@ class PreemptionPlugin(WorkerPlugin):
 
         if not (dist.is_available() and dist.is_initialized()):
             return bool(flag)
-        group = dist.group.WORLD
+        group = self._agreement_group(step)
         agreed = False
         pending, self._pending = self._pending, None
         if pending is not None and pending[2] is group:
-            work, box, _ = pending
-            work.wait()
-            agreed = bool(box.item())
-        device = ctx.device if ctx.use_gpu else torch.device("cpu")
-        box = torch.full((1,), flag, dtype=torch.int32, device=device)
-        work = dist.all_reduce(box, op=dist.ReduceOp.MAX, async_op=True)
+            agreed = self._read(pending, step)
+        box = torch.tensor([flag, step, -step], dtype=torch.int64)
+        work = dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group, async_op=True)
         self._pending = (work, box, group)
         self.allreduces += 1
         return agreed
+
+    def _agreement_group(self, step: int) -> Any:
+        """The agreement's gloo group over the current default group's ranks (made when the
+        group formed; made here, at the first boundary, when the train function formed it)."""
+        import torch.distributed as dist
+
+        if self._group is None or self._group_for is not dist.group.WORLD:
+            self._new_group(step)
+        return self._group
+
+    def _new_group(self, step: int | None) -> None:
+        """Make the agreement's group (a collective of the default group's ranks); ``step``:
+        the boundary that makes it (``None``: when the default group formed)."""
+        import torch.distributed as dist
+
+        timeout = agreement_timeout_s(self.session.context.worker_timeout_s)
+        try:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        except RuntimeError as exc:  # the store-based rendezvous of new_group timed out
+            if step is None or not _timed_out(exc):
+                raise
+            raise self._missing(step, timeout) from exc
+        self._group_for = dist.group.WORLD
+
+    def _read(self, pending: tuple[Any, Any, object], step: int) -> bool:
+        """The previous boundary's agreement: any rank's flag (checking that every rank was at
+        the same step)."""
+        work, box, _ = pending
+        timeout = agreement_timeout_s(self.session.context.worker_timeout_s)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if not _timed_out(exc):
+                raise  # a peer is gone (its connections closed): not a mismatch
+            raise self._missing(step - 1, timeout) from exc  # not every rank joined in time
+        flag, high, low = (int(v) for v in box.tolist())
+        if high != -low:
+            raise StepAgreementError(
+                f"rank {self.session.context.world_rank}: TrainState.step differs across ranks "
+                f"(from {-low} to {high} at the same boundary): setting state.step joins a "
+                "collective of every rank (the preemption agreement), so every rank must set it "
+                "at the same steps, the same number of times"
+            )
+        return bool(flag)
+
+    def _missing(self, step: int, timeout_s: float) -> StepAgreementError:
+        return StepAgreementError(
+            f"rank {self.session.context.world_rank} set TrainState.step to {step} and the "
+            f"other ranks did not within {timeout_s:g} s: setting state.step joins a collective "
+            "of every rank (the preemption agreement), so every rank must set it at the same "
+            "steps (not only on some ranks, e.g. inside `if rank == 0:`)"
+        )
 
     def on_worker_stop(self, error: BaseException | None) -> None:
         """Finish the last flag allreduce (every rank started it) before the group goes."""
@@ -170,7 +264,7 @@ class PreemptionPlugin(WorkerPlugin):
             return
         import torch.distributed as dist
 
-        if dist.is_initialized() and pending[2] is dist.group.WORLD:
+        if dist.is_initialized() and pending[2] is self._group:
             try:
                 pending[0].wait()
             except RuntimeError:
@@ -193,6 +287,12 @@ class PreemptionPlugin(WorkerPlugin):
             rank = session.context.world_rank
             session.channel.send(PreemptSaved(rank, time.time(), step, round_))
         raise PreemptStop(f"stopped for a preemption after step {step}")
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a collective's error is its timeout (gloo: "Timed out waiting ...") rather than a
+    lost peer ("Connection closed by peer", ...)."""
+    return "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower()
 
 
 def register(session: Session) -> PreemptionPlugin | None:

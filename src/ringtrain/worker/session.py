@@ -19,17 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ringtrain.checkpoint import storage
 from ringtrain.checkpoint.checkpoint import Checkpoint
 from ringtrain.cluster.env import DistributedContext, context_from_env
-from ringtrain.wire.channel import CheckpointDone, Heartbeat, Report, Timing, WorkerChannel
-from ringtrain.worker.hooks import HookRegistry, StepState
-
-if TYPE_CHECKING:  # the timer is monitor/timing's, which a worker with timing off never loads
-    from ringtrain.monitor.timing import StepTimer
+from ringtrain.wire.channel import CheckpointDone, Heartbeat, Report, WorkerChannel
 from ringtrain.wire.worker_config import WorkerConfig
+from ringtrain.worker.hooks import HookRegistry, StepState
 
 logger = logging.getLogger("ringtrain")
 
@@ -50,8 +47,8 @@ class Session:
             them to host memory (``CheckpointConfig.async_save``).
         last_progress: ``time.monotonic()`` of the last sign of progress (a batch from a
             prepared loader, a step, a report); what the heartbeat tells the driver.
-        timer: the step timer (``MonitorConfig.timing``), ``None`` when timing is off.
-        timing_interval_s: how often the heartbeat thread sends a timing window (seconds).
+        beat_interval_s: the longest interval between two heartbeats a plug-in asked for
+            (:meth:`beat_at_least_every`; seconds, ``None``: no plug-in asked).
         hooks: this worker's plug-ins (:mod:`ringtrain.worker.hooks`): elastic, timing, precision...
     """
 
@@ -67,11 +64,7 @@ class Session:
     progressed: bool = False
     progress_count: int = 0
     warned_no_storage: bool = False
-    timer: StepTimer | None = None
-    timing_interval_s: float = 2.0
-    # Where training is (note_epoch): sent with each timing window for the driver's progress bar.
-    progress_hint: dict[str, Any] = field(default_factory=dict)
-    _hint_sent: dict[str, Any] | None = None
+    beat_interval_s: float | None = None
     hooks: HookRegistry = field(default_factory=HookRegistry)
     # Driver messages read from the channel and not yet taken (poll_driver/take_messages).
     inbox: list[Any] = field(default_factory=list)
@@ -104,33 +97,32 @@ class Session:
             self.inbox = [m for m in self.inbox if not isinstance(m, kind)]
         return taken
 
+    def beat_at_least_every(self, interval_s: float) -> None:
+        """Ask the heartbeat thread to beat at least every ``interval_s`` seconds (a plug-in
+        that sends from ``on_heartbeat``, e.g. the timing windows); call it before
+        :meth:`start_heartbeat`."""
+        if self.beat_interval_s is None or interval_s < self.beat_interval_s:
+            self.beat_interval_s = interval_s
+
     def start_heartbeat(self, interval_s: float) -> None:
-        """Every ``interval_s`` seconds, tell the driver how long ago this rank last made
-        progress. The driver, not the worker, decides when that is too long: a worker stuck in a
+        """Every ``interval_s`` seconds (or the shorter interval a plug-in asked for), tell the
+        driver how long ago this rank last made progress, after the plug-ins' ``on_heartbeat``
+        hooks. The driver, not the worker, decides when that is too long: a worker stuck in a
         collective or in C code still answers from this thread, and a frozen one goes silent."""
         channel = self.channel
         if channel is None:
             return
-
-        if self.timer is not None:
-            interval_s = min(interval_s, self.timing_interval_s)
+        if self.beat_interval_s is not None:
+            interval_s = min(interval_s, self.beat_interval_s)
 
         def beat() -> None:
-            last_window = time.monotonic()
             while True:
                 time.sleep(interval_s)
-                if self.timer is not None and (
-                    time.monotonic() - last_window >= self.timing_interval_s
-                ):
-                    last_window = time.monotonic()
-                    try:
-                        self.send_timing()
-                    except (OSError, ValueError):
-                        return
                 # None until the first progress: start-up (imports, data loading, restoring a
                 # checkpoint) is not a hang, however long it takes.
                 age = time.monotonic() - self.last_progress if self.progressed else None
                 try:
+                    self.hooks.on_heartbeat()
                     channel.send(
                         Heartbeat(
                             rank=self.context.world_rank,  # changes on an elastic resize
@@ -144,14 +136,6 @@ class Session:
                     return
 
         threading.Thread(target=beat, name="ringtrain-heartbeat", daemon=True).start()
-
-    def send_timing(self) -> None:
-        """Send the steps timed since the last window to the driver (nothing when none)."""
-        if self.timer is None or self.channel is None:
-            return
-        while (window := self.timer.take_window()) is not None:  # the warm-up apart
-            window = {**window, **self.progress_hint}
-            self.channel.send(Timing(rank=self.context.world_rank, time=time.time(), window=window))
 
     def wait_for_checkpoint(self, timeout_s: float | None = None) -> None:
         """Block until the checkpoint being written in the background (if any) is on storage,
@@ -192,19 +176,15 @@ def _reset_session() -> None:
 
 
 def note_epoch(epoch: int, num_epochs: int, loader: Any = None) -> None:
-    """Record that training enters ``epoch`` (0-based) of ``num_epochs`` (``TrainState.epochs``
-    calls it). The next timing windows carry it (``progress_epoch``, ``progress_epochs``,
-    ``progress_epoch_steps``: the loader's length, ``progress_epoch_start_step``: the timer's
-    step count now), from which the driver draws its progress bar and ETA."""
-    session = current_session()
-    hint: dict[str, Any] = {"progress_epoch": int(epoch), "progress_epochs": int(num_epochs)}
-    if session.timer is not None:
-        hint["progress_epoch_start_step"] = int(session.timer.steps_total)
+    """Training enters ``epoch`` (0-based) of ``num_epochs`` (``TrainState.epochs`` calls it):
+    the plug-ins' ``on_epoch`` hooks run, with the loader's length as the epoch's steps (the
+    timing plug-in sends it with its next window, from which the driver draws its progress bar
+    and ETA)."""
     try:
-        hint["progress_epoch_steps"] = len(loader)
+        steps: int | None = len(loader)
     except TypeError:
-        pass
-    session.progress_hint = hint
+        steps = None
+    current_hooks().on_epoch(int(epoch), int(num_epochs), steps)
 
 
 def current_session() -> Session:
@@ -275,13 +255,6 @@ def mark_progress(step: int | None = None) -> None:
         session.progress_count += 1
         if step is not None:
             session.last_step = step
-
-
-def current_timer() -> StepTimer | None:
-    """This worker's :class:`~ringtrain.monitor.timing.StepTimer`, or ``None`` (timing off, or
-    not a ringtrain worker)."""
-    session = _session
-    return session.timer if session is not None else None
 
 
 def get_context() -> DistributedContext:
@@ -376,12 +349,7 @@ def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
         checkpoint_error=error,
     )
     session.next_round += 1
-    if session.progress_hint and session.progress_hint is not session._hint_sent:
-        # A new epoch since the last window: send one now, ahead of this report on the same
-        # connection, so that the driver shows this round's epoch as "k/N" (once per epoch).
-        session._hint_sent = session.progress_hint
-        session.send_timing()
-    session.hooks.on_report(clean, round_)
+    session.hooks.on_report(clean, round_)  # before the report: what it sends arrives first
     session.last_metrics = clean
     session.last_progress = time.monotonic()
     session.progressed = True

@@ -171,9 +171,21 @@ class TrainState:
     # ------------------------------------------------------------------ counters
     @property
     def step(self) -> int:
-        """The step counter; setting it counts as progress for hang detection and runs the
-        session's step hooks (:meth:`ringtrain.worker.hooks.WorkerPlugin.on_step`: an elastic run's
-        in-memory snapshots)."""
+        """The step counter (an ``int``); setting it marks the step boundary.
+
+        Setting it counts as progress for hang detection and runs the session's step hooks
+        (:meth:`ringtrain.worker.hooks.WorkerPlugin.on_step`): in a ringtrain-launched worker
+        that includes the **preemption agreement**, a small allreduce of every rank on a process
+        group of its own (:mod:`ringtrain.worker.preempt`: whether any rank must stop for a
+        preemption notice, and at which step), and an elastic run's in-memory snapshots.
+
+        So every rank must set it at the same steps, the same way (``state.step += 1`` after
+        each optimizer step on every rank). A rank that sets it while the others do not waits
+        for them at its next boundary for half of ``FailureConfig.worker_timeout_s`` (at least
+        5 s; 1800 s without a timeout) and fails with
+        :class:`~ringtrain.worker.preempt.StepAgreementError`, naming the step; ranks whose
+        values differ at the same boundary fail with it at once.
+        """
         return self._step
 
     @step.setter
