@@ -1,4 +1,4 @@
-"""Probes behind the notes of ``benchmarks/recovery.py`` (docs/benchmarks.md, "Recovery (issue 3)").
+"""Probes behind the notes of ``benchmarks/recovery.py`` (docs/benchmarks.md, "Checkpoints").
 
 Not part of the benchmark: each probe isolates one cost that the benchmark's breakdown points at,
 and compares it with an alternative. Some use ringtrain internals on purpose (``_stage``, the

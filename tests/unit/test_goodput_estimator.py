@@ -1,6 +1,6 @@
 """``benchmarks/goodput.py``'s goodput paired in time (``local_useful``) on synthetic step logs:
 the pure arithmetic that turns a mode's step log into useful seconds. (The benchmark itself runs
-real processes for minutes; its figures are in docs/benchmarks.md.)"""
+real processes for minutes; its figures are in docs/benchmarks.md, "Recovery and goodput".)"""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ class MonitorConfig:
         timing: time every training step in every worker (data wait, forward + backward
             compute, communication and its part not overlapped with backward, optimizer) and
             send per-window aggregates to the driver. On by default; its cost is measured in
-            docs/benchmarks.md.
+            docs/benchmarks.md, "Monitoring overhead".
         timing_interval_s: how often each worker sends its timing window (seconds).
         comm_timing: how DDP's gradient allreduce is timed. ``"hook"``: inside a DDP
             communication hook, per bucket from launch to completion (total and exposed

@@ -152,7 +152,7 @@ def _summary_writer_class() -> Any:
     imported torch: tensorboardX's ``import torch`` (in ``tensorboardX.writer``) only widens
     type annotations to accept tensors, and this sink writes floats. So the driver of
     ``ringtrain run``, whose workers alone need torch, never loads it (~2 CPU-seconds and
-    ~180 MiB of peak memory: docs/benchmarks.md, "Stop 39")."""
+    ~180 MiB of peak memory: docs/benchmarks.md, "Overhead vs torchrun")."""
     if "torch" not in sys.modules and "tensorboardX" not in sys.modules:
         finder = _NoTorchInThisThread()
         sys.meta_path.insert(0, finder)

@@ -37,7 +37,7 @@ was queued, not when it finished; the step total is exact whenever the loop sync
 ``.item()``, the optimizer reading gradients). Totals are right, the split is approximate.
 
 The cost is a few ``time.perf_counter()`` calls per step plus one per parameter per backward
-(see the instrumentation overhead benchmark in docs/benchmarks.md).
+(see docs/benchmarks.md, "Monitoring overhead").
 """
 
 from __future__ import annotations
