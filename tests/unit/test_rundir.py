@@ -18,6 +18,7 @@ import pytest
 from ringtrain.controller.states import RunState
 from ringtrain.rundir import RunDirectory
 from ringtrain.rundir.reader import EventReader, read_events
+from ringtrain.rundir.run_records import ConfigRecord, ResultRecord
 from ringtrain.rundir.schema import (
     CONFIG_FILE,
     EVENT_TYPES,
@@ -30,12 +31,10 @@ from ringtrain.rundir.schema import (
     TERMINAL_STATUSES,
     TIMING_CSV_FILE,
     CheckpointInvalidEvent,
-    ConfigRecord,
     EventRecord,
     FailureEvent,
     ReportEvent,
     ResizeEvent,
-    ResultRecord,
     RunStartEvent,
     TimingEvent,
     TransitionEvent,

@@ -255,6 +255,17 @@ class CheckpointManager:
         self._failed.append((tracked.round, tracked.checkpoint.path, why, rank))
         return True
 
+    def set_aside_after(self, round_: int, why: str) -> list[int]:
+        """Set aside every checkpoint newer than round ``round_`` (``-1``: all), like a corrupt
+        one (renamed ``.corrupt`` by the next :meth:`latest_verified`, with ``why``): a replica
+        check found corrupted state after the newest checkpoint at or before ``round_``.
+        Returns the rounds set aside."""
+        newer = [t for t in self.checkpoints if t.round > round_]
+        for tracked in newer:
+            self.checkpoints.remove(tracked)
+            self._failed.append((tracked.round, tracked.checkpoint.path, why, None))
+        return [t.round for t in newer]
+
     def _set_aside(
         self, round_: int, path: str, why: str, resume: str | None, rank: int | None
     ) -> None:

@@ -46,6 +46,19 @@ class FailureConfig:
         slurm_requeue: inside a SLURM job (``SLURM_JOB_ID`` set), a run that ends ``PREEMPTED``
             asks for its job to be queued again (``scontrol requeue``); the requeued job resumes
             the run by its name (:mod:`ringtrain.cluster.slurm`). ``False`` leaves the job ended.
+        replica_check_every: every this many ``TrainState.step`` increments, the data-parallel
+            replicas (DDP's ranks, HSDP's ``dp_replicate`` axis) compare a 64-bit fingerprint of
+            their parameters and optimizer state (one allgather of 8 bytes per rank, pipelined
+            with the next step). Replicas are bit-identical by construction, so a rank that
+            differs holds corrupted bits: the run rolls back to the newest checkpoint that passed
+            a check and continues; a rank caught twice is excluded (elastic runs) or stops the
+            run with its name and host. 0 (default): off. Cost and detection:
+            docs/fault-tolerance.md, "Silent data corruption".
+        replay_check_every: every this many steps one rank's step (its batch, its RNG state,
+            the parameters before the step) is recomputed on another rank, rotating through the
+            ranks, and the two local gradients' fingerprints compared: this catches a rank whose
+            *gradient* is wrong, which the replica check cannot see (the allreduce spreads it to
+            every replica alike). 0 (default): off.
     """
 
     max_failures: int = 0
@@ -54,6 +67,8 @@ class FailureConfig:
     preemption_grace_s: float = 30.0
     notice_sources: Sequence[NoticeSource] = ()
     slurm_requeue: bool = True
+    replica_check_every: int = 0
+    replay_check_every: int = 0
 
     def __post_init__(self) -> None:
         check_int(
@@ -87,6 +102,14 @@ class FailureConfig:
         if not isinstance(self.slurm_requeue, bool):
             raise TypeError(
                 f"FailureConfig.slurm_requeue must be True or False, got {self.slurm_requeue!r}"
+            )
+        for name in ("replica_check_every", "replay_check_every"):
+            check_int(
+                "FailureConfig",
+                name,
+                getattr(self, name),
+                0,
+                "use 0 to turn the check off, or N to check every N TrainState.step increments",
             )
         sources = check_sources("FailureConfig.notice_sources", self.notice_sources)
         object.__setattr__(self, "notice_sources", sources)

@@ -30,6 +30,7 @@ its group is stopped at once and the run ends ``STOPPED``, its published checkpo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -37,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ringtrain.checkpoint.manager import CheckpointManager
-from ringtrain.controller import events
+from ringtrain.controller import events, integrity
 from ringtrain.controller.attempt import root_cause
 from ringtrain.controller.effects import (
     Say,
@@ -46,8 +47,9 @@ from ringtrain.controller.elastic import Rendezvous
 from ringtrain.controller.executor import Executor
 from ringtrain.controller.generation import Generation, Grow
 from ringtrain.controller.in_place import InPlace
+from ringtrain.controller.integrity import Recheck
 from ringtrain.controller.notices import TRAINING, Notices
-from ringtrain.controller.outputs import RunBook, build_result, call_callbacks, result_record
+from ringtrain.controller.outputs import RunBook, build_result, result_record
 from ringtrain.controller.policy import Decision, FailurePolicy
 from ringtrain.controller.preempting import Preemption
 from ringtrain.controller.resume import ResumePoint
@@ -78,13 +80,12 @@ from ringtrain.result import Result, TrainingFailedError, WorkerFailure, follow_
 from ringtrain.rundir import RunDirectory
 from ringtrain.rundir.schema import (
     DecisionEvent,
-    ResizeEvent,
     RunEndEvent,
     RunStartEvent,
     StopRequestedEvent,
     TransitionEvent,
 )
-from ringtrain.wire.channel import Event, PreemptSaved, WorkerNotice
+from ringtrain.wire.channel import Event, IntegrityMismatch, PreemptSaved, WorkerNotice
 
 __all__ = ["Controller", "RunState", "SpecFactory", "Transition"]
 
@@ -178,6 +179,8 @@ class Controller(Executor, InPlace, Notices):
         self.book = RunBook()
         self.rendezvous = Rendezvous()
         self.next_round = checkpoints.next_round
+        self.recheck: Recheck | None = None  # a mismatch the re-run is to name a rank for
+        self.excluded = 0  # workers left out after corrupting twice (elastic runs)
 
     @property
     def state(self) -> RunState:
@@ -329,13 +332,15 @@ class Controller(Executor, InPlace, Notices):
         if self.group is not None:
             # Checked before taking more events too: the step that saw the failure handled the
             # events of its poll, and a grace of 0 s ends the collection there.
-            if not self._drained(gen):
+            if not gen.drained(self.failure_grace_s, self.checkpoint_grace_s):
                 self._take(gen, event)
                 if self._stop_requested():
                     return self._stop(state)
-                if not self._drained(gen):
+                if not gen.drained(self.failure_grace_s, self.checkpoint_grace_s):
                     return Transition(state, state)
             self._stop_group(gen)
+        if gen.mismatch is not None:
+            return self._corrupted(state, gen, gen.mismatch)
         if not gen.failures:
             return Transition(state, Finished(), "the group ended without a failure")
         everyone = list(gen.failures.values())
@@ -356,25 +361,52 @@ class Controller(Executor, InPlace, Notices):
             return Transition(state, Errored(self.book.error), decision.reason)
         return Transition(state, Starting(gen.number + 1), decision.reason)
 
-    def _drained(self, gen: Generation) -> bool:
-        """Whether the failed group's remaining events are in: every rank exited, or every rank
-        failed or the ``failure_grace_s`` passed (held while a live rank finishes a checkpoint
-        write, up to ``checkpoint_grace_s``)."""
-        if gen.all_exited:
-            return True
-        assert gen.first_failure_at is not None
-        since = time.monotonic() - gen.first_failure_at
-        hung = {r for r, f in gen.failures.items() if f.kind == "hang"}
-        if gen.rounds.writes_in_flight(hung | set(gen.exited)):
-            return since >= self.checkpoint_grace_s
-        return gen.all_failed_or_exited or since > self.failure_grace_s
-
     def _stop(self, state: State) -> Transition:
         self.run_dir.write(StopRequestedEvent(round=self.next_round - 1))
         if self.group is not None:
             self.group.stop(grace_s=self.stop_grace_s)
             self.group = None
         return Transition(state, Stopped(), f"stop requested after round {self.next_round - 1}")
+
+    def _corrupted(
+        self, state: Restarting, gen: Generation, mismatch: IntegrityMismatch
+    ) -> Transition:
+        """A replica check failed: roll back to the newest checkpoint that passed a check
+        (``integrity.after_mismatch`` decides; no failure is counted), restart without a rank
+        caught twice (elastic runs), or stop naming it."""
+        spare = gen.world_size - self.elastic.min_workers if self.elastic is not None else 0
+        decision = integrity.after_mismatch(
+            mismatch,
+            hosts=gen.hosts,
+            caught=self.book.caught,
+            suspected=self.book.suspected,
+            can_shrink_by=spare,
+        )
+        self.book.caught.update(decision.culprits)
+        if not mismatch.named:
+            self.book.suspected.update(mismatch.suspects)
+        self.apply(decision.effects)
+        if decision.action == "fail":
+            failure = WorkerFailure(
+                rank=decision.excluded[0],
+                kind="corruption",
+                message=decision.reason,
+                attempt=gen.number,
+                time=time.time(),
+                step=mismatch.step,
+            )
+            self.book.failures.append(failure)
+            self.callback("on_failure", failure)
+            self.book.error = TrainingFailedError(self.failures, self.book.follow_on_failures)
+            return Transition(state, Errored(self.book.error), decision.reason)
+        if decision.action == "exclude":
+            self.excluded += len(decision.excluded)
+            assert self.elastic is not None
+            self.elastic.max_workers -= len(decision.excluded)  # no growing back onto it
+        why = f"newer than the last replica check that passed (step {mismatch.last_clean_step})"
+        self.checkpoints.set_aside_after(decision.clean_round, why)
+        self.recheck = decision.recheck
+        return Transition(state, Starting(gen.number + 1), decision.reason)
 
     # ------------------------------------------------------------------ a group's life
     def _start_generation(self, number: int) -> tuple[Generation, str | None]:
@@ -386,7 +418,7 @@ class Controller(Executor, InPlace, Notices):
         self.next_round = latest.round + 1 if latest is not None else 0
         for stale in [r for r in self.book.history if r >= self.next_round]:
             del self.book.history[stale]
-        spec = self.make_spec(number, self.next_round, self.resume.uri)
+        spec = self._attempt_spec(number)
         gen = Generation(number, spec.world_size)
         self.reset_stragglers()
         self.run_dir.write(RunStartEvent(world_size=spec.world_size, attempt=number))
@@ -398,6 +430,18 @@ class Controller(Executor, InPlace, Notices):
         if self.elastic is not None and mesh is not None:
             self.elastic.use_mesh(mesh.dp_shard)  # a lost rank's replica group leaves with it
         return gen, latest.checkpoint.uri if latest is not None else None
+
+    def _attempt_spec(self, number: int) -> WorkerSpec:
+        """Attempt ``number``'s spec: without the workers excluded for corruption, and asking
+        for the fingerprint a re-run names a corrupted rank by."""
+        spec = self.make_spec(number, self.next_round, self.resume.uri)
+        if self.excluded:
+            spec = dataclasses.replace(spec, world_size=spec.world_size - self.excluded)
+            self.world_size = spec.world_size
+        if self.recheck is not None:
+            config = dataclasses.replace(spec.config, recheck_step=self.recheck.step)
+            spec = dataclasses.replace(spec, config=config)
+        return spec
 
     def _take(self, gen: Generation, event: Event | None, plan: Grow | None = None) -> None:
         """Handle ``event``, or what one poll of the group brings (stopping at a stop request:
@@ -417,35 +461,11 @@ class Controller(Executor, InPlace, Notices):
         if self.group is not None:
             self.group.stop(grace_s=self.stop_grace_s)
             self.group = None
-        self._end_generation(gen)
+        self.apply(events.ended(gen))
 
     def _stop_requested(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()
 
-    def reset_stragglers(self) -> None:
-        """A new group (restart or resize): clear every straggler flag, since ranks are
-        renumbered and their timing windows describe the old group."""
-        if self.stragglers is not None:
-            for rank in sorted(self.stragglers.flagged):
-                self.progress.straggler(rank, False)
-            self.stragglers.reset()
-
-    def _end_generation(self, gen: Generation) -> None:
-        if gen.resize is not None:  # no step completed after the resize
-            info = {k: v for k, v in gen.resize.items() if k != "pause_time"}
-            self.run_dir.write(ResizeEvent(**info, resume_s=None))
-            gen.resize = None
-        if gen.failures or not gen.rounds.pending:
-            return
-        counts = {rank: gen.last_round(rank) + 1 for rank in range(gen.world_size)}
-        self.progress.message(
-            "ranks called report() a different number of times "
-            f"({', '.join(f'rank {r}: {n}' for r, n in counts.items())}); "
-            f"rounds {sorted(gen.rounds.pending)} never completed and their checkpoints were "
-            "dropped"
-        )
-
-    # ------------------------------------------------------------------ outputs
     def result(self) -> Result:
         """The run's result so far."""
         status = self.state.value if self.state.terminal else "RUNNING"
@@ -467,7 +487,3 @@ class Controller(Executor, InPlace, Notices):
             rounds=self.next_round,
         )
         self.run_dir.write_result(record)
-
-    def callback(self, hook: str, *args: Any) -> None:
-        """Call ``hook(*args)`` on the run's callbacks (:func:`call_callbacks`)."""
-        call_callbacks(self.callbacks, hook, *args)

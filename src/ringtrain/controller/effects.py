@@ -122,6 +122,14 @@ class GrowIdle:
     grew: bool = False
 
 
+@dataclass(frozen=True)
+class Verified:
+    """Rank 0 passed the replica check the driver asked about (``event``: its
+    :class:`~ringtrain.wire.channel.IntegrityVerified`): the re-run names the corrupted rank."""
+
+    event: Any
+
+
 Effect = (
     Write
     | Say
@@ -136,5 +144,6 @@ Effect = (
     | RoundDone
     | Timed
     | GrowIdle
+    | Verified
 )
 """Anything a decider may ask the controller to do."""

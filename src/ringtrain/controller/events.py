@@ -24,6 +24,7 @@ from ringtrain.controller.effects import (
     Say,
     Show,
     Timed,
+    Verified,
     Write,
 )
 from ringtrain.controller.generation import Generation, Grow
@@ -45,6 +46,8 @@ from ringtrain.wire.channel import (
     Exited,
     Heartbeat,
     Hello,
+    IntegrityMismatch,
+    IntegrityVerified,
     Interrupted,
     JoinReady,
     Report,
@@ -81,8 +84,8 @@ def handle(gen: Generation, event: Event, *, generation: int, grow: Grow | None)
             gen.health.progressed(rank, now)
     if isinstance(event, Report):
         return report(gen, event)
-    if isinstance(event, Hello):
-        return [Show("worker_state", (event.rank, "running"))]
+    if isinstance(event, Hello | IntegrityMismatch | IntegrityVerified):
+        return _told(gen, event)
     if isinstance(event, Interrupted):
         interrupted(gen, event, generation)
     elif isinstance(event, Resumed):
@@ -100,6 +103,18 @@ def handle(gen: Generation, event: Event, *, generation: int, grow: Grow | None)
     elif isinstance(event, Exited):
         return exited(gen, event)
     return []
+
+
+def _told(gen: Generation, event: Hello | IntegrityMismatch | IntegrityVerified) -> list[Effect]:
+    """A worker said who it is, or what a replica check found."""
+    if isinstance(event, Hello):
+        gen.hosts[event.rank] = event.hostname
+        return [Show("worker_state", (event.rank, "running"))]
+    if isinstance(event, IntegrityMismatch):
+        if gen.mismatch is None:  # every rank sends the same one
+            gen.mismatch = event
+        return []
+    return [Verified(event)]
 
 
 def interrupted(gen: Generation, event: Interrupted, generation: int) -> None:
@@ -313,3 +328,23 @@ def straggler(change: StragglerChange, attempt: int) -> list[Effect]:
         Write(record),
         Notify("on_straggler", (change,)),
     ]
+
+
+def ended(gen: Generation) -> list[Effect]:
+    """A group was stopped: its pending ``resize`` event (no step completed after the resize),
+    and rounds that never completed because the ranks called ``report()`` a different number
+    of times."""
+    effects: list[Effect] = []
+    if gen.resize is not None:
+        info = {k: v for k, v in gen.resize.items() if k != "pause_time"}
+        effects.append(Write(ResizeEvent(**info, resume_s=None)))
+        gen.resize = None
+    if gen.failures or not gen.rounds.pending:
+        return effects
+    counts = {rank: gen.last_round(rank) + 1 for rank in range(gen.world_size)}
+    text = (
+        "ranks called report() a different number of times "
+        f"({', '.join(f'rank {r}: {n}' for r, n in counts.items())}); "
+        f"rounds {sorted(gen.rounds.pending)} never completed and their checkpoints were dropped"
+    )
+    return [*effects, Show("message", (text,))]

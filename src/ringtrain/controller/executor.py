@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ringtrain.checkpoint.manager import CheckpointManager
-from ringtrain.controller import events
+from ringtrain.controller import events, integrity
 from ringtrain.controller.effects import (
     Discard,
     DiscardStaging,
@@ -28,16 +29,19 @@ from ringtrain.controller.effects import (
     Send,
     Show,
     Timed,
+    Verified,
     Write,
 )
 from ringtrain.controller.elastic import Rendezvous
 from ringtrain.controller.generation import Generation
-from ringtrain.controller.outputs import RunBook
+from ringtrain.controller.integrity import Recheck
+from ringtrain.controller.outputs import RunBook, call_callbacks
 from ringtrain.controller.rounds import Publisher
 from ringtrain.launch.base import GrowableGroup, WorkerGroup
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.rundir import RunDirectory
+from ringtrain.wire.channel import IntegrityVerified
 
 logger = logging.getLogger("ringtrain")
 
@@ -55,7 +59,8 @@ class Executor:
     book: RunBook
     rendezvous: Rendezvous
     next_round: int
-    callback: Callable[..., None]
+    recheck: Recheck | None
+    callbacks: list[Any]
     _growable: Callable[[], GrowableGroup | None]
 
     def apply(self, effects: Sequence[Effect], gen: Generation | None = None) -> None:
@@ -109,3 +114,30 @@ class Executor:
             self.rendezvous.idle_since = effect.since
             if effect.grew:
                 self.rendezvous.grow_failures = 0
+        elif isinstance(effect, Verified):
+            self._verified(effect.event)
+
+    def _verified(self, event: IntegrityVerified) -> None:
+        """The re-run passed the step of a mismatch without a majority: name the rank whose
+        fingerprint there was another."""
+        recheck = self.recheck
+        if recheck is None or event.step != recheck.step:
+            return
+        self.recheck = None
+        culprits, effects = integrity.named_by_rerun(recheck, event)
+        self.book.caught.update(culprits)
+        self.apply(effects)
+
+    def reset_stragglers(self) -> None:
+        """A new group (restart or resize): clear every straggler flag, since ranks are
+        renumbered and their timing windows describe the old group."""
+        if self.stragglers is not None:
+            for rank in sorted(self.stragglers.flagged):
+                self.progress.straggler(rank, False)
+            self.stragglers.reset()
+
+    # ------------------------------------------------------------------ outputs
+
+    def callback(self, hook: str, *args: Any) -> None:
+        """Call ``hook(*args)`` on the run's callbacks (:func:`call_callbacks`)."""
+        call_callbacks(self.callbacks, hook, *args)

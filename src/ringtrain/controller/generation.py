@@ -10,7 +10,7 @@ from typing import Any
 from ringtrain.controller.health import Health
 from ringtrain.controller.rounds import Rounds
 from ringtrain.result import WorkerFailure
-from ringtrain.wire.channel import Interrupted
+from ringtrain.wire.channel import IntegrityMismatch, Interrupted
 
 LAST_MESSAGES_S = 5.0
 """How long the driver waits, once every worker exited, for the channel messages a cleanly exited
@@ -27,7 +27,8 @@ class Generation:
     ``first_failure_at``: monotonic time of the first failure (None: none yet). Elastic runs:
     ``interrupted``: ranks waiting for a Resize; ``elastic_fallback``: this generation gave up
     on resizing in place; ``resize``: the resize that started this generation (its event is
-    written once the first step after it completes).
+    written once the first step after it completes); ``hosts``: rank -> host name;
+    ``mismatch``: what a failed replica check told (silent data corruption).
     """
 
     def __init__(self, number: int, world_size: int) -> None:
@@ -44,6 +45,8 @@ class Generation:
         self.resize: dict[str, Any] | None = None
         self.drained_since: float | None = None  # when every worker had exited (monotonic)
         self.read_out: set[int] = set()  # ranks whose channel was read to its end
+        self.hosts: dict[int, str] = {}  # rank -> host name (its Hello)
+        self.mismatch: IntegrityMismatch | None = None  # a replica check's, if one failed
 
     @property
     def started_at(self) -> float:
@@ -77,6 +80,19 @@ class Generation:
                 self.read_out.add(rank)
                 due = True
         return due
+
+    def drained(self, failure_grace_s: float, checkpoint_grace_s: float) -> bool:
+        """After a failure: whether the group's remaining events are in: every rank exited, or
+        every rank failed, or ``failure_grace_s`` passed (held while a live rank finishes a
+        checkpoint write of a round every rank reported, up to ``checkpoint_grace_s``)."""
+        if self.all_exited:
+            return True
+        assert self.first_failure_at is not None
+        since = time.monotonic() - self.first_failure_at
+        hung = {r for r, f in self.failures.items() if f.kind == "hang"}
+        if self.rounds.writes_in_flight(hung | set(self.exited)):
+            return since >= checkpoint_grace_s
+        return self.all_failed_or_exited or since > failure_grace_s
 
     def last_round(self, rank: int) -> int:
         return self.rounds.last_round.get(rank, -1)

@@ -1,5 +1,5 @@
 """The controller's outputs: the :class:`~ringtrain.result.Result` and ``result.json`` (a
-:class:`~ringtrain.rundir.schema.ResultRecord`), built from a :class:`RunBook`: the run's
+:class:`~ringtrain.rundir.run_records.ResultRecord`), built from a :class:`RunBook`: the run's
 results so far, which the controller owns and fills as it executes its deciders' effects."""
 
 from __future__ import annotations
@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure
-from ringtrain.rundir.schema import ResultRecord
+from ringtrain.rundir.run_records import ResultRecord
 
 
 @dataclass
@@ -27,6 +28,8 @@ class RunBook:
         follow_on_failures: the other ranks' failures those caused (:mod:`ringtrain.result`).
         error: what ``Trainer.fit`` raises once the failure policy gave up.
         start_time: when the run started (Unix seconds).
+        caught: rank -> how often a replica check caught it with corrupted state.
+        suspected: rank -> how often it was one of two suspects never told apart.
     """
 
     metrics_per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -35,6 +38,8 @@ class RunBook:
     follow_on_failures: list[WorkerFailure] = field(default_factory=list)
     error: TrainingFailedError | None = None
     start_time: float = field(default_factory=time.time)
+    caught: Counter[int] = field(default_factory=Counter)
+    suspected: Counter[int] = field(default_factory=Counter)
 
 
 def build_result(

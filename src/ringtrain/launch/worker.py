@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_timing(sess, config)
     session_mod.install_session(sess)
     preempt_worker.register(sess)  # stops at an agreed step on a preemption notice
+    _setup_integrity(sess, config)
     sess.start_heartbeat(heartbeat_interval(config.worker_timeout_s))
     sess.hooks.on_worker_start(sess)
 
@@ -265,6 +266,15 @@ def _setup_timing(sess: Any, config: WorkerConfig) -> None:
         return
     # Without timing windows (a step limit only) it counts steps and sends nothing.
     install_timer(sess, config.max_steps, config.comm_timing, config.timing_interval_s)
+
+
+def _setup_integrity(sess: Any, config: WorkerConfig) -> None:
+    """Register the replica check when the run asks for one
+    (``FailureConfig.replica_check_every``), before the group forms (it makes a sub-group)."""
+    if config.replica_check_every:
+        from ringtrain.integrity.replicas import ReplicaCheck
+
+        sess.hooks.register(ReplicaCheck(sess, config.replica_check_every, config.recheck_step))
 
 
 def heartbeat_interval(worker_timeout_s: float | None) -> float:

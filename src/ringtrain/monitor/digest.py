@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringtrain.monitor.records import FailureInfo, ResizeInfo, RoundMetrics, WorldSizeChange
+from ringtrain.rundir.run_records import ResultRecord
 from ringtrain.rundir.schema import (
     EventRecord,
     FailureEvent,
     ReportEvent,
     ResizeEvent,
     ResizeFallbackEvent,
-    ResultRecord,
     RunEndEvent,
     RunStartEvent,
     parse_event,

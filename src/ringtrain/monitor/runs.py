@@ -49,6 +49,7 @@ from ringtrain.monitor.storage import (
     read_json,
 )
 from ringtrain.rundir.reader import read_events
+from ringtrain.rundir.run_records import ConfigRecord, ResultRecord
 from ringtrain.rundir.saved_run import pid_alive
 from ringtrain.rundir.schema import (
     CONFIG_FILE,
@@ -56,8 +57,6 @@ from ringtrain.rundir.schema import (
     MANIFEST_FILE,
     RESULT_FILE,
     TERMINAL_STATUSES,
-    ConfigRecord,
-    ResultRecord,
 )
 
 __all__ = [

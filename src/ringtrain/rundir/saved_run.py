@@ -22,7 +22,8 @@ from ringtrain.checkpoint.storage import is_local_fs
 from ringtrain.cluster import slurm
 from ringtrain.config import RunConfig, ScalingConfig
 from ringtrain.rundir import RunDirectory
-from ringtrain.rundir.schema import CONFIG_FILE, PAYLOAD_FILE, RESULT_FILE, ConfigRecord
+from ringtrain.rundir.run_records import ConfigRecord
+from ringtrain.rundir.schema import CONFIG_FILE, PAYLOAD_FILE, RESULT_FILE
 
 
 def installed_version() -> str:

@@ -1,5 +1,6 @@
-"""The run directory's schema: its file names, one frozen dataclass per ``events.jsonl`` event
-kind, and the ``config.json`` and ``result.json`` records (docs/run-directory.md).
+"""The run directory's schema: its file names and one frozen dataclass per ``events.jsonl`` event
+kind (docs/run-directory.md); the ``config.json`` and ``result.json`` records are in
+:mod:`ringtrain.rundir.run_records`.
 
 Every record turns into the JSON object written today with :meth:`Record.to_json` (same keys, same
 order) and back with :meth:`Record.from_json`, which is lenient: a field that is missing or of the
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from time import time as _now
 from typing import Any, ClassVar
 
-from ringtrain.rundir.record import MISSING, Record, coerce
+from ringtrain.rundir.record import Record
 
 __all__ = [
     "CONFIG_FILE",
@@ -37,7 +38,6 @@ __all__ = [
     "CheckpointFailedEvent",
     "CheckpointInvalidEvent",
     "ColdStartEvent",
-    "ConfigRecord",
     "DecisionEvent",
     "EventRecord",
     "FailureEvent",
@@ -47,10 +47,10 @@ __all__ = [
     "PreemptionIncompleteEvent",
     "PreemptionSavedEvent",
     "Record",
+    "ReplicaMismatchEvent",
     "ReportEvent",
     "ResizeEvent",
     "ResizeFallbackEvent",
-    "ResultRecord",
     "ResumeEvent",
     "RunEndEvent",
     "RunStartEvent",
@@ -64,13 +64,15 @@ __all__ = [
 
 # ------------------------------------------------------------------------------ file names
 CONFIG_FILE = "config.json"
-"""The resolved configuration, written before any worker starts (:class:`ConfigRecord`)."""
+"""The resolved configuration, written before any worker starts
+(:class:`~ringtrain.rundir.run_records.ConfigRecord`)."""
 PAYLOAD_FILE = "payload.pkl"
 """The pickled train function and its config, for ``Trainer.restore``."""
 EVENTS_FILE = "events.jsonl"
 """One JSON object per line (an :class:`EventRecord`), appended as the run goes."""
 RESULT_FILE = "result.json"
-"""The outcome (:class:`ResultRecord`), rewritten at start (status RUNNING) and at the end."""
+"""The outcome (:class:`~ringtrain.rundir.run_records.ResultRecord`), rewritten at start (status
+RUNNING) and at the end."""
 MANIFEST_FILE = "manifest.json"
 """In each ``checkpoint_NNNNNN/``: the checkpoint's files, sizes and checksums."""
 METRICS_CSV_FILE = "metrics.csv"
@@ -372,6 +374,26 @@ class PreemptionIncompleteEvent(EventRecord):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReplicaMismatchEvent(EventRecord):
+    """Silent data corruption: a replica check (``check``: ``"replica"``; ``"replay"``: a
+    recomputed step) at ``step`` found ``ranks`` (on ``hosts``) holding other bits than their
+    replicas; ``named``: they are the culprits (a majority said so, or the re-run did), else
+    suspects of whom one is. ``action``: ``"rollback"`` (to the newest checkpoint that passed a
+    check), ``"exclude"`` (restarted without a rank caught twice), ``"fail"``, or ``"named"``
+    (the re-run named the culprit of an earlier rollback). ``fingerprints``: rank -> 64-bit
+    fingerprint (hex) at that check."""
+
+    KIND: ClassVar[str] = "replica_mismatch"
+    step: int | None = None
+    check: str | None = None
+    ranks: list[int] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
+    action: str | None = None
+    named: bool | None = None
+    fingerprints: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ColdStartEvent(EventRecord):
     """Workers start cold (``python -m``, a fresh interpreter) although the warm worker pool
     was asked for (``ScalingConfig.warm_start``): ``reason`` says why (the zygote could not
@@ -405,6 +427,7 @@ EVENT_TYPES: dict[str, type[EventRecord]] = {
         PreemptionEvent,
         PreemptionSavedEvent,
         PreemptionIncompleteEvent,
+        ReplicaMismatchEvent,
         ColdStartEvent,
         RunEndEvent,
     )
@@ -421,66 +444,3 @@ def parse_event(obj: Mapping[str, Any]) -> EventRecord | None:
 
 
 # ------------------------------------------------------------------------------ config, result
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConfigRecord(Record):
-    """``config.json``: the resolved configuration (``ScalingConfig.to_dict()``,
-    ``RunConfig.to_dict()``, the train loop config as given; values that are not JSON are
-    written as their ``repr``)."""
-
-    name: str | None = None
-    storage_path: str | None = None
-    entrypoint: str | None = None
-    script: str | None = None
-    script_args: list[str] = field(default_factory=list)
-    ringtrain_version: str | None = None
-    created: float | None = None
-    scaling_config: dict[str, Any] = field(default_factory=dict)
-    run_config: dict[str, Any] = field(default_factory=dict)
-    train_loop_config: Any = None
-
-    def worker_range(self) -> tuple[int, int] | None:
-        """An elastic run's ``(min, max)`` workers (``scaling_config.num_workers`` as a pair);
-        None for a fixed world size or when unknown."""
-        n = self.scaling_config.get("num_workers")
-        if isinstance(n, list | tuple) and len(n) == 2:
-            lo, hi = coerce(int, n[0]), coerce(int, n[1])
-            if lo is not MISSING and hi is not MISSING:
-                return lo, hi
-        return None
-
-    def num_workers(self) -> int | None:
-        """``scaling_config.num_workers`` when it is one int."""
-        n = coerce(int, self.scaling_config.get("num_workers"))
-        return None if n is MISSING else n
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResultRecord(Record):
-    """``result.json``: the run's outcome so far (``status`` ``RUNNING`` until it ends).
-
-    ``metrics_per_rank`` is keyed by the rank as a string; checkpoints are URIs;
-    ``best_checkpoints`` items are ``{"path", "metrics"}``; ``failures`` items are
-    ``WorkerFailure.to_dict()``. ``hostname`` is read when present (a driver on another host is
-    not declared dead from here) and not written today.
-    """
-
-    status: str | None = None
-    name: str | None = None
-    path: str | None = None
-    driver_pid: int | None = None
-    start_time: float | None = None
-    end_time: float | None = None
-    duration_s: float | None = None
-    world_size: int | None = None
-    rounds: int | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    metrics_per_rank: dict[str, Any] = field(default_factory=dict)
-    checkpoint: str | None = None
-    best_checkpoints: list[Any] = field(default_factory=list)
-    error: Any = None
-    failures: list[Any] = field(default_factory=list)
-    follow_on_failures: list[Any] = field(default_factory=list)
-    preemptions: int = 0
-    hostname: str | None = field(default=None, metadata={"omit_none": True})

@@ -11,7 +11,8 @@ import fsspec
 
 from ringtrain.checkpoint.storage import is_local_fs, join
 from ringtrain.rundir.reader import read_events
-from ringtrain.rundir.schema import EVENTS_FILE, RESULT_FILE, EventRecord, ResultRecord
+from ringtrain.rundir.run_records import ResultRecord
+from ringtrain.rundir.schema import EVENTS_FILE, RESULT_FILE, EventRecord
 
 
 def _json(obj: Any) -> str:

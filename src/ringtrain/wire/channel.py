@@ -170,6 +170,38 @@ class PreemptSaved:
     round: int | None
 
 
+@dataclass(frozen=True)
+class IntegrityMismatch:
+    """A replica check (``check``: ``"replica"``, or ``"replay"``) at ``step`` found replicas
+    with different bits (silent data corruption): ``fingerprints`` (rank -> 64-bit value),
+    ``suspects`` (``named``: a majority named them; else one of them is the culprit),
+    ``last_clean_step`` (the newest step whose check passed; ``None``: none) and
+    ``clean_round`` (the newest report round at or before it: its checkpoint, if it has one, is
+    clean; ``-1``: none). Sent before every rank raises ``ReplicaMismatchError``."""
+
+    rank: int
+    time: float
+    step: int
+    check: str
+    fingerprints: dict[int, int]
+    suspects: tuple[int, ...]
+    named: bool
+    last_clean_step: int | None
+    clean_round: int
+
+
+@dataclass(frozen=True)
+class IntegrityVerified:
+    """Rank 0 passed the replica check at ``step`` with ``fingerprint`` (sent when the driver
+    asked for that step, ``WorkerConfig.recheck_step``: the re-run after a mismatch without a
+    majority names the rank whose fingerprint there was not this one)."""
+
+    rank: int
+    time: float
+    step: int
+    fingerprint: int
+
+
 # ---------------------------------------------------------------- messages (driver -> worker)
 
 
@@ -254,6 +286,8 @@ Event = (
     | JoinReady
     | WorkerNotice
     | PreemptSaved
+    | IntegrityMismatch
+    | IntegrityVerified
 )
 
 

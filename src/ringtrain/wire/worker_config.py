@@ -101,6 +101,10 @@ class WorkerConfig:
             launcher sets it: a worker's parent, or its grandparent through the warm pool's
             zygote); its SIGTERM stops a worker at once, anyone else's is a preemption notice
             (:mod:`ringtrain.worker.preempt`). ``None`` where the driver is elsewhere (Ray).
+        replica_check_every: ``FailureConfig.replica_check_every`` (0: no replica check).
+        replay_check_every: ``FailureConfig.replay_check_every`` (0: no replay check).
+        recheck_step: the step whose replica-check fingerprint rank 0 sends the driver (the
+            re-run after a mismatch without a majority; ``None``: none).
 
     Raises:
         ValueError: from ``__post_init__`` for a value out of range (the message names the field
@@ -120,9 +124,12 @@ class WorkerConfig:
     elastic_batch_policy: str = "resize_batch"
     mesh: MeshShape | None = None
     driver_pid: int | None = None
+    replica_check_every: int = 0
+    replay_check_every: int = 0
+    recheck_step: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("attempt", "start_round"):
+        for name in ("attempt", "start_round", "replica_check_every", "replay_check_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"WorkerConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("worker_timeout_s", "timing_interval_s"):
@@ -209,6 +216,8 @@ def build_worker_config(
         max_steps=None if max_steps is None else int(max_steps),
         elastic=elastic,
         elastic_batch_policy=scaling_config.elastic_batch_policy,
+        replica_check_every=failure.replica_check_every,
+        replay_check_every=failure.replay_check_every,
         mesh=(
             None
             if scaling_config.parallel is None
