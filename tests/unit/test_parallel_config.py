@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import ringtrain as rt
-from ringtrain.config.parallel import MESH_DIMS, MeshShape
 from ringtrain.cluster.mesh import mesh_shape
+from ringtrain.config.parallel import MESH_DIMS, MeshShape
 from ringtrain.wire.worker_config import build_worker_config
 
 
