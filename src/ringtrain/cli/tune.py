@@ -100,7 +100,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Returns 0 when at least one trial completed, 1 otherwise (2 for usage errors)."""
     import ringtrain as rt
-    from ringtrain.tune import Tuner
+
+    try:
+        from ringtrain.tune import Tuner
+    except ImportError as exc:  # the tune extra is missing: say which, in one line
+        refuse("tune", str(exc))
 
     if args.resume:
         if args.script:
