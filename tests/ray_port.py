@@ -1,10 +1,11 @@
 """Port a Ray Train script to ringtrain by rewriting its import lines, and nothing else.
 
 ``port(source)`` is what docs/ray.md's "Coming from Ray Train" table says by hand: every import
-of ``ray.train`` (and ``horovod.torch``) becomes the ringtrain import that binds the same name to
-ringtrain's mirror of it; every other line is left as it is. tests/backends/test_ray_compat.py
-ports the examples installed with Ray this way at test time, so the repository holds no copy of
-Ray's code.
+of ``ray.train``, ``ray.tune`` (and ``horovod.torch``) becomes the ringtrain import that binds
+the same name to ringtrain's mirror of it; every other line is left as it is.
+tests/backends/test_ray_compat.py ports the examples installed with Ray this way at test time, so
+the repository holds no copy of Ray's code; tests/e2e/test_ray_seeds.py ports the seed snippets
+of tests/seeds/.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ IMPORT_MAP: tuple[tuple[str, str], ...] = (
     (r"import ray\.train(\.torch|\.horovod)? as (\w+)", r"import ringtrain.train\1 as \2"),
     (r"from ray import train", "from ringtrain import train"),
     (r"from ray import train as (\w+)", r"from ringtrain import train as \1"),
-    (r"from ray\.train(\.torch|\.horovod)? import (.+)", r"from ringtrain.train\1 import \2"),
+    (
+        r"from ray\.train(\.torch|\.horovod|\.lightning)? import (.+)",
+        r"from ringtrain.train\1 import \2",
+    ),
+    # Ray Tune: ringtrain.tune mirrors ray.tune (seed 001's Tuner over a TorchTrainer)
+    (r"from ray import tune", "from ringtrain import tune"),
+    (r"from ray import train, tune", "from ringtrain import train, tune"),
+    (r"import ray\.tune as (\w+)", r"import ringtrain.tune as \1"),
+    (r"from ray\.tune import (.+)", r"from ringtrain.tune import \1"),
     (r"import horovod\.torch as (\w+)", r"import ringtrain.horovod as \1"),
     (r"from horovod\.torch import (.+)", r"from ringtrain.horovod import \1"),
 )

@@ -2,7 +2,7 @@
 ``report(..., checkpoint=Checkpoint.from_dict({"model": ..., "optimizer": ..., "epoch": ...}))``):
 the dict is saved and loaded without ever running code, as every other checkpoint (issue 40).
 The multi-process round trip through ``report`` and a restart is in
-tests/multiprocess/test_ray_seeds.py."""
+tests/e2e/test_ray_seeds.py."""
 
 from __future__ import annotations
 

@@ -182,6 +182,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not done:
         say("ringtrain tune: no trial completed", err=True)
         return 1
+    if grid.metric is None:  # nothing was optimised: every trial is the answer
+        say(f"{len(done)} of {len(grid)} trials completed in {grid.path}")
+        return 0
     best = grid.get_best_result()
     say(f"best trial: {best.path}")
     say(f"  config: {best.config}")

@@ -63,7 +63,8 @@ class SweepDisplay:
 
     Args:
         name: the sweep's name.
-        metric: the metric being optimised; ``mode``: ``"max"`` or ``"min"``.
+        metric: the metric being optimised; ``mode``: ``"max"`` or ``"min"`` (both ``None``
+            for a sweep without a metric: the table then has no metric columns).
         columns: the hyperparameter columns (flat keys).
         mode_display: ``"auto"`` (live table on a terminal, plain lines otherwise), ``"rich"``,
             ``"plain"`` or ``"off"``.
@@ -78,8 +79,8 @@ class SweepDisplay:
     def __init__(
         self,
         name: str,
-        metric: str,
-        mode: str,
+        metric: str | None,
+        mode: str | None,
         columns: Sequence[str],
         mode_display: str = "auto",
         stream: TextIO | None = None,
@@ -182,9 +183,13 @@ class SweepDisplay:
         for c in self.columns:
             table.add_column(c, justify="right")
         table.add_column("iter", justify="right")
-        table.add_column(self.metric, justify="right")
-        # The best value of any round; a trial counts by its last one (the column before).
-        table.add_column(f"peak {self.metric}", justify="right")
+        if self.metric is not None:
+            table.add_column(self.metric, justify="right")
+            # The best value of any round (the highest, or the lowest when minimising); a trial
+            # counts by its last one (the column before).
+            table.add_column(
+                f"{'lowest' if self.mode == 'min' else 'peak'} {self.metric}", justify="right"
+            )
         table.add_column("time", justify="right")
         for r in rows:
             d = r.duration_s
@@ -194,8 +199,14 @@ class SweepDisplay:
                 f"[{STATUS_STYLES.get(r.status, '')}]{r.status}[/]",
                 *(fmt_value(r.params.get(c, "")) for c in self.columns),
                 str(r.iterations),
-                "" if r.last is None else f"{r.last:.4g}",
-                "" if r.best is None else f"{r.best:.4g}",
+                *(
+                    (
+                        "" if r.last is None else f"{r.last:.4g}",
+                        "" if r.best is None else f"{r.best:.4g}",
+                    )
+                    if self.metric is not None
+                    else ()
+                ),
                 "" if d is None else f"{d:.1f}s",
             )
         return table
