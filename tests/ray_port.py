@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+import textwrap
 from pathlib import Path
 
 # (pattern of an import statement, with the line's indentation cut off; its replacement).
@@ -37,9 +38,10 @@ IMPORT_MAP: tuple[tuple[str, str], ...] = (
 
 
 def _is_import(line: str) -> bool:
-    """Whether ``line`` (indentation allowed) is exactly one import statement."""
+    """Whether ``line`` (indentation allowed; several lines for a parenthesised import) is
+    exactly one import statement."""
     try:
-        body = ast.parse(line.strip()).body
+        body = ast.parse(textwrap.dedent(line).strip()).body
     except SyntaxError:
         return False
     return len(body) == 1 and isinstance(body[0], (ast.Import, ast.ImportFrom))
@@ -65,7 +67,9 @@ def port(source: str) -> tuple[str, int]:
         source: the script's text.
 
     Returns:
-        ``(ported source, number of lines changed)``.
+        ``(ported source, number of import statements changed)``. A parenthesised import that
+        spans several lines (``from ray.train.lightning import (`` ... ``)``) is one statement;
+        only its first line changes.
 
     Raises:
         AssertionError: a changed line is not an import statement before and after the swap (the
@@ -74,14 +78,27 @@ def port(source: str) -> tuple[str, int]:
     lines = source.splitlines(keepends=True)
     out = []
     changed = 0
-    for line in lines:
+    i = 0
+    while i < len(lines):
+        line = lines[i]
         ending = line[len(line.rstrip("\r\n")) :]
         text = line[: len(line) - len(ending)]
         new = port_line(text)
+        # The rest of a parenthesised import (its names) is part of the statement.
+        rest: list[str] = []
+        if text.rstrip().endswith("(") and text.lstrip().startswith(("from ", "import ")):
+            while i + 1 < len(lines) and ")" not in "".join(rest):
+                i += 1
+                rest.append(lines[i])
+        tail = "".join(rest)
         if new != text:
-            assert _is_import(text) and _is_import(new), f"not an import swap: {text!r} -> {new!r}"
+            whole = text + "\n" + tail
+            assert _is_import(whole) and _is_import(new + "\n" + tail), (
+                f"not an import swap: {text!r} -> {new!r}"
+            )
             changed += 1
-        out.append(new + ending)
+        out.append(new + ending + tail)
+        i += 1
     ported = "".join(out)
     ast.parse(ported)
     return ported, changed

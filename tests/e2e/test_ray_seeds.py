@@ -71,3 +71,22 @@ def test_seed001_tuner_over_a_torch_trainer_runs_every_grid_point(tmp_path):
         reports = [e for e in _events(trial) if e.get("type") == "report"]
         assert {e["rank"] for e in reports} == {0, 1}  # 2 workers, the trainer's
         assert sorted({e["metrics"]["epoch"] for e in reports}) == [0, 1, 2]  # epochs=3 kept
+
+
+@pytest.mark.timeout(400)
+def test_seed003_checkpoint_from_dict_resumes_from_to_dict(tmp_path):
+    """``report(..., checkpoint=Checkpoint.from_dict({"model", "optimizer", "epoch"}))`` on every
+    rank, and ``get_checkpoint().to_dict()`` to resume: run for 2 epochs, then again under the
+    same name for 4; the second run starts at epoch 2 from the first one's dict."""
+    script = _ported("seed003_checkpoint_dict.py", tmp_path)
+    first = _run(script, "2")
+    assert "epoch 1 start 0" in first and "checkpoint epoch 1" in first, first
+    second = _run(script, "4")
+    assert "epoch 3 start 2" in second and "checkpoint epoch 3" in second, second
+    run = tmp_path / "runs" / "seed003_dict"
+    reports = [e for e in _events(run) if e.get("type") == "report" and e["rank"] == 0]
+    assert [e["metrics"]["epoch"] for e in reports] == [0, 1, 2, 3]  # none repeated, none lost
+    losses = [e["metrics"]["loss"] for e in reports]
+    assert losses[2] < losses[1]  # the optimizer went on from where it was
+    for ckpt in run.glob("checkpoint_*"):
+        assert sorted(p.name for p in ckpt.iterdir()) == ["dict.pt", "manifest.json"]
