@@ -146,6 +146,8 @@ def test_every_command_works_without_the_extras(base_venv: Path, tmp_path: Path)
     for face, extra in (
         ("ringtrain.tune", "tune"),
         ("ringtrain.integrations.lightning", "lightning"),
+        ("ringtrain.integrations.pytorch_lightning", "lightning"),
+        ("ringtrain.train.lightning", "lightning"),
     ):
         assert f"pip install 'ringtrain[{extra}]'" in failed[face][1], (face, failed[face])
 

@@ -90,3 +90,33 @@ def test_seed003_checkpoint_from_dict_resumes_from_to_dict(tmp_path):
     assert losses[2] < losses[1]  # the optimizer went on from where it was
     for ckpt in run.glob("checkpoint_*"):
         assert sorted(p.name for p in ckpt.iterdir()) == ["dict.pt", "manifest.json"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("seed", "package"),
+    [
+        ("seed003_lightning.py", "lightning.pytorch"),
+        ("seed004_pytorch_lightning.py", "pytorch_lightning"),
+    ],
+)
+def test_seed003_and_004_lightning_on_ray_train_names(tmp_path, seed, package):
+    """``strategy=RayDDPStrategy()``, ``plugins=[RayLightningEnvironment()]``,
+    ``callbacks=[RayTrainReportCallback()]`` and ``prepare_trainer`` from
+    ``ringtrain.train.lightning``, with ``import lightning.pytorch as pl`` (seed 003) and
+    ``import pytorch_lightning as pl`` (seed 004): 2 workers train 3 epochs, keep the 2 best
+    checkpoints by val_loss, and a second run under the same name resumes through Ray's own
+    snippet (``checkpoint.as_directory()`` + ``RayTrainReportCallback.CHECKPOINT_NAME``)."""
+    pytest.importorskip(package)
+    script = _ported(seed, tmp_path)
+    first = _run(script, "3")
+    assert re.search(r"^val_loss \S+ epoch 2$", first, re.MULTILINE), first
+    name = seed.split("_")[0]
+    run = tmp_path / "runs" / name
+    kept = sorted(p.name for p in run.glob("checkpoint_*"))
+    assert 2 <= len(kept) <= 3, kept  # the 2 best by val_loss, and the latest
+    second = _run(script, "5")
+    assert re.search(r"^val_loss \S+ epoch 4$", second, re.MULTILINE), second
+    reports = [e for e in _events(run) if e.get("type") == "report" and e["rank"] == 0]
+    assert [e["metrics"]["epoch"] for e in reports] == [0, 1, 2, 3, 4]  # resumed after epoch 2
+    assert {e["rank"] for e in _events(run) if e.get("type") == "report"} == {0, 1}
