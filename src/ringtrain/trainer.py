@@ -302,6 +302,7 @@ class Trainer:
 
     def _fit_in_process(self) -> Result:
         from ringtrain.cluster.distributed import init_process_group
+        from ringtrain.worker.in_process import latest_published, send_run_settings
         from ringtrain.worker.session import call_train_fn, current_session
 
         session = current_session()
@@ -316,13 +317,14 @@ class Trainer:
                 self.scaling_config.num_workers,
             )
         init_process_group(ctx)
+        send_run_settings(session, self.run_config)  # honoured by the driver, or said
         config = self.train_loop_config if self.train_loop_config is not None else {}
         call_train_fn(self.train_fn, config)
         metrics = dict(session.last_metrics)
         return Result(
             metrics=metrics,
             metrics_per_rank={ctx.world_rank: metrics},
-            checkpoint=session.latest_checkpoint,
+            checkpoint=latest_published(session),  # this run's newest, once published
             path=ctx.run_dir,
         )
 

@@ -31,6 +31,7 @@ from ringtrain.wire.channel import (
     Interrupted,
     Report,
     Resumed,
+    RunSettings,
     Timing,
     WorkerError,
 )
@@ -46,6 +47,7 @@ class GroupEvents:
 
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
+        self.said: set[str] = set()  # notes shown once per run (every attempt sends them)
 
     def handle(self, gen: Generation, event: Event) -> None:
         rank = getattr(event, "rank", None)
@@ -94,6 +96,30 @@ class GroupEvents:
             )
         elif isinstance(event, Exited):
             self.on_exit(gen, event)
+        elif isinstance(event, RunSettings):
+            self.on_run_settings(event)
+
+    def on_run_settings(self, event: RunSettings) -> None:
+        """The script's own RunConfig (``ringtrain run SCRIPT`` whose script calls
+        ``rt.Trainer(...).fit()``): adopt what can still apply, say the rest (once per run)."""
+        from ringtrain.controller.script_settings import adopt
+
+        ctl = self.ctl
+        adoption = adopt(
+            ctl.checkpoints.config,
+            ctl.failure_policy.max_failures,
+            event.run_config,
+            run_name=ctl.run_dir.name,
+            run_uri=ctl.run_dir.uri,
+            callbacks=event.callbacks,
+        )
+        ctl.checkpoints.config = adoption.checkpoint_config
+        ctl.failure_policy.max_failures = adoption.max_failures
+        for note in adoption.notes:
+            if note not in self.said:
+                self.said.add(note)
+                logger.info(note)
+                ctl.progress.message(note)
 
     def on_interrupted(self, gen: Generation, event: Interrupted) -> None:
         if 0 <= event.generation < self.ctl.coordinator.generation:
