@@ -81,6 +81,7 @@ def test_seed003_checkpoint_from_dict_resumes_from_to_dict(tmp_path):
     script = _ported("seed003_checkpoint_dict.py", tmp_path)
     first = _run(script, "2")
     assert "epoch 1 start 0" in first and "checkpoint epoch 1" in first, first
+    assert "both wrote" not in first  # every rank's dict.pt is the same bytes: no note
     second = _run(script, "4")
     assert "epoch 3 start 2" in second and "checkpoint epoch 3" in second, second
     run = tmp_path / "runs" / "seed003_dict"

@@ -119,6 +119,7 @@ class Publisher:
         self.run_dir = run_dir
         self.progress = progress
         self.callback = callback
+        self._collided: set[str] = set()  # file names already said to collide (once per run)
 
     def try_publish(self, rounds: Rounds, round_: int) -> None:
         """Publish round ``round_``'s checkpoint once all its reports are in and every rank that
@@ -169,11 +170,17 @@ class Publisher:
         for rank in sorted(expected):
             for rel, info in outcomes[rank][1].items():
                 if rel in files:
-                    self.progress.message(
-                        f"round {round_}: ranks {owners[rel]} and {rank} both wrote checkpoint "
-                        f"file {rel!r}; the last write wins (use distinct file names per rank)"
-                    )
-                    info = _digest_on_storage(self.checkpoints, round_, rel)
+                    same = files[rel].get("sha256") == info.get("sha256")
+                    info = _digest_on_storage(self.checkpoints, round_, rel)  # what landed
+                    if same and info.get("sha256") == files[rel].get("sha256"):
+                        continue  # the same bytes (replicas' identical state): nothing lost
+                    if rel not in self._collided:
+                        self._collided.add(rel)
+                        self.progress.message(
+                            f"round {round_}: ranks {owners[rel]} and {rank} both wrote "
+                            f"checkpoint file {rel!r} with different contents; the last write "
+                            "wins (use distinct file names per rank; said once per run)"
+                        )
                 files[rel] = {**info, "rank": owners.setdefault(rel, rank)}
         return files
 
