@@ -23,6 +23,7 @@ from ringtrain.controller.signals import (
     DriverTerminated,
     _requeue_if_preempted,
     _sigterm_as_interrupt,
+    interrupted,
 )
 from ringtrain.launch.backends import backend_for
 from ringtrain.launch.base import Launcher, NoticeProvider, WorkerSpec
@@ -227,6 +228,8 @@ class Trainer:
             )
         except RunNameTaken as exc:  # its driver is still running
             raise short_error(exc) from None
+        except KeyboardInterrupt as exc:  # the run is ABORTED, its workers stopped
+            raise short_error(interrupted(exc, self.run_config.storage_path, name)) from None
         if result.error is not None and raise_on_error:
             raise result.error
         return result

@@ -55,12 +55,27 @@ def write_result(ctl: Controller) -> None:
             metrics_per_rank={str(r): m for r, m in result.metrics_per_rank.items()},
             checkpoint=result.checkpoint.uri if result.checkpoint else None,
             best_checkpoints=[{"path": c.uri, "metrics": m} for c, m in result.best_checkpoints],
-            error=str(ctl.error) if ctl.error else None,
+            error=str(ctl.error) if ctl.error else _aborted_because(ctl.current),
             failures=[f.to_dict() for f in ctl.failures],
             follow_on_failures=[f.to_dict() for f in ctl.follow_on_failures],
             preemptions=result.preemptions,
         )
     )
+
+
+_ABORT_REASONS = {
+    "KeyboardInterrupt": "interrupted by Ctrl-C",
+    "DriverTerminated": "the driver received SIGTERM",
+}
+
+
+def _aborted_because(state: Any) -> str | None:
+    """Why an ``ABORTED`` run ended, for ``ringtrain ls`` (which otherwise says "driver gone",
+    the reason of a run whose driver died without a word)."""
+    reason = getattr(state, "reason", None) if state.kind.value == "ABORTED" else None
+    if not reason:
+        return None
+    return _ABORT_REASONS.get(reason, f"the driver raised {reason}")
 
 
 def call_callbacks(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
