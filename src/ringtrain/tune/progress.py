@@ -260,15 +260,33 @@ class SweepDisplay:
             rows = list(self.rows.values())
         sign = -1.0 if self.mode == "max" else 1.0
         rows.sort(key=lambda r: (r.last is None or r.status == "FAILED", sign * (r.last or 0.0)))
-        final = self.table(rows, title=f"{self.name} finished: {self.counts_text()}")
+        title = f"{self.name} finished: {self.counts_text()}"
+        final = self.table(rows, title=title)
         if self._live is not None:  # the live table becomes the final one: shown once
             self._live.update(final, refresh=True)
             self.close()
             return
-        self.console.print(final)
+        if self.console.is_terminal:
+            self.console.print(final)
+            return
+        # Piped (| tee, CI): no terminal width to fit, so nothing is cut or wrapped: the title
+        # is one line, and the table as wide as its widest cells.
+        self.line(title)
+        final.title = None
+        wide = Console(
+            file=whole_writes(self._stream),
+            width=max(self.console.width, _natural_width(self.console, final)),
+            color_system=None,
+        )
+        wide.print(final)
 
 
 _ENDED = frozenset({"COMPLETE", "PRUNED", "FAILED"})
+
+
+def _natural_width(console: Console, table: Table) -> int:
+    """The width ``table`` takes with no cell cut or wrapped."""
+    return console.measure(table, options=console.options.update(max_width=10_000)).maximum
 
 
 def _fmt_eta(seconds: float | None) -> str:
