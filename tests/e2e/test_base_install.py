@@ -4,7 +4,7 @@ A real, fresh virtual environment (not ``--system-site-packages``: that would se
 extra's Optuna, Ray, Lightning, ...) gets torch and ``pip install -c constraints.txt -e .``, the
 base dependencies only, as a user who follows the README's first command gets. Every
 subcommand must work there, and the ones that need an extra must say which one in a line.
-Building it costs 50-90 s on two busy cores (torch comes from pip's cache or local disk);
+Building it costs 50-200 s on two busy cores (torch comes from pip's cache or local disk);
 an import blocker inside the test environment would be cheaper, but it would only prove what
 it blocks, not that the base install's dependency list is enough.
 """
@@ -95,7 +95,9 @@ IMPORT_ALL = textwrap.dedent(
 def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("base") / "venv"
     torch_version = importlib.metadata.version("torch").split("+")[0]  # as the README says
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    # --no-compile: Python compiles what is imported when it is first imported, a fraction of
+    # torch's files (compiling all of them at install took longer than the test itself).
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
     for command in (
         [sys.executable, "-m", "venv", str(venv)],
         [*pip, f"torch=={torch_version}"],
