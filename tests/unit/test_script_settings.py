@@ -51,3 +51,22 @@ def test_a_default_run_config_says_nothing_and_the_run_directory_is_named():
         f"directory is {URI}"
     )
     assert "RunConfig(callbacks=[Logger()]) does not apply" in a.notes[1]
+
+
+def test_every_other_setting_the_script_gives_is_said_not_read():
+    script = rt.RunConfig(
+        progress="plain",
+        failure_config=rt.FailureConfig(worker_timeout_s=60, preemption_grace_s=5),
+    )
+    a = _adopt(rt.CheckpointConfig(), 0, script)
+    (note,) = a.notes
+    assert note.startswith(
+        "the script's RunConfig(progress='plain', failure_config.worker_timeout_s=60, "
+        "failure_config.preemption_grace_s=5) is not read under ringtrain run"
+    ), note
+    assert "(ringtrain run's --progress, --worker-timeout)" in note
+    sources = adopt(
+        rt.CheckpointConfig(), 0, rt.RunConfig(), run_name="r", run_uri="/runs/r",
+        notice_sources=("FileNotice('/flag')",),
+    ).notes  # fmt: skip
+    assert sources and "failure_config.notice_sources=[FileNotice('/flag')]" in sources[0]

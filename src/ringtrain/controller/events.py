@@ -112,6 +112,7 @@ class GroupEvents:
             run_name=ctl.run_dir.name,
             run_uri=ctl.run_dir.uri,
             callbacks=event.callbacks,
+            notice_sources=event.notice_sources,
         )
         ctl.checkpoints.config = adoption.checkpoint_config
         ctl.failure_policy.max_failures = adoption.max_failures

@@ -8,8 +8,9 @@ order: retention runs at each publication) and ``max_failures`` (read at each fa
 setting the command line left at its default takes the script's value; one the command line
 set keeps its value, and the display says that it overrides the script's. The run directory
 (``name``, ``storage_path``), the callbacks and the display were fixed when the run started:
-the display says that they do not apply, and how to set them. :func:`adopt` decides; the
-controller acts (``controller/events.py``).
+the display says that they do not apply, and how to set them; so it does for every other
+setting the script gives (the display, monitoring, hang and preemption settings: ringtrain
+run's own flags set them). :func:`adopt` decides; the controller acts (``controller/events.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ringtrain.config import CheckpointConfig, FailureConfig, RunConfig
+from ringtrain.config import CheckpointConfig, FailureConfig, MonitorConfig, RunConfig
 from ringtrain.config.run import DEFAULT_STORAGE_PATH
 
 RETENTION = ("num_to_keep", "checkpoint_score_attribute", "checkpoint_score_order")
@@ -54,6 +55,7 @@ def adopt(
     run_name: str,
     run_uri: str,
     callbacks: tuple[str, ...] = (),
+    notice_sources: tuple[str, ...] = (),
 ) -> Adoption:
     """The run's settings once the script's ``RunConfig`` is taken into account.
 
@@ -65,6 +67,7 @@ def adopt(
         run_uri: the run directory.
         callbacks: the ``repr`` of each callback the script's ``RunConfig`` had (the objects
             stay in the worker).
+        notice_sources: the same for its ``FailureConfig.notice_sources``.
     """
     taken: dict[str, Any] = {}
     kept: list[str] = []
@@ -85,6 +88,7 @@ def adopt(
         notes.append(f"the script's RunConfig applies: {what}")
     notes += [f"ringtrain run's {line}" for line in kept]
     notes += _not_applied(script, run_name, run_uri, callbacks)
+    notes += _not_read(script, notice_sources)
     retention = {k: v for k, v in taken.items() if k in RETENTION}
     return Adoption(
         checkpoint_config=replace(current, **retention),
@@ -120,3 +124,55 @@ def _not_applied(
             "(run it with `python SCRIPT`)"
         )
     return notes
+
+
+# Settings of the script's RunConfig the driver fixed when it started (ringtrain run's flags).
+_FIXED = (
+    ("progress", lambda c: c.progress, "auto", "--progress"),
+    ("monitor_config", lambda c: c.monitor_config, MonitorConfig(), ""),
+    ("checkpoint_config.async_save", lambda c: c.checkpoint_config.async_save, True, ""),
+    (
+        "checkpoint_config.from_scratch_if_invalid",
+        lambda c: c.checkpoint_config.from_scratch_if_invalid,
+        False,
+        "--from-scratch-if-invalid",
+    ),
+    (
+        "failure_config.worker_timeout_s",
+        lambda c: c.failure_config.worker_timeout_s,
+        FailureConfig().worker_timeout_s,
+        "--worker-timeout",
+    ),
+    (
+        "failure_config.preemption_grace_s",
+        lambda c: c.failure_config.preemption_grace_s,
+        FailureConfig().preemption_grace_s,
+        "",
+    ),
+    (
+        "failure_config.snapshot_interval_steps",
+        lambda c: c.failure_config.snapshot_interval_steps,
+        FailureConfig().snapshot_interval_steps,
+        "",
+    ),
+    ("failure_config.slurm_requeue", lambda c: c.failure_config.slurm_requeue, True, ""),
+    ("trust_unsigned", lambda c: c.trust_unsigned, False, "--trust-unsigned"),
+)
+
+
+def _not_read(script: RunConfig, notice_sources: tuple[str, ...]) -> list[str]:
+    """The script's other settings that differ from their defaults: ringtrain run's apply."""
+    given = [
+        f"{name}={get(script)!r}" for name, get, default, _ in _FIXED if get(script) != default
+    ]
+    flags = [flag for _, get, default, flag in _FIXED if flag and get(script) != default]
+    if notice_sources:
+        given.append(f"failure_config.notice_sources=[{', '.join(notice_sources)}]")
+    if not given:
+        return []
+    how = f" (ringtrain run's {', '.join(flags)})" if flags else ""
+    return [
+        f"the script's RunConfig({', '.join(given)}) is not read under ringtrain run: the run "
+        f"was set up before the script ran, with ringtrain run's settings{how}; `python "
+        "SCRIPT` starts the workers with the script's own"
+    ]

@@ -168,6 +168,7 @@ class RunSettings:
     rank: int
     run_config: Any  # a ringtrain.config.RunConfig; its callbacks and notice sources dropped
     callbacks: tuple[str, ...] = ()  # the repr of each callback it had
+    notice_sources: tuple[str, ...] = ()  # the repr of each FailureConfig.notice_sources
 
 
 @dataclass(frozen=True)

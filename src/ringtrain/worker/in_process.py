@@ -48,6 +48,7 @@ def send_run_settings(session: Session, run_config: RunConfig) -> None:
             rank=0,
             run_config=plain,
             callbacks=tuple(repr(c) for c in run_config.callbacks),
+            notice_sources=tuple(repr(s) for s in run_config.failure_config.notice_sources),
         )
     )
 
