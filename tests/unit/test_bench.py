@@ -472,15 +472,22 @@ def test_bench_cli_other_bad_arguments(capsys: Any, tmp_path: Any) -> None:
     assert "must be a number > 0" in capsys.readouterr().err
 
 
-def test_bench_without_matplotlib_names_the_extra(
-    monkeypatch: Any, capsys: Any, tmp_path: Any
+def test_bench_without_matplotlib_writes_the_report_without_charts(
+    monkeypatch: Any, tmp_path: Any
 ) -> None:
+    """``ringtrain bench`` works on the base install (issue 40): without matplotlib (the
+    ``bench`` extra) the report has every number, table and conclusion, and says that its
+    charts need ``pip install 'ringtrain[bench]'``."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
-    script = tmp_path / "s.py"
-    script.write_text("pass\n")
-    assert cli.main(["bench", str(script), "--workers", "1,2", "--steps", "3"]) == 2
-    assert "pip install 'ringtrain[bench]'" in capsys.readouterr().err
-    assert not (tmp_path / "scaling").exists()
+    runs = [timing(1), timing(2, parts={**BASE, "comm_exposed_s": 0.002}, comm_bytes=1e6)]
+    report = build_report(runs, allreduce_times(30e-6, 3e9, [2]))
+    paths = write_report(report, str(tmp_path / "out"))
+    assert sorted(paths) == ["html", "json"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["scaling.html", "scaling.json"]
+    page = (tmp_path / "out" / "scaling.html").read_text()
+    assert "data:image/png" not in page
+    assert "pip install &#x27;ringtrain[bench]&#x27;" in page
+    assert json.loads((tmp_path / "out" / "scaling.json").read_text())["scaling"]
 
 
 def test_load_timing_windows_reads_the_last_attempt(tmp_path: Any) -> None:

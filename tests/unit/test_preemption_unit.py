@@ -170,7 +170,9 @@ def test_callable_and_file_notices(tmp_path):
     files.start(got.append)
     time.sleep(0.1)
     assert got == []
-    path.write_text("maintenance at 10:00\n")
+    # Written atomically (a reader never sees it half written), as a careful writer would.
+    (tmp_path / "preempt.tmp").write_text("maintenance at 10:00\n")
+    os.replace(tmp_path / "preempt.tmp", path)
     deadline = time.monotonic() + 10
     while not got and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -178,6 +180,57 @@ def test_callable_and_file_notices(tmp_path):
     assert [(n.reason, n.source) for n in got] == [("maintenance at 10:00", "file")]
     with pytest.raises(ValueError, match="interval_s"):
         CallableNotice(check, interval_s=0)
+
+
+def _first_notice(source, timeout_s=10.0):
+    got: list[PreemptionNotice] = []
+    source.start(got.append)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        source.stop()
+    return got
+
+
+@pytest.mark.parametrize("first_chunk", ["", "mainten"])
+def test_a_file_notice_written_in_pieces_still_gives_its_reason(tmp_path, first_chunk):
+    """A notice file written non-atomically (``echo reason > flag`` creates the file, then
+    writes): a poll between the two sees an empty file or half a line. The reason must still
+    be the whole first line, not "<path> exists" or "mainten" (issue 40, the race behind
+    test_callable_and_file_notices's flakiness under load)."""
+    path = tmp_path / "preempt"
+    got: list[PreemptionNotice] = []
+    files = FileNotice(path, interval_s=0.01, settle_s=60)
+    files.start(got.append)
+    try:
+        with open(path, "w") as f:
+            f.write(first_chunk)
+            f.flush()
+            time.sleep(0.3)  # 30 polls see the file half written
+            f.write("maintenance at 10:00\n"[len(first_chunk) :])
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        files.stop()
+    assert [(n.reason, n.source) for n in got] == [("maintenance at 10:00", "file")]
+
+
+def test_an_empty_or_unterminated_notice_file_is_a_notice_once_it_settles(tmp_path):
+    """A touched file (no reason) and a reason without a newline are notices once the file has
+    not changed for ``settle_s``."""
+    empty = tmp_path / "flag"
+    empty.touch()
+    assert [n.reason for n in _first_notice(FileNotice(empty, 0.01, settle_s=0.05))] == [
+        f"{empty} exists"
+    ]
+    bare = tmp_path / "bare"
+    bare.write_text("drain now")
+    assert [n.reason for n in _first_notice(FileNotice(bare, 0.01, settle_s=0.05))] == ["drain now"]
+    with pytest.raises(ValueError, match="settle_s"):
+        FileNotice(bare, settle_s=-1)
 
 
 def test_failure_config_validates_the_preemption_fields():

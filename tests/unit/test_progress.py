@@ -350,7 +350,12 @@ def test_rich_panel_bar_eta_and_epochs_as_the_worker_prints_them() -> None:
     console = Console(width=80, record=True, color_system=None, file=io.StringIO())
     console.print(live)
     text = console.export_text()
-    assert "epoch 2/4" in text  # the epoch being trained, 1-based, as the worker prints it
+    # The header's epoch is its round's (0, the first epoch), as the rows and the plain lines
+    # give it: 1-based of the total. (It gave the epoch being trained, 2/4, beside rows of 1/4.)
+    header = next(line for line in text.splitlines() if "round" in line)
+    assert "round 0   epoch 1/4" in header, text
+    row = next(line for line in text.splitlines() if line.strip("│ ").startswith("0 "))
+    assert "1/4" in row, text
     assert "ETA" in text and "37.5%" in text
     assert max(len(line) for line in text.splitlines()) <= 80
     clock.t += 5.0
@@ -436,3 +441,27 @@ def test_sweep_display_close_writes_the_final_frame_whole_too() -> None:
     out = buf.getvalue()
     row = out.rfind("RUNNING")  # the last frame's trial row
     assert row >= 0 and "└" in out[row:], out[-600:]  # and its bottom border after it
+
+
+def test_no_samples_per_second_without_a_prepared_loader() -> None:
+    """A loop without ``rt.prepare_data_loader`` counts no samples: its windows say 0 samples/s,
+    which is no throughput to show (issue 40: "0 samples/s" on every round line)."""
+    stream = io.StringIO()
+    p = PlainProgress(stream, min_interval_s=0.0)
+    p.start("loop", 2, "runs/loop")
+    for rank in range(2):
+        p.timing(rank, {"step": 4, "step_s": 0.03, "samples_per_s": 0.0})
+        p.report(rank, 0, {"loss": 1.0})
+    p.round_complete(0, {"loss": 1.0})
+    p.close("FINISHED")
+    assert "0.03 s/step]" in stream.getvalue() and "samples/s" not in stream.getvalue()
+
+    r, _, _ = _rich()
+    r.start("loop", 2, "runs/loop")
+    for rank in range(2):
+        r.worker_state(rank, "running")
+        r.timing(rank, {"step": 4, "step_s": 0.03, "samples_per_s": 0.0})
+    console = Console(width=100, record=True, color_system=None, file=io.StringIO())
+    console.print(r._render())
+    text = console.export_text()
+    assert "samples/s" not in text and "0.03 s/step" in text, text

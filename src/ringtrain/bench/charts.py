@@ -17,6 +17,11 @@ MATPLOTLIB_HINT = (
     "the scaling report draws its charts with matplotlib, which is not installed: "
     "pip install 'ringtrain[bench]'"
 )
+#: What the report says instead of its charts when matplotlib is missing.
+NO_CHARTS = (
+    "No charts: matplotlib is not installed (pip install 'ringtrain[bench]'); every number "
+    "is in the tables above and in scaling.json."
+)
 
 CHARTS = {
     "throughput": "Throughput against the number of workers",
@@ -33,6 +38,16 @@ _PART_COLORS = {
     "optimizer_s": "#55a868",
     "other_s": "#9a9a9a",
 }
+
+
+def have_matplotlib() -> bool:
+    """Whether matplotlib can be imported (the ``bench`` extra): the charts need it, the rest of
+    the report does not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def require_matplotlib() -> None:

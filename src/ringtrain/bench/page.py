@@ -13,7 +13,7 @@ from ringtrain.bench.analysis import (
     PARTS,
     AlphaBetaFit,
 )
-from ringtrain.bench.charts import CHARTS
+from ringtrain.bench.charts import CHARTS, NO_CHARTS
 
 
 def _e(value: Any) -> str:
@@ -225,6 +225,8 @@ def render_html(report: Mapping[str, Any], charts: Mapping[str, bytes]) -> str:
         parts.append("</ul>")
 
     parts.append("<h2>Charts</h2>")
+    if not charts:
+        parts.append(f"<p>{_e(NO_CHARTS)}</p>")
     for name, title in CHARTS.items():
         png = charts.get(name)
         if png is None:

@@ -3,7 +3,8 @@
 :func:`build_report` turns measurements into one JSON-able dict (every number the report shows);
 :func:`write_report` writes that dict as ``scaling.json``, draws the charts from it with
 matplotlib (Agg, no display needed) as PNG files next to it, and writes ``scaling.html``, a
-single page with the charts embedded as base64 PNG: it renders offline, on its own. The charts
+single page with the charts embedded as base64 PNG: it renders offline, on its own. Without
+matplotlib (the ``bench`` extra) the report is written without its charts, and says so. The charts
 are drawn by :mod:`~ringtrain.bench.charts`, the page by :mod:`~ringtrain.bench.page`.
 """
 
@@ -27,12 +28,20 @@ from ringtrain.bench.analysis import (
     predict_efficiency,
     scaling_points,
 )
-from ringtrain.bench.charts import MATPLOTLIB_HINT, render_charts, require_matplotlib
+from ringtrain.bench.charts import (
+    MATPLOTLIB_HINT,
+    NO_CHARTS,
+    have_matplotlib,
+    render_charts,
+    require_matplotlib,
+)
 from ringtrain.bench.page import render_html
 
 __all__ = [
     "MATPLOTLIB_HINT",
+    "NO_CHARTS",
     "build_report",
+    "have_matplotlib",
     "render_charts",
     "render_html",
     "require_matplotlib",
@@ -153,7 +162,8 @@ def build_report(
 
 
 def write_report(report: Mapping[str, Any], out_dir: str) -> dict[str, str]:
-    """Write ``scaling.json``, one PNG per chart and ``scaling.html`` into ``out_dir``.
+    """Write ``scaling.json``, one PNG per chart and ``scaling.html`` into ``out_dir`` (no PNG
+    without matplotlib: the page then says how to get the charts).
 
     Args:
         report: the dict from :func:`build_report`.
@@ -163,10 +173,9 @@ def write_report(report: Mapping[str, Any], out_dir: str) -> dict[str, str]:
         File kind (``json``, ``html`` and each chart name) -> absolute path written.
 
     Raises:
-        ImportError: matplotlib is missing.
         OSError: ``out_dir`` cannot be written.
     """
-    charts = render_charts(report)
+    charts = render_charts(report) if have_matplotlib() else {}
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     paths: dict[str, str] = {}

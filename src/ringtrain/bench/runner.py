@@ -22,7 +22,7 @@ from rich.table import Table
 
 from ringtrain.bench.allreduce import measure_allreduce
 from ringtrain.bench.analysis import PARTS, BenchError, RunTiming, aggregate_windows
-from ringtrain.bench.report import build_report, require_matplotlib, write_report
+from ringtrain.bench.report import MATPLOTLIB_HINT, build_report, have_matplotlib, write_report
 from ringtrain.monitor.console_io import whole_writes
 
 __all__ = ["BenchConfig", "amdahl_line", "load_timing_windows", "parse_workers", "run_bench"]
@@ -202,15 +202,15 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> dict[str, 
         The files written: ``json``, ``html`` and one entry per chart -> absolute path.
 
     Raises:
-        ImportError: matplotlib is missing (``pip install 'ringtrain[bench]'``).
         BenchError: a run failed (the message names its run directory) or timed no steps.
         RuntimeError, ValueError: from ``run_workers`` (a run directory already in use, ...).
     """
     from ringtrain.config import MonitorConfig, RunConfig, ScalingConfig
     from ringtrain.trainer import run_workers
 
-    require_matplotlib()  # before minutes of runs, not after
     console = console or Console(file=whole_writes())
+    if not have_matplotlib():  # said before minutes of runs, not after
+        console.print(f"{MATPLOTLIB_HINT}; the report comes without them", markup=False)
     script = os.path.abspath(config.script)
     stem = os.path.splitext(os.path.basename(script))[0]
     out_dir = os.path.abspath(config.out_dir)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ringtrain.checkpoint import storage
@@ -22,6 +24,10 @@ class CheckpointLoadError(RuntimeError):
     def __init__(self, uri: str, why: str) -> None:
         super().__init__(f"could not load checkpoint {uri}: {why}")
         self.uri = uri
+
+
+DICT_FILE = "dict.pt"
+"""The one file of a :meth:`Checkpoint.from_dict` checkpoint."""
 
 
 class Checkpoint:
@@ -84,6 +90,80 @@ class Checkpoint:
         ckpt = cls(os.path.abspath(path), LocalFileSystem())
         ckpt._own = True
         return ckpt
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Checkpoint:
+        """A checkpoint of one dict (Ray AIR's ``Checkpoint.from_dict``): ``report(metrics,
+        checkpoint=Checkpoint.from_dict({"model": model.state_dict(), "epoch": epoch}))``, read
+        back with :meth:`to_dict`.
+
+        The dict is written with ``torch.save`` to a private temporary directory (removed when
+        the handle is garbage-collected; ``report`` copies it first) as the file ``dict.pt``,
+        and read back with ``torch.load(weights_only=True)``, like every other checkpoint: it
+        may hold tensors and plain data (numbers, strings, bytes, ``None``, dtypes and lists,
+        tuples and dicts of them: any ``state_dict()``), never code. Every rank reporting one
+        writes the same file name: with identical content (data-parallel replicas) that is one
+        file; otherwise the last write wins.
+
+        Args:
+            data: a dict with str keys.
+
+        Raises:
+            TypeError: ``data`` is not a dict with str keys, or holds an object a weights-only
+                load would refuse; the message names where (``data['model'] is a
+                torch.nn.modules.linear.Linear``) and the fix.
+        """
+        from ringtrain.checkpoint.plain import find_unsavable
+
+        if not isinstance(data, Mapping) or not all(isinstance(k, str) for k in data):
+            raise TypeError(
+                f"Checkpoint.from_dict(data) takes a dict with str keys, got {type(data).__name__}"
+            )
+        data = dict(data)
+        found = find_unsavable(data, "data")
+        if found:
+            raise TypeError(
+                f"Checkpoint.from_dict: {found}, which a checkpoint cannot hold (it is loaded "
+                "without running code): save tensors and plain data, e.g. model.state_dict() "
+                "instead of the model"
+            )
+        import torch
+
+        tmp = tempfile.mkdtemp(prefix="ringtrain_dict_")
+        torch.save(data, os.path.join(tmp, DICT_FILE))
+        ckpt = cls.from_directory(tmp)
+        weakref.finalize(ckpt, shutil.rmtree, tmp, ignore_errors=True)
+        return ckpt
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dict of a :meth:`from_dict` checkpoint (tensors on the CPU), read through the
+        manifest (size and SHA-256 checked) and loaded with ``torch.load(weights_only=True)``.
+
+        Raises:
+            ValueError: the checkpoint was not made by ``from_dict`` (it has no ``dict.pt``):
+                read its files with :meth:`as_directory`.
+            CheckpointLoadError: the manifest is missing or unsigned, the file was altered, or
+                it holds something a weights-only load refuses.
+        """
+        from ringtrain.checkpoint.plain import weights_only_refusal
+
+        data = self.read_file(DICT_FILE)
+        if data is None:
+            raise ValueError(
+                f"{self!r} was not made by Checkpoint.from_dict (it has no {DICT_FILE}): read "
+                "its files with checkpoint.as_directory()"
+            )
+        import torch
+
+        try:
+            loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as exc:
+            raise CheckpointLoadError(
+                self.uri, f"{DICT_FILE}: {weights_only_refusal(exc)}"
+            ) from exc
+        if not isinstance(loaded, dict):
+            raise CheckpointLoadError(self.uri, f"{DICT_FILE} does not hold a dict")
+        return loaded
 
     # ------------------------------------------------------------------ verified reading
     def verified_files(self) -> dict[str, dict[str, Any]]:

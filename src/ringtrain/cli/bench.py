@@ -98,13 +98,6 @@ def add_bench_parser(sub: Any) -> None:
 
 def cmd_bench(args: argparse.Namespace, script_args: tuple[str, ...]) -> int:
     """``ringtrain bench``: run SCRIPT at each worker count and write the scaling report."""
-    from ringtrain.bench.report import MATPLOTLIB_HINT
-
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        say(f"ringtrain bench: {MATPLOTLIB_HINT}", err=True)
-        return 2
     from ringtrain.bench.analysis import BenchError
     from ringtrain.bench.runner import BenchConfig, run_bench
 

@@ -100,7 +100,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Returns 0 when at least one trial completed, 1 otherwise (2 for usage errors)."""
     import ringtrain as rt
-    from ringtrain.tune import Tuner
+
+    try:
+        from ringtrain.tune import Tuner
+    except ImportError as exc:  # the tune extra is missing: say which, in one line
+        refuse("tune", str(exc))
 
     if args.resume:
         if args.script:
@@ -178,6 +182,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not done:
         say("ringtrain tune: no trial completed", err=True)
         return 1
+    if grid.metric is None:  # nothing was optimised: every trial is the answer
+        say(f"{len(done)} of {len(grid)} trials completed in {grid.path}")
+        return 0
     best = grid.get_best_result()
     say(f"best trial: {best.path}")
     say(f"  config: {best.config}")

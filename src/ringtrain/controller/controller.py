@@ -49,7 +49,7 @@ from ringtrain.controller.generation import Generation, Grow
 from ringtrain.controller.in_place import InPlace
 from ringtrain.controller.integrity import Recheck
 from ringtrain.controller.notices import TRAINING, Notices
-from ringtrain.controller.outputs import RunBook, build_result, result_record
+from ringtrain.controller.outputs import RunBook, aborted_because, build_result, result_record
 from ringtrain.controller.policy import Decision, FailurePolicy
 from ringtrain.controller.preempting import Preemption
 from ringtrain.controller.resume import ResumePoint
@@ -181,6 +181,7 @@ class Controller(Executor, InPlace, Notices):
         self.next_round = checkpoints.next_round
         self.recheck: Recheck | None = None  # a mismatch the re-run is to name a rank for
         self.excluded = 0  # workers left out after corrupting twice (elastic runs)
+        self.said: set[str] = set()  # notes shown once per run (every attempt sends them)
 
     @property
     def state(self) -> RunState:
@@ -485,5 +486,6 @@ class Controller(Executor, InPlace, Notices):
             name=self.run_dir.name,
             world_size=self.world_size,
             rounds=self.next_round,
+            aborted=aborted_because(self.current),
         )
         self.run_dir.write_result(record)

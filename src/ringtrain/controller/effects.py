@@ -130,6 +130,15 @@ class Verified:
     event: Any
 
 
+@dataclass(frozen=True)
+class Adopt:
+    """A script run by ``ringtrain run`` sent its own ``RunConfig`` (``event``: its
+    :class:`~ringtrain.wire.channel.RunSettings`): adopt what can still apply
+    (:mod:`ringtrain.controller.script_settings`)."""
+
+    event: Any
+
+
 Effect = (
     Write
     | Say
@@ -145,5 +154,6 @@ Effect = (
     | Timed
     | GrowIdle
     | Verified
+    | Adopt
 )
 """Anything a decider may ask the controller to do."""

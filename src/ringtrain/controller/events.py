@@ -14,6 +14,7 @@ import time
 
 from ringtrain.controller.attempt import signal_name
 from ringtrain.controller.effects import (
+    Adopt,
     DumpStacks,
     Effect,
     GrowIdle,
@@ -52,6 +53,7 @@ from ringtrain.wire.channel import (
     JoinReady,
     Report,
     Resumed,
+    RunSettings,
     Timing,
     WorkerError,
 )
@@ -84,7 +86,7 @@ def handle(gen: Generation, event: Event, *, generation: int, grow: Grow | None)
             gen.health.progressed(rank, now)
     if isinstance(event, Report):
         return report(gen, event)
-    if isinstance(event, Hello | IntegrityMismatch | IntegrityVerified):
+    if isinstance(event, Hello | IntegrityMismatch | IntegrityVerified | RunSettings):
         return _told(gen, event)
     if isinstance(event, Interrupted):
         interrupted(gen, event, generation)
@@ -105,8 +107,10 @@ def handle(gen: Generation, event: Event, *, generation: int, grow: Grow | None)
     return []
 
 
-def _told(gen: Generation, event: Hello | IntegrityMismatch | IntegrityVerified) -> list[Effect]:
-    """A worker said who it is, or what a replica check found."""
+def _told(
+    gen: Generation, event: Hello | IntegrityMismatch | IntegrityVerified | RunSettings
+) -> list[Effect]:
+    """A worker said who it is, what a replica check found, or the settings of its script."""
     if isinstance(event, Hello):
         gen.hosts[event.rank] = event.hostname
         return [Show("worker_state", (event.rank, "running"))]
@@ -114,6 +118,8 @@ def _told(gen: Generation, event: Hello | IntegrityMismatch | IntegrityVerified)
         if gen.mismatch is None:  # every rank sends the same one
             gen.mismatch = event
         return []
+    if isinstance(event, RunSettings):
+        return [Adopt(event)]
     return [Verified(event)]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.controller import events, integrity
 from ringtrain.controller.effects import (
+    Adopt,
     Discard,
     DiscardStaging,
     DumpStacks,
@@ -36,12 +37,14 @@ from ringtrain.controller.elastic import Rendezvous
 from ringtrain.controller.generation import Generation
 from ringtrain.controller.integrity import Recheck
 from ringtrain.controller.outputs import RunBook, call_callbacks
+from ringtrain.controller.policy import FailurePolicy
 from ringtrain.controller.rounds import Publisher
+from ringtrain.controller.script_settings import adopt
 from ringtrain.launch.base import GrowableGroup, WorkerGroup
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.monitor.straggler import StragglerDetector
 from ringtrain.rundir import RunDirectory
-from ringtrain.wire.channel import IntegrityVerified
+from ringtrain.wire.channel import IntegrityVerified, RunSettings
 
 logger = logging.getLogger("ringtrain")
 
@@ -60,6 +63,8 @@ class Executor:
     rendezvous: Rendezvous
     next_round: int
     recheck: Recheck | None
+    failure_policy: FailurePolicy
+    said: set[str]
     callbacks: list[Any]
     _growable: Callable[[], GrowableGroup | None]
 
@@ -116,6 +121,28 @@ class Executor:
                 self.rendezvous.grow_failures = 0
         elif isinstance(effect, Verified):
             self._verified(effect.event)
+        elif isinstance(effect, Adopt):
+            self._adopt(effect.event)
+
+    def _adopt(self, event: RunSettings) -> None:
+        """A script's own RunConfig (``ringtrain run SCRIPT`` whose script calls
+        ``rt.Trainer(...).fit()``): adopt what can still apply, say the rest (once per run)."""
+        adoption = adopt(
+            self.checkpoints.config,
+            self.failure_policy.max_failures,
+            event.run_config,
+            run_name=self.run_dir.name,
+            run_uri=self.run_dir.uri,
+            callbacks=event.callbacks,
+            notice_sources=event.notice_sources,
+        )
+        self.checkpoints.config = adoption.checkpoint_config
+        self.failure_policy.max_failures = adoption.max_failures
+        for note in adoption.notes:
+            if note not in self.said:
+                self.said.add(note)
+                logger.info(note)
+                self.progress.message(note)
 
     def _verified(self, event: IntegrityVerified) -> None:
         """The re-run passed the step of a mismatch without a majority: name the rank whose

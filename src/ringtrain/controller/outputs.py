@@ -65,9 +65,16 @@ def build_result(
 
 
 def result_record(
-    result: Result, book: RunBook, *, name: str, world_size: int, rounds: int
+    result: Result,
+    book: RunBook,
+    *,
+    name: str,
+    world_size: int,
+    rounds: int,
+    aborted: str | None = None,
 ) -> ResultRecord:
-    """``result.json`` for ``result`` (its ``status`` ``RUNNING`` until the run ends)."""
+    """``result.json`` for ``result`` (its ``status`` ``RUNNING`` until the run ends);
+    ``aborted``: why an ``ABORTED`` run ended (:func:`aborted_because`)."""
     now = time.time()
     finished = result.status != "RUNNING"
     return ResultRecord(
@@ -84,11 +91,41 @@ def result_record(
         metrics_per_rank={str(r): m for r, m in result.metrics_per_rank.items()},
         checkpoint=result.checkpoint.uri if result.checkpoint else None,
         best_checkpoints=[{"path": c.uri, "metrics": m} for c, m in result.best_checkpoints],
-        error=str(book.error) if book.error else None,
+        error=str(book.error) if book.error else aborted,
         failures=[f.to_dict() for f in book.failures],
         follow_on_failures=[f.to_dict() for f in book.follow_on_failures],
         preemptions=result.preemptions,
     )
+
+
+_ABORT_REASONS = {
+    "KeyboardInterrupt": "interrupted by Ctrl-C",
+    "DriverTerminated": "the driver received SIGTERM",
+}
+
+
+def _aborted_because(state: Any) -> str | None:
+    """Why an ``ABORTED`` run ended, for ``ringtrain ls`` (which otherwise says "driver gone",
+    the reason of a run whose driver died without a word)."""
+    reason = getattr(state, "reason", None) if state.kind.value == "ABORTED" else None
+    if not reason:
+        return None
+    return _ABORT_REASONS.get(reason, f"the driver raised {reason}")
+
+
+_ABORT_REASONS = {
+    "KeyboardInterrupt": "interrupted by Ctrl-C",
+    "DriverTerminated": "the driver received SIGTERM",
+}
+
+
+def aborted_because(state: Any) -> str | None:
+    """Why an ``ABORTED`` run ended, for ``ringtrain ls`` (which otherwise says "driver gone",
+    the reason of a run whose driver died without a word)."""
+    reason = getattr(state, "reason", None) if state.kind.value == "ABORTED" else None
+    if not reason:
+        return None
+    return _ABORT_REASONS.get(reason, f"the driver raised {reason}")
 
 
 def call_callbacks(callbacks: Sequence[Any], hook: str, *args: Any) -> None:

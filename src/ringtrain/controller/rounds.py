@@ -161,19 +161,18 @@ class Publisher:
         for rank in sorted(expected):
             for rel, info in outcomes[rank][1].items():
                 if rel in files:
+                    same = files[rel].get("sha256") == info.get("sha256")
+                    info = _digest_on_storage(self.checkpoints, round_, rel)  # what landed
+                    if same and info.get("sha256") == files[rel].get("sha256"):
+                        continue  # the same bytes (replicas' identical state): nothing lost
                     if rel not in self.said_shared:
                         self.said_shared.add(rel)
-                        effects.append(
-                            Show(
-                                "message",
-                                (
-                                    f"round {round_}: ranks {owners[rel]} and {rank} both wrote "
-                                    f"checkpoint file {rel!r}; the last write wins (use distinct "
-                                    "file names per rank; said once per run)",
-                                ),
-                            )
+                        text = (
+                            f"round {round_}: ranks {owners[rel]} and {rank} both wrote "
+                            f"checkpoint file {rel!r} with different contents; the last write "
+                            "wins (use distinct file names per rank; said once per run)"
                         )
-                    info = _digest_on_storage(self.checkpoints, round_, rel)
+                        effects.append(Show("message", (text,)))
                 files[rel] = {**info, "rank": owners.setdefault(rel, rank)}
         return files
 

@@ -6,6 +6,7 @@ a run that ended ``PREEMPTED``. Re-exported by :mod:`ringtrain.trainer`.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -30,6 +31,22 @@ def _requeue_if_preempted(status: str, run_config: RunConfig) -> None:
 class DriverTerminated(KeyboardInterrupt):
     """The driver received SIGTERM; raised like Ctrl-C so that workers are stopped and the run
     directory records ``ABORTED``."""
+
+
+def interrupted(exc: KeyboardInterrupt, storage_path: str, name: str) -> KeyboardInterrupt:
+    """What ``Trainer.fit`` raises once a Ctrl-C (or :class:`DriverTerminated`) has stopped the
+    run's workers and recorded it ``ABORTED``: an exception of the same class whose message is
+    the whole story, the run stopped and how to continue it (the caller drops the traceback
+    through the controller)."""
+    why = str(exc) if isinstance(exc, DriverTerminated) and str(exc) else "interrupted by Ctrl-C"
+    if "://" in storage_path:
+        where = storage_path.rstrip("/") + "/" + name
+    else:
+        where = os.path.normpath(os.path.join(storage_path, name))
+    return type(exc)(
+        f"run {name!r} stopped: {why}; workers stopped; continue it with "
+        f"rt.Trainer.restore({where!r}).fit()"
+    )
 
 
 @contextlib.contextmanager

@@ -57,7 +57,7 @@ try:
     )
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "ringtrain.integrations.lightning needs PyTorch Lightning 2.x (the `lightning` package): "
+        f"{__name__} needs PyTorch Lightning 2.x, which cannot be imported ({exc}): "
         "pip install 'ringtrain[lightning]'"
     ) from exc
 
@@ -240,9 +240,10 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
     """
     if not isinstance(trainer, pl.Trainer):
         raise TypeError(
-            "prepare_trainer(trainer) takes a lightning.pytorch.Trainer, got "
-            f"{type(trainer).__module__}.{type(trainer).__name__} (the `pytorch_lightning` "
-            "package is not supported: `import lightning.pytorch as pl`)"
+            f"{__name__}.prepare_trainer(trainer) takes a {pl.__name__}.Trainer, got "
+            f"{type(trainer).__module__}.{type(trainer).__name__}: each Lightning package has "
+            "its own bridge module (docs/lightning.md); ringtrain.train.lightning's names follow "
+            "the package your code imports"
         )
     ctx = get_context()
     strategy = trainer.strategy

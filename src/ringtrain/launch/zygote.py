@@ -116,6 +116,7 @@ def _child(sock: socket.socket, request: dict[str, object], fds: list[int], read
         for fd in fds:
             if fd > 2:
                 os.close(fd)
+        _fresh_random_state()
         env = request["env"]
         assert isinstance(env, dict)
         os.environ.clear()
@@ -145,6 +146,26 @@ def _child(sock: socket.socket, request: dict[str, object], fds: list[int], read
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _fresh_random_state() -> None:
+    """Seed the forked child's global random streams from the OS's entropy, as a freshly
+    started process's are: a fork copies the zygote's torch generator and NumPy's global
+    ``RandomState``, which would give every worker of a run (and of every run) the same
+    unseeded draws (data order, augmentation, dropout masks, weight initialisation, DataLoader
+    worker seeds). Python reseeds ``random`` at a fork itself; it is reseeded here too, so that
+    all three are seen to. CUDA's generators get a fresh seed lazily (CUDA is not initialised
+    here). The user's own seeding, and ``TrainState.restore``'s saved streams, come later and
+    win."""
+    import random
+
+    random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # CPU now; CUDA, MPS, XPU queued until their lazy initialisation
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # the legacy global RandomState, from the OS's entropy
 
 
 def _reap(sock: socket.socket, children: dict[int, Mapping[str, str]]) -> None:

@@ -246,10 +246,10 @@ class RichProgress(_ReporterBase):
         header.append(format_duration(elapsed))
         header.append("   round ", style="dim")
         header.append("-" if self._round is None else str(self._round))
-        epoch = self._progress.epoch_label()
-        if epoch is None and "epoch" in self._metrics:
-            epoch = format_value(self._metrics["epoch"])
-        if epoch is not None:
+        # The round's epoch, as the rows (and the plain lines) give it; without one reported,
+        # the epoch being trained (TrainState.epochs' windows).
+        epoch = self._cell(self._metrics, "epoch") or self._progress.epoch_label()
+        if epoch:
             header.append("   epoch ", style="dim")
             header.append(epoch)
         header.append("   workers ", style="dim")
@@ -327,9 +327,12 @@ class RichProgress(_ReporterBase):
         table.add_column("State", no_wrap=True)
         table.add_column("Round", justify="right", no_wrap=True)
         timed = any(self._workers[r].timing for r in ranks)
+        # No samples counted (no prepared loader): no throughput column, rather than zeros.
+        counted = any(_counted(self._workers[r].timing) for r in ranks)
         if timed:
             table.add_column("s/step", justify="right", no_wrap=True)
-            table.add_column("samples/s", justify="right", no_wrap=True)
+            if counted:
+                table.add_column("samples/s", justify="right", no_wrap=True)
         for key in shown_keys:
             table.add_column(key, justify="right", no_wrap=True, overflow="ellipsis")
         limit = self._max_worker_rows
@@ -339,10 +342,9 @@ class RichProgress(_ReporterBase):
             speed: list[str] = []
             if timed:
                 t = w.timing or {}
-                speed = [
-                    f"{t['step_s']:.3g}" if "step_s" in t else "",
-                    f"{t['samples_per_s']:.4g}" if "samples_per_s" in t else "",
-                ]
+                speed = [f"{t['step_s']:.3g}" if "step_s" in t else ""]
+                if counted:
+                    speed.append(f"{t['samples_per_s']:.4g}" if "samples_per_s" in t else "")
             state = Text(w.state, style=_STATE_STYLES.get(w.state, ""))
             if w.straggler:
                 state.append(" straggler", style="bold red")
@@ -360,7 +362,7 @@ class RichProgress(_ReporterBase):
                 "…",
                 Text(f"{hidden} more", style="dim"),
                 "",
-                *(["", ""] if timed else []),
+                *([""] * (int(timed) + int(timed and counted))),
                 *("" for _ in shown_keys),
             )
         return table
@@ -372,5 +374,13 @@ def _speed_text(windows: dict[int, dict[str, Any]]) -> str:
     steps = [w["step_s"] for w in windows.values() if isinstance(w.get("step_s"), (int, float))]
     if not steps:
         return ""
+    if not any(_counted(w) for w in windows.values()):  # no prepared loader counts samples
+        return f"{max(steps):.3g} s/step"
     total = sum(float(w.get("samples_per_s") or 0.0) for w in windows.values())
     return f"{max(steps):.3g} s/step, {total:.4g} samples/s"
+
+
+def _counted(window: dict[str, Any] | None) -> bool:
+    """Whether a timing window counted samples (a prepared data loader did)."""
+    value = (window or {}).get("samples_per_s")
+    return isinstance(value, (int, float)) and value > 0

@@ -62,11 +62,13 @@ def render_runs(
     """Prints the ``ringtrain ls`` table: one row per run and one per sweep, fitting the
     console's width (no row wraps at 80 columns).
 
-    The name is cut in the middle when it does not fit; the last column shows the most useful
-    metrics that fit, a failed run's reason (its error's first line, in red) instead, and for a
-    sweep its trial counts (completed, pruned, failed) and best value; its Rounds column counts
-    trials ended / planned. Under 100 columns the start time and checkpoint count are left
-    out (a default run name ends in its start time; ``show`` has both).
+    The name is cut in the middle when it does not fit beside the last column (which keeps up
+    to 32 columns of what it has to show, 48 from 100 columns up); the last column shows the
+    most useful metrics that fit, a failed run's reason (its error's first line, in red)
+    instead, and for a sweep its trial counts (completed, pruned, failed) and best value; its
+    Rounds column counts trials ended / planned. Under 100 columns the start time and
+    checkpoint count are left out (a default run name ends in its start time; ``show`` has
+    both).
 
     Args:
         runs: The runs, as :func:`ringtrain.monitor.runs.list_runs` returns them.
@@ -126,10 +128,13 @@ def render_runs(
     # Each column is followed by 2 spaces (collapse_padding); the table has no edges.
     room = max(0, console.width - sum(w + 2 for w in widths) - 1)
     longest = max(len("Name"), *(len(r[0]) for r in rows))
-    if narrow:  # the metrics get 32 columns, the name the rest (at 80 columns: 18)
-        name_width = max(12, min(longest, room - 33))
+    # The last column keeps up to 32 columns (48 when wide) of what it would show at full
+    # room; the name gets the rest, so it is cut only when the metrics need the room.
+    wanted = max(len(last_header), *(r[3](room).cell_len for r in rows))
+    if narrow:  # at 80 columns and long metrics: a name of 18
+        name_width = max(12, min(longest, room - min(wanted, 32) - 1))
     else:
-        name_width = max(8, min(longest, max(room // 2, room - 48)))
+        name_width = max(8, min(longest, max(room // 2, room - min(wanted, 47) - 1)))
     last_room = max(len(last_header), room - name_width - 1)
     lasts = [r[3](last_room) for r in rows]
     last_width = max(len(last_header), *(t.cell_len for t in lasts))

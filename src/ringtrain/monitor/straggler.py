@@ -96,10 +96,16 @@ class StragglerDetector:
         busy = _busy(window)
         if not others or busy is None:
             return []
-        others_busy = [b for b in (_busy(w) for w in others) if b is not None]
-        if not others_busy:
+        timed = {r: b for r, w in self.latest.items() if r != rank and (b := _busy(w)) is not None}
+        if not timed:
             return []
-        median = statistics.median(others_busy)
+        median = statistics.median(timed.values())
+        # What the rank is compared with: the one other rank, or the others' median.
+        versus = (
+            f"{median:.3g} s/step of rank {next(iter(timed))}"
+            if len(timed) == 1
+            else f"{median:.3g} s/step, the median of the other ranks"
+        )
         if median < self.min_busy_s:
             return []
         ratio = busy / median
@@ -111,8 +117,8 @@ class StragglerDetector:
                 key = _reason(window, others)
                 name, words = REASONS[key]
                 message = (
-                    f"rank {rank} is a straggler: busy {busy:.3g} s/step vs {median:.3g} s median "
-                    f"of the other ranks ({ratio:.2f}x); most of its extra time is {words}"
+                    f"rank {rank} is a straggler: busy {busy:.3g} s/step vs {versus} "
+                    f"({ratio:.2f}x); most of its extra time is {words}"
                 )
                 return [StragglerEvent(rank, True, busy, median, ratio, name, message, now)]
         else:
@@ -120,10 +126,7 @@ class StragglerDetector:
             self._over[rank] = 0
             if rank in self.flagged and self._under[rank] >= self.patience:
                 self.flagged.discard(rank)
-                message = (
-                    f"rank {rank} is no longer a straggler ({busy:.3g} s/step vs {median:.3g} s "
-                    "median of the other ranks)"
-                )
+                message = f"rank {rank} is no longer a straggler ({busy:.3g} s/step vs {versus})"
                 return [StragglerEvent(rank, False, busy, median, ratio, "", message, now)]
         return []
 

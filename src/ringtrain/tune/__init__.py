@@ -22,9 +22,11 @@ from __future__ import annotations
 
 try:
     import optuna  # noqa: F401
-except ImportError as exc:  # pragma: no cover - the tune extra is installed in CI
+except ImportError as exc:  # the base install (tests/e2e/test_base_install.py)
     raise ImportError(
-        "ringtrain.tune needs Optuna, which is not installed: pip install 'ringtrain[tune]'"
+        f"ringtrain.tune needs Optuna, which cannot be imported ({exc}): "
+        "pip install 'ringtrain[tune]'",
+        name=exc.name,
     ) from exc
 
 from ringtrain.tune.schedulers import (

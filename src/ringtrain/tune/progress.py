@@ -63,7 +63,8 @@ class SweepDisplay:
 
     Args:
         name: the sweep's name.
-        metric: the metric being optimised; ``mode``: ``"max"`` or ``"min"``.
+        metric: the metric being optimised; ``mode``: ``"max"`` or ``"min"`` (both ``None``
+            for a sweep without a metric: the table then has no metric columns).
         columns: the hyperparameter columns (flat keys).
         mode_display: ``"auto"`` (live table on a terminal, plain lines otherwise), ``"rich"``,
             ``"plain"`` or ``"off"``.
@@ -78,8 +79,8 @@ class SweepDisplay:
     def __init__(
         self,
         name: str,
-        metric: str,
-        mode: str,
+        metric: str | None,
+        mode: str | None,
         columns: Sequence[str],
         mode_display: str = "auto",
         stream: TextIO | None = None,
@@ -182,9 +183,13 @@ class SweepDisplay:
         for c in self.columns:
             table.add_column(c, justify="right")
         table.add_column("iter", justify="right")
-        table.add_column(self.metric, justify="right")
-        # The best value of any round; a trial counts by its last one (the column before).
-        table.add_column(f"peak {self.metric}", justify="right")
+        if self.metric is not None:
+            table.add_column(self.metric, justify="right")
+            # The best value of any round (the highest, or the lowest when minimising); a trial
+            # counts by its last one (the column before).
+            table.add_column(
+                f"{'lowest' if self.mode == 'min' else 'peak'} {self.metric}", justify="right"
+            )
         table.add_column("time", justify="right")
         for r in rows:
             d = r.duration_s
@@ -194,8 +199,14 @@ class SweepDisplay:
                 f"[{STATUS_STYLES.get(r.status, '')}]{r.status}[/]",
                 *(fmt_value(r.params.get(c, "")) for c in self.columns),
                 str(r.iterations),
-                "" if r.last is None else f"{r.last:.4g}",
-                "" if r.best is None else f"{r.best:.4g}",
+                *(
+                    (
+                        "" if r.last is None else f"{r.last:.4g}",
+                        "" if r.best is None else f"{r.best:.4g}",
+                    )
+                    if self.metric is not None
+                    else ()
+                ),
                 "" if d is None else f"{d:.1f}s",
             )
         return table
@@ -249,15 +260,33 @@ class SweepDisplay:
             rows = list(self.rows.values())
         sign = -1.0 if self.mode == "max" else 1.0
         rows.sort(key=lambda r: (r.last is None or r.status == "FAILED", sign * (r.last or 0.0)))
-        final = self.table(rows, title=f"{self.name} finished: {self.counts_text()}")
+        title = f"{self.name} finished: {self.counts_text()}"
+        final = self.table(rows, title=title)
         if self._live is not None:  # the live table becomes the final one: shown once
             self._live.update(final, refresh=True)
             self.close()
             return
-        self.console.print(final)
+        if self.console.is_terminal:
+            self.console.print(final)
+            return
+        # Piped (| tee, CI): no terminal width to fit, so nothing is cut or wrapped: the title
+        # is one line, and the table as wide as its widest cells.
+        self.line(title)
+        final.title = None
+        wide = Console(
+            file=whole_writes(self._stream),
+            width=max(self.console.width, _natural_width(self.console, final)),
+            color_system=None,
+        )
+        wide.print(final)
 
 
 _ENDED = frozenset({"COMPLETE", "PRUNED", "FAILED"})
+
+
+def _natural_width(console: Console, table: Table) -> int:
+    """The width ``table`` takes with no cell cut or wrapped."""
+    return console.measure(table, options=console.options.update(max_width=10_000)).maximum
 
 
 def _fmt_eta(seconds: float | None) -> str:

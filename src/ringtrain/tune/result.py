@@ -22,7 +22,7 @@ class ResultGrid(Sequence[Result]):
 
     Attributes:
         path: the sweep directory, ``{storage_path}/{name}``.
-        metric, mode: what the sweep optimised.
+        metric, mode: what the sweep optimised (``None`` when it had no metric).
         statuses: trial status per result: ``"COMPLETE"``, ``"PRUNED"``, ``"FAILED"``.
     """
 
@@ -32,8 +32,8 @@ class ResultGrid(Sequence[Result]):
         rows: list[TrialRow],
         *,
         path: str,
-        metric: str,
-        mode: str,
+        metric: str | None,
+        mode: str | None,
         columns: Sequence[str],
         study: Any = None,
     ) -> None:
@@ -80,11 +80,18 @@ class ResultGrid(Sequence[Result]):
                 ``"all"`` (the best value a trial reported at any round).
 
         Raises:
-            ValueError: on a bad ``mode`` / ``scope``.
+            ValueError: on a bad ``mode`` / ``scope``, or no ``metric`` / ``mode`` given to a
+                sweep that had none.
             RuntimeError: if no trial reported ``metric``.
         """
         metric = metric or self.metric
         mode = mode or self.mode
+        if metric is None or mode is None:
+            raise ValueError(
+                f"the sweep {self.path} had no TuneConfig(metric=..., mode=...): say which trial "
+                "is best with get_best_result(metric=..., mode=...), e.g. metric='loss', "
+                "mode='min'"
+            )
         if mode not in _MODES:
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
         if scope not in ("last", "all"):
@@ -120,8 +127,9 @@ class ResultGrid(Sequence[Result]):
             rec: dict[str, Any] = {"trial_id": row.number, "status": row.status}
             for c in self._columns:
                 rec[f"config/{c}"] = row.params.get(c)
-            rec[self.metric] = row.last
-            rec[f"{self.metric}_best"] = row.best
+            if self.metric is not None:
+                rec[self.metric] = row.last
+                rec[f"{self.metric}_best"] = row.best
             rec["iterations"] = row.iterations
             rec["duration_s"] = row.duration_s
             rec["worker_seconds"] = row.extra.get("worker_seconds")

@@ -37,6 +37,8 @@ class SavedSweep:
     tune_config: TuneConfig
     scaling_config: ScalingConfig
     run_config: RunConfig
+    #: A trainer sweep's ``train_loop_config`` (``Tuner(TorchTrainer(...))``), else None.
+    trainer_loop_config: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The dict that is pickled (shallow: the configs stay objects)."""
@@ -122,5 +124,5 @@ def load_saved_sweep(path: str, signer: Signer) -> tuple[SavedSweep, str, str]:
     signer.check_sidecar(data, sidecar, TUNER_PAYLOAD, name, f"{path}/{TUNER_PAYLOAD}")
     saved = cloudpickle.loads(data)
     storage_path = os.path.abspath(parent) if is_local_fs(fs) else fs.unstrip_protocol(parent)
-    fields = {f.name: saved[f.name] for f in dataclasses.fields(SavedSweep)}
+    fields = {f.name: saved[f.name] for f in dataclasses.fields(SavedSweep) if f.name in saved}
     return SavedSweep(**fields), name, storage_path

@@ -55,12 +55,13 @@ class Outcome:
     value: float | None = None
 
 
-def judge(trial: TrialRun, metric: str, last: Any) -> Outcome:
+def judge(trial: TrialRun, metric: str | None, last: Any) -> Outcome:
     """The outcome of a trial whose controller returned.
 
     Args:
         trial: the trial (its ``exception``, ``result`` and ``pruned_at`` are read).
-        metric: ``TuneConfig.metric``: a complete trial's last report must have it, finite.
+        metric: ``TuneConfig.metric``: a complete trial's last report must have it, finite;
+            ``None`` (a sweep without a metric): a trial that finished is complete.
         last: the metric's last intermediate value (for the PRUNED line).
     """
     result = trial.result
@@ -73,6 +74,8 @@ def judge(trial: TrialRun, metric: str, last: Any) -> Outcome:
     if result.error is not None:
         why = str(result.error).splitlines()[0]
         return Outcome("FAILED", f"FAILED after {len(result.failures)} failures: {why}", error=why)
+    if metric is None:
+        return Outcome("COMPLETE", "COMPLETE")
     value = result.metrics.get(metric)
     if not _finite(value):
         why = (
@@ -84,13 +87,14 @@ def judge(trial: TrialRun, metric: str, last: Any) -> Outcome:
     return Outcome("COMPLETE", f"COMPLETE: {metric}={fmt(final)}", value=final)
 
 
-def row_from_study(ft: Any, space: SearchSpace, mode: str) -> TrialRow:
+def row_from_study(ft: Any, space: SearchSpace, mode: str | None) -> TrialRow:
     """The table row of a trial as the study holds it (a previous driver's trials).
 
     Args:
         ft: an Optuna ``FrozenTrial``.
         space: the sweep's search space (to rebuild the trial's config).
-        mode: ``"max"`` or ``"min"`` (which intermediate value is the best).
+        mode: ``"max"`` or ``"min"`` (which intermediate value is the best); ``None``: a sweep
+            without a metric (no value is shown).
     """
     from optuna.trial import TrialState
 
@@ -103,6 +107,8 @@ def row_from_study(ft: Any, space: SearchSpace, mode: str) -> TrialRow:
     config = space.config(ft.params) if ft.params else {}
     values = [v for _, v in sorted(ft.intermediate_values.items()) if _finite(v)]
     last = ft.value if ft.value is not None else (values[-1] if values else None)
+    if mode is None:  # the 0 Optuna was told is no metric's value
+        values, last = [], None
     pick = max if mode == "max" else min
     row = TrialRow(
         ft.number,
@@ -128,8 +134,8 @@ def result_grid(
     sweep: RunDirectory,
     rows: Mapping[int, TrialRow],
     space: SearchSpace,
-    metric: str,
-    mode: str,
+    metric: str | None,
+    mode: str | None,
 ) -> ResultGrid:
     """The :class:`ResultGrid` of the trials of ``rows`` (in trial order), each trial's
     :class:`~ringtrain.Result` read from its directory in ``sweep``."""

@@ -131,36 +131,72 @@ def is_int(v: Any) -> bool:
 
 
 def checked_tuner_args(
-    train_fn: Callable[..., Any],
+    train_fn: Any,
     param_space: Mapping[str, Any] | None,
     tune_config: TuneConfig | None,
     scaling_config: ScalingConfig | None,
     run_config: RunConfig | None,
-) -> tuple[Mapping[str, Any], TuneConfig, ScalingConfig, RunConfig]:
+) -> tuple[
+    Callable[..., Any],
+    dict[str, Any] | None,
+    Mapping[str, Any],
+    TuneConfig,
+    ScalingConfig,
+    RunConfig,
+]:
     """:class:`~ringtrain.tune.Tuner`'s arguments checked, with the defaults filled in.
+
+    ``train_fn`` may be a :class:`ringtrain.Trainer` (``TorchTrainer``), as Ray Tune's
+    ``trainable``: its train function, ``train_loop_config`` (which each trial's
+    ``param_space["train_loop_config"]`` is merged into), scaling and run configs are used,
+    the Tuner's own ``scaling_config`` and ``run_config`` taking precedence when given.
+
+    Returns:
+        ``(train_fn, trainer_loop_config, param_space, tune_config, scaling_config,
+        run_config)``; ``trainer_loop_config`` is ``None`` for a plain function, else the
+        trainer's ``train_loop_config`` (``{}`` when it has none).
 
     Raises:
         TypeError: an argument of the wrong type (naming it).
-        ValueError: a ``tune_config`` without ``metric`` or ``mode``.
+        ValueError: a ``metric`` without a ``mode`` (or the reverse), a scheduler without them,
+            or a trainer's ``param_space`` key other than ``train_loop_config``.
     """
+    from ringtrain.trainer import Trainer
+
+    trainer_loop_config: dict[str, Any] | None = None
+    if isinstance(train_fn, Trainer):
+        trainer = train_fn
+        train_fn = trainer.train_fn
+        trainer_loop_config = dict(trainer.train_loop_config or {})
+        scaling_config = scaling_config or trainer.scaling_config
+        run_config = run_config or trainer.run_config
     if not callable(train_fn):
-        raise TypeError(f"Tuner(train_fn=...) must be callable, got {type(train_fn).__name__}")
+        raise TypeError(
+            "Tuner(train_fn=...) must be callable or a ringtrain.Trainer (a TorchTrainer), got "
+            f"{type(train_fn).__name__}"
+        )
     if param_space is None:
         param_space = {}
     if not isinstance(param_space, Mapping):
         raise TypeError(f"Tuner(param_space=...) must be a dict, got {type(param_space).__name__}")
+    if trainer_loop_config is not None:
+        for key in param_space:
+            if key != "train_loop_config":
+                raise ValueError(
+                    f"Tuner(trainer, param_space=...): param_space[{key!r}] cannot be searched; "
+                    "a trainer's sweep searches param_space={'train_loop_config': {...}} (merged "
+                    "into the trainer's train_loop_config); give the workers with "
+                    "Tuner(scaling_config=...) or the trainer's"
+                )
+        if not isinstance(param_space.get("train_loop_config", {}), Mapping):
+            raise TypeError("Tuner(param_space={'train_loop_config': ...}) must hold a dict")
     tune_config = tune_config or TuneConfig()
     if not isinstance(tune_config, TuneConfig):
         raise TypeError(
             "Tuner(tune_config=...) must be a ringtrain.tune.TuneConfig, got "
             f"{type(tune_config).__name__}"
         )
-    if tune_config.metric is None or tune_config.mode is None:
-        raise ValueError(
-            "TuneConfig needs metric= and mode=: the name of a metric your train function "
-            "passes to report() and whether to 'max' or 'min' it, e.g. "
-            "TuneConfig(metric='val_acc', mode='max')"
-        )
+    _check_metric(tune_config)
     scaling_config = scaling_config or ScalingConfig()
     if not isinstance(scaling_config, ScalingConfig):
         raise TypeError(
@@ -172,4 +208,38 @@ def checked_tuner_args(
         raise TypeError(
             f"Tuner(run_config=...) must be a ringtrain.RunConfig, got {type(run_config).__name__}"
         )
-    return param_space, tune_config, scaling_config, run_config
+    return train_fn, trainer_loop_config, param_space, tune_config, scaling_config, run_config
+
+
+def _check_metric(tune_config: TuneConfig) -> None:
+    """Metric and mode come together, or not at all (then nothing is optimised: every trial
+    runs, and a scheduler has nothing to prune by)."""
+    metric, mode = tune_config.metric, tune_config.mode
+    if metric is not None and mode is None:
+        raise ValueError(
+            f"TuneConfig(metric={metric!r}) needs mode='max' or mode='min' (whether to maximise "
+            "or minimise it)"
+        )
+    if mode is not None and metric is None:
+        raise ValueError(
+            f"TuneConfig(mode={mode!r}) needs metric=: the name of a metric your train function "
+            "passes to report()"
+        )
+    if metric is None and tune_config.scheduler is not None:
+        raise ValueError(
+            f"TuneConfig(scheduler={tune_config.scheduler!r}) needs TuneConfig(metric=..., "
+            "mode=...): the metric it prunes by"
+        )
+
+
+def merge_loop_config(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` updated with ``update``, nested dicts merged key by key (Ray Tune's
+    ``merge_dicts``: a trial's ``param_space["train_loop_config"]`` over the trainer's
+    ``train_loop_config``)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_loop_config(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -56,7 +56,7 @@ from ringtrain.tune.trials import (
     tell_study,
     trial_dir_name,
 )
-from ringtrain.tune.tune_config import TuneConfig, checked_tuner_args, is_int
+from ringtrain.tune.tune_config import TuneConfig, checked_tuner_args, is_int, merge_loop_config
 
 if TYPE_CHECKING:
     from ringtrain.launch.pool import WorkerPool
@@ -70,14 +70,21 @@ class Tuner:
 
     Args:
         train_fn: the training function, as for :class:`~ringtrain.Trainer`; it receives each
-            trial's configuration as ``config`` (``config["lr"]``, nested dicts as dicts).
+            trial's configuration as ``config`` (``config["lr"]``, nested dicts as dicts). Or,
+            as Ray Tune's ``trainable``, a :class:`~ringtrain.Trainer` (``TorchTrainer``): its
+            function, scaling and run configs are used, and ``param_space={"train_loop_config":
+            {...}}`` is merged into its ``train_loop_config`` for each trial.
         param_space: the search space: ``tune.uniform``, ``loguniform``, ``randint``,
             ``choice``, ``grid_search``, constants, and nested dicts of them.
         tune_config: metric, mode, number of trials, search algorithm, scheduler, capacity.
-        scaling_config: every trial's workers (default: 1 worker).
+            Without ``metric`` and ``mode`` (as in Ray Tune) every trial runs, nothing is
+            optimised (the default TPE gives way to random draws), and ``get_best_result``
+            takes them.
+        scaling_config: every trial's workers (default: the trainer's, else 1 worker).
         run_config: the sweep's name and storage path (the sweep directory is
             ``{storage_path}/{name}``), each trial's ``failure_config`` and
-            ``checkpoint_config``, and the callbacks every trial gets.
+            ``checkpoint_config``, and the callbacks every trial gets (default: the trainer's).
+        trainable: Ray Tune's name for ``train_fn`` (give one of the two).
 
     Raises:
         TypeError / ValueError: for a bad argument, before anything starts or is written.
@@ -85,28 +92,39 @@ class Tuner:
 
     def __init__(
         self,
-        train_fn: Callable[..., Any],
+        train_fn: Any = None,
         *,
         param_space: Mapping[str, Any] | None = None,
         tune_config: TuneConfig | None = None,
         scaling_config: ScalingConfig | None = None,
         run_config: RunConfig | None = None,
+        trainable: Any = None,
     ) -> None:
         from ringtrain.tune.search import build_space
 
-        param_space, tune_config, scaling_config, run_config = checked_tuner_args(
-            train_fn, param_space, tune_config, scaling_config, run_config
-        )
-        self.train_fn = train_fn
-        self.param_space = dict(param_space)
-        self.tune_config = tune_config
-        self.scaling_config = scaling_config
-        self.run_config = run_config
+        if trainable is not None:
+            if train_fn is not None:
+                raise TypeError("Tuner() got both train_fn and trainable (Ray's name): give one")
+            train_fn = trainable
+        checked = checked_tuner_args(train_fn, param_space, tune_config, scaling_config, run_config)
+        self.train_fn: Callable[..., Any] = checked[0]
+        self._trainer_loop_config: dict[str, Any] | None = checked[1]
+        self.param_space = dict(checked[2])
+        self.tune_config = tune_config = checked[3]
+        self.scaling_config = checked[4]
+        self.run_config = checked[5]
         self.space = build_space(self.param_space, tune_config.search_alg)
-        self.metric: str = str(tune_config.metric)  # checked: a metric name
-        self.mode: str = str(tune_config.mode)  # checked: "max" or "min"
+        self.metric: str | None = tune_config.metric  # checked: both or neither
+        self.mode: str | None = tune_config.mode
         self._lock = threading.RLock()  # all Optuna calls, and the trial table
         self._display: SweepDisplay | None = None
+
+    def trial_loop_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The sampled ``config``, or for a trainer's sweep its ``train_loop_config`` with the
+        sampled ``config["train_loop_config"]`` merged in (as Ray Tune): the trial's config."""
+        if self._trainer_loop_config is None:
+            return dict(config)
+        return merge_loop_config(self._trainer_loop_config, config.get("train_loop_config", {}))
 
     # ------------------------------------------------------------------ restore
     @classmethod
@@ -149,13 +167,15 @@ class Tuner:
             signing_key_file=signing_key_file,
             trust_unsigned=trust_unsigned,
         )
-        return cls(
+        tuner = cls(
             train_fn or saved.train_fn,
             param_space=saved.param_space,
             tune_config=saved.tune_config,
             scaling_config=saved.scaling_config,
             run_config=run_config,
         )
+        tuner._trainer_loop_config = saved.trainer_loop_config
+        return tuner
 
     # ------------------------------------------------------------------ fit
     def fit(self) -> ResultGrid:
@@ -208,7 +228,11 @@ class Tuner:
             study = optuna.create_study(
                 study_name=name,
                 storage=storage,
-                sampler=make_sampler(tc.search_alg, tc.seed),
+                # Without a metric TPE has no values to model: random draws (Ray's default).
+                sampler=make_sampler(
+                    "random" if self.metric is None and tc.search_alg == "tpe" else tc.search_alg,
+                    tc.seed,
+                ),
                 pruner=make_pruner(tc.scheduler),
                 direction="maximize" if self.mode == "max" else "minimize",
                 load_if_exists=True,
@@ -242,6 +266,7 @@ class Tuner:
                 tune_config=self.tune_config,
                 scaling_config=self.scaling_config,
                 run_config=self.run_config,
+                trainer_loop_config=self._trainer_loop_config,
             ),
         )
 
@@ -377,7 +402,7 @@ class Tuner:
     ) -> TrialRun:
         number = otrial.number
         config = self.space.config(params)
-        trial = TrialRun(number, otrial, config, demand, gpus)
+        trial = TrialRun(number, otrial, self.trial_loop_config(config), demand, gpus)
         dir_name = trial_dir_name(number)
         with self._lock:
             otrial.set_user_attr("path", f"{sweep.uri}/{dir_name}")
@@ -404,7 +429,7 @@ class Tuner:
 
     def _on_round(self, trial: TrialRun, round_: int, metrics: dict[str, Any]) -> None:
         """Called on the trial's controller thread once every rank reported round ``round_``."""
-        value = metrics.get(self.metric)
+        value = metrics.get(self.metric) if self.metric is not None else None
         if self.tune_config.time_attr == "training_iteration":
             step: Any = round_ + 1
         else:
@@ -455,7 +480,9 @@ class Tuner:
         outcome = judge(trial, self.metric, row.last)
         changes: dict[str, Any] = {"status": outcome.status}
         if outcome.status == "COMPLETE":
-            tell_study(self._lock, study, otrial, TrialState.COMPLETE, value=outcome.value)
+            # Optuna records a value with every complete trial: 0 when the sweep has no metric.
+            value = 0.0 if outcome.value is None else outcome.value
+            tell_study(self._lock, study, otrial, TrialState.COMPLETE, value=value)
             changes["last"] = outcome.value
         elif outcome.status == "PRUNED":
             tell_study(self._lock, study, otrial, TrialState.PRUNED)

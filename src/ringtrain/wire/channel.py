@@ -159,6 +159,19 @@ class WorkerNotice:
 
 
 @dataclass(frozen=True)
+class RunSettings:
+    """The run configuration of a script whose ``rt.Trainer(..., run_config=...).fit()`` runs
+    inside a worker the driver started (``ringtrain run SCRIPT``): sent once by rank 0 when
+    ``fit()`` starts, before its first report. The driver adopts what it can still apply
+    (:mod:`ringtrain.controller.script_settings`) and says what it cannot."""
+
+    rank: int
+    run_config: Any  # a ringtrain.config.RunConfig; its callbacks and notice sources dropped
+    callbacks: tuple[str, ...] = ()  # the repr of each callback it had
+    notice_sources: tuple[str, ...] = ()  # the repr of each FailureConfig.notice_sources
+
+
+@dataclass(frozen=True)
 class PreemptSaved:
     """A worker stopped for a preemption after ``TrainState.step`` ``step`` and saved its state
     as round ``round``'s checkpoint (``round`` is ``None`` when it had no ``TrainState`` to
@@ -285,6 +298,7 @@ Event = (
     | Resumed
     | JoinReady
     | WorkerNotice
+    | RunSettings
     | PreemptSaved
     | IntegrityMismatch
     | IntegrityVerified

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ringtrain.checkpoint.checkpoint import Checkpoint, CheckpointLoadError
+from ringtrain.checkpoint.plain import find_unsavable, weights_only_refusal
 from ringtrain.checkpoint.sharded import METADATA
 
 logger = logging.getLogger("ringtrain")
@@ -26,7 +27,6 @@ logger = logging.getLogger("ringtrain")
 STATE_FILE = "train_state.pt"
 """The shared file, written by rank 0: model, optimizer, ..., step, epoch, extras."""
 FORMAT = 1
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
 @runtime_checkable
@@ -40,36 +40,6 @@ class PayloadCheckpoint(Protocol):
 def rank_file(rank: int) -> str:
     """The per-rank file of ``rank`` in a TrainState checkpoint."""
     return f"rank_{rank:05d}.pt"
-
-
-def find_unsavable(value: Any, where: str, depth: int = 0) -> str | None:
-    """The first place in ``value`` that ``torch.load(weights_only=True)`` could not read back.
-
-    Types are checked exactly: a subclass of ``float`` (``np.float64``), of ``int`` (an
-    ``IntEnum``), of ``tuple`` (a namedtuple) or of ``dict`` (``defaultdict``) pickles as its own
-    class, which a weights-only load refuses.
-    """
-    kind = type(value)
-    if isinstance(value, torch.Tensor) or kind in _PLAIN:
-        return None
-    if depth > 64:
-        return f"{where} is nested too deeply"
-    if kind in (dict, OrderedDict):
-        for k, v in value.items():
-            if type(k) not in (str, int, float, bool, type(None)):
-                return f"{where} has a key of type {type(k).__name__}"
-            found = find_unsavable(v, f"{where}[{k!r}]", depth + 1)
-            if found:
-                return found
-        return None
-    if kind in (list, tuple, set):
-        for i, v in enumerate(value):
-            found = find_unsavable(v, f"{where}[{i}]", depth + 1)
-            if found:
-                return found
-        return None
-    hint = " (convert it with float()/int())" if isinstance(value, (int, float)) else ""
-    return f"{where} is a {kind.__module__}.{kind.__qualname__}{hint}"
 
 
 def is_stateful(obj: Any) -> bool:
@@ -282,10 +252,7 @@ def load_file(ckpt: Checkpoint, name: str) -> Any:
     except CheckpointLoadError:
         raise
     except Exception as exc:
-        lines = str(exc).strip().splitlines() or [""]
-        # torch's weights_only refusal is a page of advice; the line naming the global is it.
-        why = next((ln.strip() for ln in lines if "WeightsUnpickler error" in ln), lines[0])
-        raise CheckpointLoadError(ckpt.uri, f"{name}: {type(exc).__name__}: {why}") from exc
+        raise CheckpointLoadError(ckpt.uri, f"{name}: {weights_only_refusal(exc)}") from exc
 
 
 def require_layout(source: str, name: str, payload: Any, keys: tuple[str, ...]) -> None:
