@@ -337,3 +337,36 @@ def test_each_checkpoint_knows_the_resume_and_driver_before_it(tmp_path):
         "the first checkpoint after resuming from checkpoint_000002 at world size 3 "
         "(attempt 0 of driver 2)"
     )
+
+
+def test_a_bit_flip_campaign_is_caught_by_the_replica_check_and_ends_exact(tmp_path):
+    """``--faults bitflip``: the campaign's runs check their replicas every step; a flipped bit
+    in one rank's parameters at W=3 is caught, the run rolls back and ends EXACT."""
+    seed = 3
+    report = run_campaign(
+        workloads.exact_fn,
+        train_loop_config={
+            "epochs": 2,
+            "out": str(tmp_path / "out.pt"),
+            "kill": None,
+            "kill_rank": 0,
+        },
+        runs=1,
+        seed=seed,
+        faults=("bitflip",),
+        faults_per_run=1,
+        workers=(3,),
+        out_dir=str(tmp_path / "chaos"),
+        display=Display("off"),
+    )
+    [run] = report.runs
+    assert run.verdict == "EXACT", f"seed {run.seed}: {run.detail}"
+    [fault] = run.faults
+    assert fault["injected"], f"seed {run.seed}: {run.faults}"
+    lines = Path(run.run_dir, "events.jsonl").read_text().splitlines()
+    caught = [e for e in map(json.loads, lines) if e["type"] == "replica_mismatch"]
+    assert caught and caught[0]["ranks"] == [fault["rank"]] and caught[0]["named"], caught
+    assert caught[0]["step"] == fault["fired_at_step"] + 1, (fault, caught)  # every step
+    assert run.failures == [] or all(f["kind"] == "exception" for f in run.failures)
+    with pytest.raises(ValueError, match="bitflip, which replicas detect"):
+        ChaosConfig(faults=("bitflip",), workers=(1,))

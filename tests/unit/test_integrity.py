@@ -124,3 +124,37 @@ def test_two_suspects_are_rechecked_by_the_re_run_and_fail_together_the_second_t
         can_shrink_by=1,
     )
     assert second.action == "fail" and "one of rank 0 on a, rank 1 on b" in second.reason
+
+
+def test_ringtrain_show_lists_what_the_replica_checks_found(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from ringtrain.monitor.render import render_run
+    from ringtrain.monitor.runs import load_run
+    from ringtrain.rundir import RunDirectory
+    from ringtrain.rundir.schema import ReplicaMismatchEvent, RunStartEvent
+
+    run = RunDirectory(str(tmp_path), "sdc")
+    run.create()
+    run.write(RunStartEvent(world_size=3, attempt=0))
+    run.write(
+        ReplicaMismatchEvent(
+            step=9, check="replica", ranks=[2], hosts=["node-c"], action="rollback", named=True
+        )
+    )
+    run.write(
+        ReplicaMismatchEvent(
+            step=12, check="replica", ranks=[0, 1], hosts=["a", "b"], action="fail", named=False
+        )
+    )
+    run.close()
+    details = load_run(run.uri)
+    assert details.corruption == [
+        "step 9 (replica check): rank 2 on node-c - rollback",
+        "step 12 (replica check): one of rank 0 on a, rank 1 on b - fail",
+    ]
+    out = io.StringIO()
+    render_run(details, Console(file=out, width=120))
+    assert "Silent data corruption (2)" in out.getvalue()

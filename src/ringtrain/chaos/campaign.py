@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringtrain.chaos import compare, procs
-from ringtrain.chaos.plan import FAULT_KINDS, ChaosConfig, Fault, make_plan, run_seed
+from ringtrain.chaos.plan import DEFAULT_FAULTS, ChaosConfig, Fault, make_plan, run_seed
 from ringtrain.chaos.report import CampaignReport, RunReport
 from ringtrain.chaos.worker import ChaosTrainFn, read_log
 from ringtrain.launch.backends import backend_for
@@ -55,7 +55,7 @@ def run_campaign(
     steps: int | None = None,
     runs: int = 3,
     seed: int = 0,
-    faults: tuple[str, ...] = FAULT_KINDS,
+    faults: tuple[str, ...] = DEFAULT_FAULTS,
     faults_per_run: int = 2,
     workers: tuple[int, ...] | None = None,
     hang_timeout_s: float | None = 10.0,
@@ -184,6 +184,8 @@ class _Campaign:
         failure = {
             "max_failures": sum(f.kind != "driver" for f in plan) + 1,
             "worker_timeout_s": self.config.hang_timeout_s,
+            # Bit flips are caught by the replica check (the clean run checks too, alike).
+            "replica_check_every": 1 if "bitflip" in self.config.faults else 0,
         }
         budget = self.config.budget_for(self.clean_wall.get(world_size, 120.0))
         tag = f"{campaign_tag(self.root)}-{uuid.uuid4().hex[:12]}"

@@ -9,7 +9,11 @@ A fault is one of:
 - ``hang``: the rank SIGSTOPs itself after ``step`` (the run's hang detection,
   ``FailureConfig.worker_timeout_s``, must notice);
 - ``driver``: the driver process is SIGKILLed after ``step`` (its workers die with it); the
-  campaign then resumes the run from its run directory, as ``Trainer.restore(path).fit()``.
+  campaign then resumes the run from its run directory, as ``Trainer.restore(path).fit()``;
+- ``bitflip``: one bit of the rank's first parameter is flipped after ``step`` (silent data
+  corruption); the campaign's runs then check their replicas every step
+  (``FailureConfig.replica_check_every=1``), which must catch it and roll the run back (see
+  docs/fault-tolerance.md, "Silent data corruption"). Needs 2 or more workers.
 
 Steps count ``TrainState.step`` increments: a fault with ``step=5`` fires when the step counter
 first becomes 5, and only once per run (a restarted attempt that passes step 5 again does not
@@ -24,8 +28,13 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-FAULT_KINDS = ("kill", "write", "hang", "driver")
+FAULT_KINDS = ("kill", "write", "hang", "driver", "bitflip")
 """The fault kinds a campaign can inject (see the module docstring)."""
+
+DEFAULT_FAULTS = ("kill", "write", "hang", "driver")
+"""The kinds a campaign draws from unless told (``bitflip`` is asked for by name)."""
+
+_WHAT = {"kill": "kill", "write": "kill mid-write", "hang": "SIGSTOP", "bitflip": "bit flip"}
 
 VERDICTS = ("EXACT", "DIVERGED", "HUNG", "ERRORED", "ORPHANS")
 """A faulty run's verdict, best first (see docs/chaos.md)."""
@@ -52,7 +61,12 @@ class Fault:
         """``kill rank 1 @ step 5``."""
         if self.kind == "driver":
             return f"driver kill @ step {self.step}"
-        what = {"kill": "kill", "write": "kill mid-write", "hang": "SIGSTOP"}[self.kind]
+        what = {
+            "kill": "kill",
+            "write": "kill mid-write",
+            "hang": "SIGSTOP",
+            "bitflip": "bit flip",
+        }[self.kind]
         return f"{what} rank {self.rank} @ step {self.step}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,7 +98,7 @@ class ChaosConfig:
 
     runs: int = 3
     seed: int = 0
-    faults: tuple[str, ...] = ("kill", "write", "hang", "driver")
+    faults: tuple[str, ...] = DEFAULT_FAULTS
     faults_per_run: int = 2
     workers: tuple[int, ...] = (2,)
     steps: int | None = None
@@ -118,6 +132,11 @@ class ChaosConfig:
                 f"{workers!r}"
             )
         object.__setattr__(self, "workers", tuple(dict.fromkeys(workers)))
+        if "bitflip" in faults and min(self.workers) < 2:
+            raise ValueError(
+                "ChaosConfig.faults (--faults) has bitflip, which replicas detect: every world "
+                f"size must be 2 or more (--workers), got {','.join(map(str, self.workers))}"
+            )
         if self.steps is not None and (
             isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2
         ):

@@ -130,7 +130,7 @@ class _Injector:
             self.pending.remove(item)
             index, fault = item
             if self._claim(index):
-                self._fire(index, fault, step)
+                self._fire(index, fault, step, state)
 
     def _claim(self, index: int) -> bool:
         fired = os.path.join(self.fn.log_dir, FIRED_DIR)
@@ -153,8 +153,14 @@ class _Injector:
             **more,
         )
 
-    def _fire(self, index: int, fault: Fault, step: int) -> None:
-        if fault.kind == "kill":
+    def _fire(self, index: int, fault: Fault, step: int, state: StepState) -> None:
+        if fault.kind == "bitflip":
+            from ringtrain.integrity.inject import flip_bit
+
+            model = state["model"]  # type: ignore[index]
+            flip_bit(next(getattr(model, "module", model).parameters()), bit=20)
+            self._log(index, fault, step)
+        elif fault.kind == "kill":
             delay = fault.delay_frac * self.step_s
 
             def die() -> None:

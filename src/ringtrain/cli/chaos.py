@@ -16,7 +16,7 @@ import runpy
 import sys
 from typing import Any
 
-from ringtrain.chaos.plan import FAULT_KINDS
+from ringtrain.chaos.plan import DEFAULT_FAULTS, FAULT_KINDS
 from ringtrain.cli.common import positive_int
 
 CHAOS_HELP = """\
@@ -67,8 +67,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the fault schedules (default 0)")
     p.add_argument(
         "--faults",
-        default=",".join(FAULT_KINDS),
-        help=f"fault kinds to draw from (default: {','.join(FAULT_KINDS)})",
+        default=",".join(DEFAULT_FAULTS),
+        help=f"fault kinds to draw from: {','.join(FAULT_KINDS)} (default: "
+        f"{','.join(DEFAULT_FAULTS)}; bitflip turns on the replica check)",
     )
     p.add_argument(
         "--faults-per-run", type=positive_int, default=2, metavar="F", help="(default: 2)"

@@ -14,6 +14,7 @@ from ringtrain.rundir.run_records import ResultRecord
 from ringtrain.rundir.schema import (
     EventRecord,
     FailureEvent,
+    ReplicaMismatchEvent,
     ReportEvent,
     ResizeEvent,
     ResizeFallbackEvent,
@@ -58,6 +59,7 @@ class EventDigest:
     end_duration_s: float | None = None
     resizes: list[ResizeInfo] = field(default_factory=list)
     world_sizes: list[WorldSizeChange] = field(default_factory=list)
+    corruption: list[str] = field(default_factory=list)
     skipped: int = 0
 
     def add(self, ev: EventRecord) -> None:
@@ -86,6 +88,8 @@ class EventDigest:
                 self._resize(ev)
             case ResizeFallbackEvent():
                 self.resizes.append(ResizeInfo(kind="fallback", time=t, cause=ev.reason or ""))
+            case ReplicaMismatchEvent():
+                self.corruption.append(corruption_line(ev))
             case RunEndEvent():
                 self.end_status = ev.status.upper() if ev.status is not None else None
                 self.end_duration_s = ev.duration_s
@@ -115,6 +119,16 @@ class EventDigest:
             last = self.world_sizes[-1].time
             since = since if last is None else max(since, last)
         self.world_sizes.append(WorldSizeChange(since, ev.new_world_size, "resize"))
+
+
+def corruption_line(ev: ReplicaMismatchEvent) -> str:
+    """One line for a ``replica_mismatch`` event: ``step 9 (replica check): rank 2 on h -
+    rollback``; suspects not told apart are said so."""
+    where = ", ".join(
+        f"rank {r} on {ev.hosts[i] if i < len(ev.hosts) else '?'}" for i, r in enumerate(ev.ranks)
+    )
+    who = where if ev.named else f"one of {where}"
+    return f"step {ev.step} ({ev.check or 'replica'} check): {who} - {ev.action}"
 
 
 def elastic_history(

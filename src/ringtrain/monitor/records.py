@@ -179,6 +179,8 @@ class RunDetails:
         resizes: Elastic runs: resizes in place and fallbacks to a restart from disk, in file
             order (empty for other runs).
         world_sizes: The world size over time: one entry per group start and per resize.
+        corruption: Silent data corruption: one line per ``replica_mismatch`` event, in file
+            order (docs/fault-tolerance.md, "Silent data corruption").
         skipped_event_lines: Lines of ``events.jsonl`` that could not be parsed (usually a last
             line still being written) and were ignored.
     """
@@ -192,4 +194,5 @@ class RunDetails:
     failures: list[FailureInfo] = field(default_factory=list)
     resizes: list[ResizeInfo] = field(default_factory=list)
     world_sizes: list[WorldSizeChange] = field(default_factory=list)
+    corruption: list[str] = field(default_factory=list)
     skipped_event_lines: int = 0

@@ -232,6 +232,7 @@ def render_run(
         _render_rank_table(details, console, max_columns=max_columns)
     _render_checkpoints(details, console)
     _render_resizes(details, console)
+    _render_corruption(details, console)
     _render_failures(details, console)
 
 
@@ -341,6 +342,15 @@ def _render_checkpoints(details: RunDetails, console: Console) -> None:
             ", ".join(tags),
         )
     console.print(table)
+
+
+def _render_corruption(details: RunDetails, console: Console) -> None:
+    """What the replica checks found (nothing printed when they found nothing)."""
+    if not details.corruption:
+        return
+    console.print(Text(f"Silent data corruption ({len(details.corruption)})", style="bold red"))
+    for line in details.corruption:
+        console.print(Text(f"  {line}"))
 
 
 def _render_resizes(details: RunDetails, console: Console) -> None:

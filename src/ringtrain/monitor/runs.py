@@ -333,5 +333,6 @@ def load_run(run_dir: str) -> RunDetails:
         failures=failures,
         resizes=list(digest.resizes),
         world_sizes=list(digest.world_sizes),
+        corruption=list(digest.corruption),
         skipped_event_lines=digest.skipped,
     )

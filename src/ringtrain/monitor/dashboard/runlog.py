@@ -42,6 +42,7 @@ from ringtrain.rundir.schema import (
     DecisionEvent,
     EventRecord,
     FailureEvent,
+    ReplicaMismatchEvent,
     ReportEvent,
     ResizeEvent,
     ResizeFallbackEvent,
@@ -70,6 +71,7 @@ TIMELINE_TYPES: frozenset[type[EventRecord]] = frozenset(
         StragglerClearedEvent,
         ResizeEvent,
         ResizeFallbackEvent,
+        ReplicaMismatchEvent,
         RunEndEvent,
     }
 )

@@ -679,6 +679,9 @@
         (e.round != null ? ` (round ${e.round})` : "") +
         (isNum(e.saved_s) ? ` ${e.saved_s.toFixed(2)} s after the notice` : "");
       case "preemption_incomplete": return `${e.reason || "not saved"}; resumes from ${e.checkpoint || "the start"}`;
+      case "replica_mismatch": return `silent data corruption at step ${e.step ?? "?"} (${e.check || "replica"} check): ` +
+        `${e.named ? "" : "suspects "}` + [].concat(e.ranks || []).map((r, i) =>
+          `rank ${r} on ${[].concat(e.hosts || [])[i] || "?"}`).join(", ") + ` — ${e.action || ""}`;
       case "run_end": return `${e.status || "ended"} after ${fmtDuration(e.duration_s)}`;
       default: return "";
     }
@@ -697,7 +700,7 @@
     for (const e of state.timeline) {
       if (!isNum(e.time) || e.type === "checkpoint_deleted") continue;
       const pct = Math.min(100, Math.max(0, (100 * (e.time - t0)) / span));
-      const tall = ["run_start", "run_end", "failure", "decision", "resize", "resize_fallback"].includes(e.type);
+      const tall = ["run_start", "run_end", "failure", "decision", "resize", "resize_fallback", "replica_mismatch"].includes(e.type);
       marks.push(el("span", { class: `mark ev-${e.type}${tall ? " tall" : ""}`, style: `left:${pct.toFixed(3)}%`,
         title: `+${fmtDuration(e.time - t0)} ${e.type}: ${describe(e)}` }));
     }
