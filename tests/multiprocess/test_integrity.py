@@ -136,3 +136,59 @@ def test_a_layout_without_replicas_is_refused_when_the_model_is_prepared(tmp_pat
     root = failed.value.failures[-1]
     assert root.exc_type == "ValueError" and "has none: FSDP" in root.message
     assert "dp_replicate=R" in root.message and "replay_check_every" in root.message
+
+
+REPLAY_EVERY = 2
+
+
+def _replay_run(tmp_path, name, workers, inject=None, **config):
+    out = tmp_path / f"{name}.pt"
+    result = run_job(
+        integrity_workloads.sdc_fn,
+        workers,
+        storage_path=tmp_path / "runs",
+        name=name,
+        train_loop_config={"inject": inject, "out": str(out)},
+        replay_check_every=REPLAY_EVERY,
+        **config,
+    )
+    return result, out
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_gradient_flip_the_replica_check_cannot_see_is_caught_by_the_replay(
+    tmp_path, tmp_path_factory, workers
+):
+    # Step 4 is a replay step whose replayed rank is (4 // 2) % W: the rank whose gradient
+    # the flip corrupts (the flip armed after step 3 corrupts step 4's backward).
+    culprit = (4 // REPLAY_EVERY) % workers
+    inject = {"rank": culprit, "where": "gradient", "step": 3}
+    result, out = _replay_run(tmp_path, f"grad{workers}", workers, inject)
+    assert result.status == "FINISHED"
+    assert_bit_identical(
+        torch.load(out, weights_only=True), _clean_state(tmp_path_factory, workers)
+    )
+    [first, *_] = _mismatches(result)
+    assert (first["check"], first["step"], first["action"]) == ("replay", 4, "rollback")
+    if workers >= 3:
+        assert (first["ranks"], first["named"]) == ([culprit], True)
+    else:
+        assert (sorted(first["ranks"]), first["named"]) == ([0, 1], False)
+
+
+def test_a_rank_whose_gradient_is_always_wrong_is_named_and_stops_the_run(tmp_path):
+    inject = {"rank": 1, "where": "gradient", "step": 2, "every": True}
+    with pytest.raises(rt.TrainingFailedError) as failed:
+        _replay_run(tmp_path, "faulty_grad", 3, inject)
+    events = read_events(str(tmp_path / "runs" / "faulty_grad"), "replica_mismatch")
+    assert [(e["check"], e["ranks"], e["action"]) for e in events] == [
+        ("replay", [1], "rollback"),
+        ("replay", [1], "fail"),
+    ]
+    assert "rank 1 on " in str(failed.value)
+    assert events[0]["step"] - 2 <= 2 * REPLAY_EVERY  # within the rotation through the ranks
+
+
+def test_clean_runs_with_both_checks_every_step_raise_no_false_positive(tmp_path):
+    result, _ = _run(tmp_path, "clean_both", 3, replay_check_every=1)
+    assert result.status == "FINISHED" and _mismatches(result) == []

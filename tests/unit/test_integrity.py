@@ -158,3 +158,37 @@ def test_ringtrain_show_lists_what_the_replica_checks_found(tmp_path):
     out = io.StringIO()
     render_run(details, Console(file=out, width=120))
     assert "Silent data corruption (2)" in out.getvalue()
+
+
+def test_replay_roles_rotate_and_verdicts_name_the_odd_one_out():
+    from ringtrain.integrity.replay import MISMATCH, OK, roles, verdict
+
+    assert [roles(t, 2, 3) for t in (0, 2, 4, 6)] == [
+        (0, [1, 2]),
+        (1, [2, 0]),
+        (2, [0, 1]),
+        (0, [1, 2]),
+    ]
+    assert roles(4, 2, 2) == (0, [1])
+    assert verdict([1, 2], {1: OK, 2: OK}, 0) == ([], True)
+    assert verdict([1, 2], {1: MISMATCH, 2: MISMATCH}, 0) == ([0], True)  # the replayed rank
+    assert verdict([1, 2], {1: MISMATCH, 2: OK}, 0) == ([1], True)  # a faulty replayer
+    assert verdict([1], {1: MISMATCH}, 0) == ([0, 1], False)  # two workers: suspects
+
+
+def test_what_the_replay_sends_is_described_in_json_never_pickled():
+    import json
+
+    from ringtrain.integrity.wire import pack
+
+    raw = pack(
+        [torch.zeros(2, 3), torch.zeros(0, dtype=torch.int64)], {"valid": 1, "kwargs": ["a"]}
+    )
+    described = json.loads(raw)
+    assert described == {
+        "meta": {"valid": 1, "kwargs": ["a"]},
+        "tensors": [
+            {"dtype": "torch.float32", "shape": [2, 3]},
+            {"dtype": "torch.int64", "shape": [0]},
+        ],
+    }

@@ -269,12 +269,17 @@ def _setup_timing(sess: Any, config: WorkerConfig) -> None:
 
 
 def _setup_integrity(sess: Any, config: WorkerConfig) -> None:
-    """Register the replica check when the run asks for one
-    (``FailureConfig.replica_check_every``), before the group forms (it makes a sub-group)."""
+    """Register the replica and replay checks the run asks for
+    (``FailureConfig.replica_check_every``, ``replay_check_every``), before the group forms
+    (each makes a sub-group)."""
     if config.replica_check_every:
         from ringtrain.integrity.replicas import ReplicaCheck
 
         sess.hooks.register(ReplicaCheck(sess, config.replica_check_every, config.recheck_step))
+    if config.replay_check_every:
+        from ringtrain.integrity.replay import ReplayCheck
+
+        sess.hooks.register(ReplayCheck(sess, config.replay_check_every))
 
 
 def heartbeat_interval(worker_timeout_s: float | None) -> float:
