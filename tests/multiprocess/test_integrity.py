@@ -192,3 +192,30 @@ def test_a_rank_whose_gradient_is_always_wrong_is_named_and_stops_the_run(tmp_pa
 def test_clean_runs_with_both_checks_every_step_raise_no_false_positive(tmp_path):
     result, _ = _run(tmp_path, "clean_both", 3, replay_check_every=1)
     assert result.status == "FINISHED" and _mismatches(result) == []
+
+
+def test_hsdp_replicas_along_dp_replicate_are_checked_and_rolled_back_exactly(tmp_path):
+    """HSDP 2x2: the replicas of a shard are the ranks along ``dp_replicate`` ({0, 2}, {1, 3});
+    a flip in rank 3's shard makes {1, 3} disagree (two replicas: suspects), and the run ends
+    with the full parameters of a clean run."""
+    mesh = rt.ParallelConfig(dp_replicate=2, dp_shard=2)
+    outs = {}
+    for name, inject in (("clean", None), ("flip", {"rank": 3, "where": "param", "step": 5})):
+        out = tmp_path / f"{name}.pt"
+        result = run_job(
+            integrity_workloads.hsdp_sdc_fn,
+            4,
+            storage_path=tmp_path / "runs",
+            name=f"hsdp_{name}",
+            train_loop_config={"inject": inject, "out": str(out)},
+            replica_check_every=CHECK_EVERY,
+            parallel=mesh,
+        )
+        assert result.status == "FINISHED"
+        outs[name] = (torch.load(out, weights_only=True), _mismatches(result))
+    (clean, none), (flipped, found) = outs["clean"], outs["flip"]
+    assert none == [] and found, "the flip was caught, the clean run raised nothing"
+    assert (sorted(found[0]["ranks"]), found[0]["named"]) == ([1, 3], False)
+    assert clean["step"] == flipped["step"]
+    for key, value in clean["model"].items():
+        assert torch.equal(value, flipped["model"][key]), key
