@@ -69,6 +69,35 @@ def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) 
         dist.barrier()
 
 
+def new_gloo_group(timeout_s: float | None = None) -> Any:
+    """A gloo sub-group over every rank of the default group, connected on every rank before
+    any rank returns.
+
+    ``torch.distributed.new_group`` is a collective of the default group's ranks. Like
+    :func:`init_process_group`, it ends with one barrier on the new group: gloo connects every
+    pair in the constructor and a rank whose own pairs are up returns while a peer may still be
+    finishing its end, so a rank that then left (a train function with no collective) failed
+    the peer's set-up with "Gloo connectFullMesh failed ... Connection closed by peer".
+
+    Args:
+        timeout_s: the group's collective timeout, seconds (default: the default group's).
+
+    Returns:
+        The new ``ProcessGroup``.
+
+    Raises:
+        RuntimeError: the rendezvous or the barrier timed out, or a peer is gone.
+    """
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    group = dist.new_group(backend="gloo", **kwargs)
+    dist.barrier(group=group)
+    return group
+
+
 def destroy_process_group() -> None:
     """Destroy the default process group if there is one; never raises (a group broken by a
     dead peer may fail to tear down cleanly, and the caller is exiting or re-forming it)."""

@@ -34,13 +34,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ringtrain.cluster.distributed import collective_timeout_s
+from ringtrain.cluster.distributed import collective_timeout_s, new_gloo_group
 from ringtrain.integrity.fingerprint import tensor_sums
 from ringtrain.integrity.replicas import ReplicaMismatchError
 from ringtrain.integrity.wire import recv_tensors, send_tensors
@@ -104,7 +103,7 @@ class ReplayCheck(WorkerPlugin):
     def on_group_formed(self) -> None:
         if self.session.context.world_size > 1 and dist.is_initialized():
             timeout = collective_timeout_s(self.session.context.worker_timeout_s)
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            self._group = new_gloo_group(timeout)
             self._group_for = dist.group.WORLD
 
     def after_wrap(self, setup: ModelSetup) -> None:

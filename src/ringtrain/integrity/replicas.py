@@ -26,13 +26,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ringtrain.cluster.distributed import collective_timeout_s
+from ringtrain.cluster.distributed import collective_timeout_s, new_gloo_group
 from ringtrain.config.parallel import MESH_DIMS, MeshShape
 from ringtrain.integrity.fingerprint import fingerprint, state_tensors, to_signed
 from ringtrain.wire.channel import IntegrityMismatch, IntegrityVerified
@@ -165,7 +164,7 @@ class ReplicaCheck(WorkerPlugin):
     # ------------------------------------------------------------------ the check
     def _new_group(self) -> None:
         timeout = collective_timeout_s(self.session.context.worker_timeout_s)
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self._group = new_gloo_group(timeout)
         self._group_for = dist.group.WORLD
 
     def _start(self, step: int, model: Any, optimizer: Any) -> None:

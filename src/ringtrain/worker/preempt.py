@@ -47,10 +47,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.cluster.distributed import collective_timeout_s
+from ringtrain.cluster.distributed import collective_timeout_s, new_gloo_group
 from ringtrain.wire.channel import PreemptRequest, PreemptSaved, WorkerNotice
 from ringtrain.worker.hooks import StepState, StopTraining, WorkerPlugin
 from ringtrain.worker.session import Session
@@ -221,7 +220,7 @@ class PreemptionPlugin(WorkerPlugin):
 
         timeout = agreement_timeout_s(self.session.context.worker_timeout_s)
         try:
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            self._group = new_gloo_group(timeout)
         except RuntimeError as exc:  # the store-based rendezvous of new_group timed out
             if step is None or not _timed_out(exc):
                 raise
