@@ -179,7 +179,7 @@ def test_sigstop_without_hang_detection_is_hung_and_leaves_no_process(tmp_path):
         # Twice a clean run's time: the run is SIGSTOPped at step 2 of 10 and hangs for good, so
         # any budget ends it HUNG; a relative one still reaches step 2 on a busy machine. One
         # clean run's time was too little beside a CPU burner (the faulty run's start-up alone
-        # took longer than the clean run had: "the SIGSTOP never fired", stop 40's load run).
+        # took longer than the clean run had: "the SIGSTOP never fired").
         budget_s="2x",
         out_dir=str(tmp_path / "chaos"),
         display=Display("off"),

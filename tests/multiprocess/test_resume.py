@@ -111,7 +111,7 @@ def test_hung_worker_is_detected_and_the_run_recovers(tmp_path, tmp_path_factory
     clean = _baseline(tmp_path_factory)
     # A live rank heartbeats every timeout/5; the driver calls it frozen once it is silent for
     # the whole timeout. 2 s was too short beside a CPU burner: a hung (sleeping, heartbeating)
-    # rank went unheard for 2 s and was reported frozen (stop 40's load run).
+    # rank went unheard for 2 s and was reported frozen (seen in a run beside a CPU burner).
     job = {"max_failures": 1, "worker_timeout_s": 4.0}
     result, final = _fit(tmp_path, how, (how, 13), job=job)
     [failure] = result.failures
