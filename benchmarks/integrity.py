@@ -104,7 +104,8 @@ def false_positives(args: argparse.Namespace) -> dict:
     found: dict[str, dict] = {}
     for name, extra in FALSE_CONFIGS.items():
         with tempfile.TemporaryDirectory(prefix="rt_integrity_fp_") as tmp:
-            epochs = max(1, args.steps // 24)  # 96 samples / (4 per batch * W=2... ) per epoch
+            per_epoch = 96 // (4 * args.workers)  # sdc_fn: 96 samples, 4 per batch per rank
+            epochs = -(-args.steps // per_epoch)  # at least --steps steps
             result = rt.Trainer(
                 integrity_workloads.sdc_fn,
                 rt.ScalingConfig(num_workers=args.workers),
@@ -189,7 +190,7 @@ def main(argv: list[str]) -> int:
     c.add_argument("--steps", type=int, default=300)
     c.add_argument("--skip", type=int, default=20)
     f = sub.add_parser("false")
-    f.add_argument("--steps", type=int, default=2000, help="steps per configuration (about)")
+    f.add_argument("--steps", type=int, default=2000, help="steps per configuration (at least)")
     f.add_argument("--workers", type=int, default=2)
     d = sub.add_parser("detect")
     d.add_argument("--trials", type=int, default=10)

@@ -222,7 +222,7 @@ class ReplayCheck(WorkerPlugin):
             result = self._replay(tensors, meta)
         mine = torch.tensor([result], dtype=torch.int64)
         everyone = torch.empty(world, dtype=torch.int64)
-        dist.all_gather_into_tensor(everyone, mine, group=self._group)
+        dist.all_gather_single(everyone, mine, group=self._group)
         results = {q: int(everyone[q]) for q in replayers}
         if any(v == SKIPPED for v in results.values()):
             self.skipped += 1

@@ -178,7 +178,7 @@ class ReplicaCheck(WorkerPlugin):
             self._new_group()
         mine = torch.tensor([value], dtype=torch.int64)
         gathered = torch.empty(ctx.world_size, dtype=torch.int64)
-        work = dist.all_gather_into_tensor(gathered, mine, group=self._group, async_op=True)
+        work = dist.all_gather_single(gathered, mine, group=self._group, async_op=True)
         self._pending = (work, gathered, step, value)
 
     def _finish(self) -> None:
