@@ -1,0 +1,159 @@
+"""Horovod's semantics that its own test module (test/parallel/test_torch.py of 0.28.1) relies on,
+run in each rank by tests/multiprocess/test_horovod_parity.py.
+
+``python hvd_parity_workloads.py`` under torchrun-style variables prints one JSON line:
+``{"rank": r, "checks": {name: "ok" | failure}}``. Each check is a scenario where ringtrain used
+to differ from Horovod (issue 45): operations matched by name (a name reused while the peers are
+elsewhere, operations submitted in different orders), ``hvd.join()`` serving its peers'
+allreduces, reducescatter's refusal of scalars.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import ringtrain.horovod as hvd
+
+
+def run(results: dict[str, str], name: str, fn: Callable[[], Any]) -> None:
+    try:
+        out = fn()
+        results[name] = "ok" if out is None or out is True else f"failed: {out}"
+    except Exception:
+        results[name] = traceback.format_exc()[-600:]
+    try:
+        hvd.barrier()  # every check ends together, whatever it did
+    except Exception:
+        results[name + " (barrier after)"] = traceback.format_exc()[-600:]
+
+
+def raises(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__
+    return "nothing"
+
+
+def duplicate_name_while_peers_elsewhere(n: int, r: int) -> Any:
+    # Horovod's test_horovod_allreduce_duplicate_name_error: rank 0 reuses a name in flight
+    # while its peers are in barrier(); only rank 0 raises, and its first operation is later
+    # matched by the peers' operation of that name.
+    t = torch.full((3,), float(r + 1))
+    got = None
+    if r == 0:
+        h = hvd.allreduce_async(t, name="dup", op=hvd.Sum)
+        if raises(lambda: hvd.allreduce_async(t, name="dup")) != "ValueError":
+            return "rank 0's duplicate did not raise ValueError"
+    hvd.barrier()
+    if r > 0:
+        h = hvd.allreduce_async(t, name="dup", op=hvd.Sum)
+        if raises(lambda: hvd.allreduce_async(t, name="dup")) != "ValueError":
+            return f"rank {r}'s duplicate did not raise ValueError"
+    hvd.barrier()
+    got = hvd.synchronize(h)
+    want = float(n * (n + 1) // 2)
+    return bool(torch.equal(got, torch.full((3,), want))) or f"got {got.tolist()}, want {want}"
+
+
+def names_in_different_orders(n: int, r: int) -> Any:
+    a, b = torch.full((2,), 1.0 + r), torch.full((4,), 10.0 * (r + 1))
+    order = ["a", "b"] if r % 2 == 0 else ["b", "a"]
+    handles = {k: hvd.allreduce_async(a if k == "a" else b, name=k, op=hvd.Sum) for k in order}
+    got_a, got_b = hvd.synchronize(handles["a"]), hvd.synchronize(handles["b"])
+    want_a = sum(1.0 + k for k in range(n))
+    want_b = sum(10.0 * (k + 1) for k in range(n))
+    ok_a = torch.equal(got_a, torch.full((2,), want_a))
+    ok_b = torch.equal(got_b, torch.full((4,), want_b))
+    return (ok_a and ok_b) or f"got {got_a.tolist()} and {got_b.tolist()}"
+
+
+def waits_that_never_meet_raise_everywhere(n: int, r: int) -> Any:
+    # every rank blocks on an operation no peer submits: Horovod hangs, ringtrain raises
+    err = raises(lambda: hvd.allreduce(torch.ones(2), name=f"only-on-{r}"))
+    if err != "RuntimeError":
+        return f"raised {err}"
+    # unnamed operations still line up afterwards
+    got = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+    return bool(torch.equal(got, torch.full((2,), float(n)))) or f"then got {got.tolist()}"
+
+
+def join_serves_allreduce(n: int, r: int) -> Any:
+    # Horovod's test_horovod_join_allreduce: the joined rank contributes zeros, Average still
+    # divides by size(), join() returns the last rank to join on every rank.
+    for first in range(n):
+        t = torch.full((5, 5), float(r + 1), dtype=torch.float64)
+        ints = torch.full((17,), 3 * (r + 1), dtype=torch.int32)
+        if r == first:
+            last = hvd.join()
+        else:
+            ha = hvd.allreduce_async(t, name="join.a")
+            hb = hvd.allreduce_async(ints, name="join.b", op=hvd.Sum)
+            avg, total = hvd.synchronize(ha), hvd.synchronize(hb)
+            grouped = hvd.grouped_allreduce([t, ints.double()], op=hvd.Sum)
+            last = hvd.join()
+            others = [k for k in range(n) if k != first]
+            want_avg = sum(k + 1 for k in others) / n
+            if not torch.allclose(avg, torch.full_like(t, want_avg)):
+                return f"average with rank {first} joined: {avg[0, 0].item()}, want {want_avg}"
+            if int(total[0]) != sum(3 * (k + 1) for k in others):
+                return f"int sum with rank {first} joined: {total[0].item()}"
+            if float(grouped[0][0, 0]) != sum(k + 1 for k in others):
+                return f"grouped with rank {first} joined: {grouped[0][0, 0].item()}"
+        lasts = hvd.allgather_object(last)
+        if lasts != [lasts[0]] * n or lasts[0] == first:
+            return f"join() returned {lasts} with rank {first} joining first"
+    return True
+
+
+def join_refuses_other_collectives(n: int, r: int) -> Any:
+    # Horovod's test_horovod_join_broadcast / _allgather: RuntimeError on the ranks that call
+    # them, the joined rank keeps waiting and its join() returns normally.
+    if r == 0:
+        return 0 < hvd.join() < n
+    errors = [
+        raises(lambda: hvd.broadcast(torch.ones(3), root_rank=r)),
+        raises(lambda: hvd.allgather(torch.ones(2))),
+        raises(lambda: hvd.barrier()),
+    ]
+    last = hvd.join()
+    return (errors == ["RuntimeError"] * 3 and 0 < last < n) or f"{errors}, join() -> {last}"
+
+
+def reducescatter_scalar_raises(n: int, r: int) -> Any:
+    errors = [
+        raises(lambda: hvd.reducescatter(torch.tensor(float(r)))),
+        raises(lambda: hvd.grouped_reducescatter([torch.zeros(3, 1), torch.tensor(float(r))])),
+    ]
+    return errors == ["RuntimeError", "RuntimeError"] or f"raised {errors}"
+
+
+CHECKS = [
+    duplicate_name_while_peers_elsewhere,
+    names_in_different_orders,
+    waits_that_never_meet_raise_everywhere,
+    join_serves_allreduce,
+    join_refuses_other_collectives,
+    reducescatter_scalar_raises,
+]
+
+
+def main() -> None:
+    hvd.init()
+    n, r = hvd.size(), hvd.rank()
+    results: dict[str, str] = {}
+    for check in CHECKS:
+        run(results, check.__name__, lambda check=check: check(n, r))
+    hvd.shutdown()
+    sys.stdout.write(json.dumps({"rank": r, "checks": results}) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
