@@ -361,10 +361,13 @@ def check_gradients(b: Battery, n: int, r: int) -> None:
         avg = sum(w[1:], w[0].clone()) / n  # Horovod >= 0.22: averaged on the root
         return close(x.grad, avg if r == 0 else torch.zeros_like(x))
 
-    def rs() -> Any:
-        x = data(r, 2 * n, f).requires_grad_()
-        hvd.reducescatter(x, op=hvd.Sum).sum().backward()
-        return close(x.grad, torch.ones_like(x))
+    def rs(op: Any, want: float) -> Callable[[], Any]:
+        def run() -> Any:
+            x = data(r, 2 * n, f).requires_grad_()
+            hvd.reducescatter(x, op=op).sum().backward()
+            return close(x.grad, torch.full_like(x, want))
+
+        return run
 
     def grouped() -> Any:
         xs = [data(r, 2, f).requires_grad_(), data(r, 3, f).requires_grad_()]
@@ -376,7 +379,9 @@ def check_gradients(b: Battery, n: int, r: int) -> None:
     b.check("grad alltoall equal splits (tensor result)", a2a(None))
     b.check("grad alltoall splits", a2a([2] * n))
     b.check("grad broadcast", bc)
-    b.check("grad reducescatter", rs)
+    # Horovod's ReducescatterOp gradient: allgather(grad), times size() for Sum
+    b.check("grad reducescatter sum", rs(hvd.Sum, float(n)))
+    b.check("grad reducescatter average", rs(hvd.Average, 1.0))
     b.check("grad grouped_allreduce", grouped)
 
 

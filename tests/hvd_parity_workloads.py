@@ -5,7 +5,7 @@ run in each rank by tests/multiprocess/test_horovod_parity.py.
 ``{"rank": r, "checks": {name: "ok" | failure}}``. Each check is a scenario where ringtrain used
 to differ from Horovod (issue 45): operations matched by name (a name reused while the peers are
 elsewhere, operations submitted in different orders), ``hvd.join()`` serving its peers'
-allreduces, reducescatter's refusal of scalars.
+allreduces, reducescatter's gradient and its refusal of scalars.
 """
 
 from __future__ import annotations
@@ -134,6 +134,21 @@ def reducescatter_scalar_raises(n: int, r: int) -> Any:
     return errors == ["RuntimeError", "RuntimeError"] or f"raised {errors}"
 
 
+def reducescatter_gradient(n: int, r: int) -> Any:
+    # Horovod's ReducescatterOp backward: allgather(grad), times size() for Sum
+    out = []
+    for op, want in ((hvd.Sum, float(n)), (hvd.Average, 1.0)):
+        x = torch.ones(4 * n, 3, requires_grad=True)
+        hvd.reducescatter(x, op=op).backward(torch.ones(4, 3))
+        xs = [torch.ones(2 * n, requires_grad=True), torch.ones(n, 2, requires_grad=True)]
+        for y in hvd.grouped_reducescatter(xs, op=op):
+            y.sum().backward()
+        for g in (x.grad, xs[0].grad, xs[1].grad):
+            if not torch.equal(g, torch.full_like(g, want)):
+                out.append(f"{op}: gradient {g.flatten()[:3].tolist()}, want {want}")
+    return out or True
+
+
 CHECKS = [
     duplicate_name_while_peers_elsewhere,
     names_in_different_orders,
@@ -141,6 +156,7 @@ CHECKS = [
     join_serves_allreduce,
     join_refuses_other_collectives,
     reducescatter_scalar_raises,
+    reducescatter_gradient,
 ]
 
 

@@ -204,10 +204,12 @@ class _ReducescatterFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        # Horovod's ReducescatterOp gradient: the allgather of the upstream gradient, times the
+        # set's size for Sum (for Average, as is), times the pre- and postscale factors.
         op, pre, post, ps = ctx.args
         full = synchronize(allgather_async(grad.contiguous(), process_set=ps))
         n = _view(ps, "reducescatter").size
-        scale = pre * post / (n if op == ReduceOp.Average else 1)
+        scale = pre * post * (n if op == ReduceOp.Sum else 1)
         return full * scale, None, None, None, None, None
 
 
