@@ -5,7 +5,8 @@ run in each rank by tests/multiprocess/test_horovod_parity.py.
 ``{"rank": r, "checks": {name: "ok" | failure}}``. Each check is a scenario where ringtrain used
 to differ from Horovod (issue 45): operations matched by name (a name reused while the peers are
 elsewhere, operations submitted in different orders), ``hvd.join()`` serving its peers'
-allreduces, reducescatter's gradient and its refusal of scalars.
+allreduces, reducescatter's gradient and its refusal of scalars, and ``DistributedOptimizer``'s
+edge cases (``_parameter_names``, a rank outside its process set, sparse gradients).
 """
 
 from __future__ import annotations
@@ -149,6 +150,69 @@ def reducescatter_gradient(n: int, r: int) -> Any:
     return out or True
 
 
+def optimizer_parameter_names(n: int, r: int) -> Any:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1
+    )
+    opt = hvd.DistributedOptimizer(opt)
+    names = opt._parameter_names
+    every = hvd.allgather_object(sorted(names.values()))
+    ok = len(names) == 4 and len(set(names.values())) == 4 and every == [every[0]] * n
+    return ok or f"_parameter_names {names}"
+
+
+def optimizer_outside_its_process_set(n: int, r: int) -> Any:
+    # Horovod's test_optimizer_process_sets: every rank wraps its optimizer with the even ranks'
+    # set; odd ranks step on their own gradients.
+    evens = hvd.add_process_set(list(range(0, n, 2)))
+    try:
+        torch.manual_seed(r)
+        model = torch.nn.Linear(3, 2)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            named_parameters=model.named_parameters(),
+            process_set=evens,
+        )
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        x = torch.full((1, 3), float((r + 1) ** 2))  # rank 1's gradient is not the evens' mean
+        model(x).sum().backward()
+        opt.step()
+        weights = hvd.allgather_object(model.weight.detach().clone())
+        even = [w for k, w in enumerate(weights) if k % 2 == 0]
+        same_evens = all(torch.equal(w, even[0]) for w in even)
+        odd_alone = all(not torch.equal(w, weights[0]) for k, w in enumerate(weights) if k % 2)
+        return (same_evens and odd_alone) or "weights after one step do not match"
+    finally:
+        hvd.remove_process_set(evens)
+
+
+def sparse_gradients(n: int, r: int) -> Any:
+    # Horovod's test_sparse_embeddings, with the averaged gradient checked
+    out = []
+    inputs = [torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9]]), torch.tensor([[1, 3, 4], [4, 7, 9]])]
+    for sparse_as_dense in (False, True):
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        torch.nn.init.constant_(emb.weight, 1.0)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+            sparse_as_dense=sparse_as_dense,
+        )
+        opt.zero_grad()
+        emb(inputs[r % 2]).sum().backward()
+        opt.synchronize()
+        grad = emb.weight.grad
+        want = torch.zeros(10, 3)
+        for k in range(n):
+            want.index_add_(0, inputs[k % 2].flatten(), torch.ones(inputs[k % 2].numel(), 3))
+        want /= n
+        if not grad.is_sparse or not torch.allclose(grad.to_dense(), want):
+            out.append(f"sparse_as_dense={sparse_as_dense}: {grad}")
+        with opt.skip_synchronize():
+            opt.step()
+    return out or True
+
+
 CHECKS = [
     duplicate_name_while_peers_elsewhere,
     names_in_different_orders,
@@ -157,6 +221,9 @@ CHECKS = [
     join_refuses_other_collectives,
     reducescatter_scalar_raises,
     reducescatter_gradient,
+    optimizer_parameter_names,
+    optimizer_outside_its_process_set,
+    sparse_gradients,
 ]
 
 

@@ -1,8 +1,9 @@
 """Horovod parity on Horovod's own terms (issue 45): the scenarios of Horovod 0.28.1's
 test/parallel/test_torch.py where ringtrain.horovod used to differ, run in real gloo ranks at 2
 and 3 ranks (tests/hvd_parity_workloads.py): operations matched by name, ``join()`` serving
-allreduces with zeros, reducescatter's gradient and scalar error. Each scenario is one test; a
-hang fails the job at its timeout instead of blocking the suite.
+allreduces with zeros, reducescatter's gradient and scalar error, ``DistributedOptimizer``'s
+``_parameter_names``, a rank outside its process set, sparse gradients. Each scenario is one
+test; a hang fails the job at its timeout instead of blocking the suite.
 
 The whole module of Horovod's is run by ``benchmarks/horovod_test_module.py`` (docs/benchmarks.md,
 "Horovod's own test module").

@@ -410,7 +410,10 @@ class GradientAllreducer:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         off = self._offset[index]
-        bucket.buffer[off : off + p.numel()].copy_(p.grad.reshape(-1))  # casts for the wire
+        # A sparse gradient (an Embedding(sparse=True)) travels dense, as Horovod's
+        # sparse_as_dense=True: the same sum, in the bucket's one allreduce.
+        grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        bucket.buffer[off : off + p.numel()].copy_(grad.reshape(-1))  # casts for the wire
         self._copied[index] = True
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -447,8 +450,11 @@ class GradientAllreducer:
                 grad = self.params[i].grad
                 assert grad is not None
                 n = grad.numel()
-                view = buf[offset : offset + n].view_as(grad)
-                if fold and grad.dtype == buf.dtype:
+                view = buf[offset : offset + n].view(grad.shape)
+                if grad.is_sparse:  # back to a sparse gradient of the same layout
+                    dense = (view * self._post if fold else view).to(grad.dtype)
+                    self.params[i].grad = dense.to_sparse(grad.sparse_dim())
+                elif fold and grad.dtype == buf.dtype:
                     torch.mul(view, self._post, out=grad)
                 else:
                     grad.copy_(view)
