@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.horovod import joiner
+from ringtrain.horovod.errors import HorovodInternalError
 from ringtrain.horovod.matching import JOIN_KEY, Member, Plan, plan_round, unnamed_key
 from ringtrain.horovod.metadata import HEADER, NAME, metadata_row
 from ringtrain.horovod.process_sets import SetView
@@ -180,8 +181,6 @@ def _exchange(rt: Runtime, view: SetView, queue: Sequence[Request], blocking: bo
     me = _member(rt, view, queue, blocking)
     if view.size == 1 or not rt.check:
         return [me]
-    from ringtrain.horovod.runtime import HorovodInternalError
-
     width = HEADER + view.size
     head = [len(queue), int(blocking), me.join_age, me.seq, *queue[0].row]
     try:

@@ -1,6 +1,6 @@
-"""``hvd.join()``: a rank with no more data serves its peers' allreduces with zeros.
+"""How a rank that called ``hvd.join()`` serves its peers' allreduces with zeros.
 
-A rank that calls :func:`join` stays in exchange rounds (see
+A rank that calls :func:`ringtrain.horovod.join` stays in exchange rounds (see
 :mod:`ringtrain.horovod.coordinator`) until every rank of the job has joined. Meanwhile, each
 allreduce its peers submit is ready without it: the first participant broadcasts the
 operation's layout (:func:`send_layout`: the fusion threshold, the op, each tensor's dtype and
@@ -14,7 +14,7 @@ time"); the joined rank keeps waiting.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,49 +28,7 @@ from ringtrain.horovod.slot import runtime
 if TYPE_CHECKING:
     from ringtrain.horovod.coordinator import Match
 
-__all__ = ["join", "layout_length", "send_layout", "serve_zeros"]
-
-
-def join(device: int = -1) -> int:
-    """Declare that this rank has no more data; return the rank that joined last.
-
-    Until every rank has joined, this rank takes part in its peers' allreduces with zero tensors
-    (``Average`` divides by the full size); any other collective its peers submit meanwhile
-    raises ``RuntimeError`` on them (Horovod's rule). ``DistributedOptimizer`` reduces its
-    gradients without this exchange: do not join while peers still step one.
-
-    Args:
-        device: the CUDA device for the zero tensors (``-1``: the process group's device, CUDA
-            ``local_rank()`` under NCCL, else CPU).
-
-    Returns:
-        The global rank that called ``join()`` last (the highest of those that joined in the
-        same round), the same on every rank; 0 in a single process.
-
-    Raises:
-        HorovodInternalError: if a peer is gone.
-    """
-    from ringtrain.horovod.coordinator import submit, wait
-
-    rt = runtime()
-    if rt.size == 1:
-        return 0
-    if device >= 0:
-        rt.join_device = torch.device("cuda", device)
-    elif dist.is_initialized() and dist.get_backend() == "nccl":
-        rt.join_device = torch.device("cuda", rt.ctx.local_rank)
-    else:
-        rt.join_device = torch.device("cpu")
-    rt.join_age = 0
-    try:
-        request = submit("join", None, [], _never, rt.set_view(None), blocking=True)
-        return int(wait(request))
-    finally:
-        rt.join_age = -1
-
-
-def _never(match: Match) -> Any:
-    raise AssertionError("a join entry is completed by the round plan, never launched")
+__all__ = ["layout_length", "send_layout", "serve_zeros"]
 
 
 def _layout(tensors: Sequence[torch.Tensor], op: ReduceOp, threshold: int) -> list[int]:

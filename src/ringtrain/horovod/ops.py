@@ -18,13 +18,19 @@ This module is the façade (``hvd.allreduce`` and friends are imported from here
 operations live by family: :mod:`~ringtrain.horovod.handles` (argument checks, handles,
 ``poll``/``synchronize``), :mod:`~ringtrain.horovod.reduce` (allreduce),
 :mod:`~ringtrain.horovod.gather` (allgather, broadcast, sparse allreduce) and
-:mod:`~ringtrain.horovod.scatter` (alltoall, reducescatter), :mod:`~ringtrain.horovod.joiner`
-(``join``); ``barrier`` is here.
+:mod:`~ringtrain.horovod.scatter` (alltoall, reducescatter); ``barrier`` and ``join`` are here
+(a joined rank's zeros: :mod:`~ringtrain.horovod.joiner`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
 from ringtrain.comm.fusion import ReduceOp
+from ringtrain.horovod.coordinator import Match, submit, wait
 from ringtrain.horovod.gather import (
     allgather,
     allgather_async,
@@ -37,7 +43,6 @@ from ringtrain.horovod.gather import (
     sparse_allreduce_async,
 )
 from ringtrain.horovod.handles import _view, poll, synchronize
-from ringtrain.horovod.joiner import join
 from ringtrain.horovod.process_sets import ProcessSet, global_process_set
 from ringtrain.horovod.reduce import (
     allreduce,
@@ -49,7 +54,7 @@ from ringtrain.horovod.reduce import (
     grouped_allreduce_async,
     grouped_allreduce_async_,
 )
-from ringtrain.horovod.runtime import negotiate
+from ringtrain.horovod.runtime import negotiate, runtime
 from ringtrain.horovod.scatter import (
     alltoall,
     alltoall_async,
@@ -69,7 +74,7 @@ Average, Sum, Adasum, Min, Max, Product = (
 )
 
 
-# ------------------------------------------------------------------ barrier
+# ------------------------------------------------------------------ barrier and join
 
 
 def barrier(process_set: ProcessSet | None = global_process_set) -> None:
@@ -81,6 +86,46 @@ def barrier(process_set: ProcessSet | None = global_process_set) -> None:
     """
     view = _view(process_set, "barrier")
     negotiate("barrier", None, [], extra=view.process_set_id, view=view)
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data; return the rank that joined last.
+
+    Until every rank has joined, this rank takes part in its peers' allreduces with zero tensors
+    (``Average`` divides by the full size); any other collective its peers submit meanwhile
+    raises ``RuntimeError`` on them (Horovod's rule). ``DistributedOptimizer`` reduces its
+    gradients without this exchange: do not join while peers still step one.
+
+    Args:
+        device: the CUDA device for the zero tensors (``-1``: the process group's device, CUDA
+            ``local_rank()`` under NCCL, else CPU).
+
+    Returns:
+        The global rank that called ``join()`` last (the highest of those that joined in the
+        same round), the same on every rank; 0 in a single process.
+
+    Raises:
+        HorovodInternalError: if a peer is gone.
+    """
+    rt = runtime()
+    if rt.size == 1:
+        return 0
+    if device >= 0:
+        rt.join_device = torch.device("cuda", device)
+    elif dist.is_initialized() and dist.get_backend() == "nccl":
+        rt.join_device = torch.device("cuda", rt.ctx.local_rank)
+    else:
+        rt.join_device = torch.device("cpu")
+    rt.join_age = 0
+    try:
+        request = submit("join", None, [], _never_launched, rt.set_view(None), blocking=True)
+        return int(wait(request))
+    finally:
+        rt.join_age = -1
+
+
+def _never_launched(match: Match) -> Any:
+    raise AssertionError("a join entry is completed by the round plan, never launched")
 
 
 __all__ = [

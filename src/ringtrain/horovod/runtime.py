@@ -15,7 +15,7 @@ import atexit
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,13 @@ import torch.distributed as dist
 from ringtrain.cluster.env import DistributedContext
 from ringtrain.comm.fusion import BufferPool
 from ringtrain.horovod import slot
-from ringtrain.horovod.coordinator import Request
+from ringtrain.horovod.errors import HorovodInternalError
 from ringtrain.horovod.metadata import hash63
 from ringtrain.horovod.process_sets import ProcessSet, SetView, add_process_set, global_process_set
 from ringtrain.horovod.slot import runtime
+
+if TYPE_CHECKING:
+    from ringtrain.horovod.coordinator import Request
 
 __all__ = [
     "HorovodInternalError",
@@ -42,14 +45,6 @@ __all__ = [
     "shutdown",
     "size",
 ]
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed because a peer is gone (the process group broke).
-
-    Under ringtrain the controller then restarts the whole worker group from the last
-    checkpoint (see :mod:`ringtrain.horovod.elastic`); the error is not retried in-process.
-    """
 
 
 @dataclass
