@@ -137,7 +137,8 @@ def wait(request: Request) -> Any:
     releases its name.
 
     Raises:
-        the request's error (every participant raises the same type), or
+        RuntimeError: (or ``ValueError``, ``NotImplementedError``) the error the round plan or
+            the launch gave the operation; every rank that submitted it raises the same type.
         HorovodInternalError: if a collective fails because a peer is gone.
     """
     rt = runtime()
