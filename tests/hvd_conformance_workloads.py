@@ -361,10 +361,13 @@ def check_gradients(b: Battery, n: int, r: int) -> None:
         avg = sum(w[1:], w[0].clone()) / n  # Horovod >= 0.22: averaged on the root
         return close(x.grad, avg if r == 0 else torch.zeros_like(x))
 
-    def rs() -> Any:
-        x = data(r, 2 * n, f).requires_grad_()
-        hvd.reducescatter(x, op=hvd.Sum).sum().backward()
-        return close(x.grad, torch.ones_like(x))
+    def rs(op: Any, want: float) -> Callable[[], Any]:
+        def run() -> Any:
+            x = data(r, 2 * n, f).requires_grad_()
+            hvd.reducescatter(x, op=op).sum().backward()
+            return close(x.grad, torch.full_like(x, want))
+
+        return run
 
     def grouped() -> Any:
         xs = [data(r, 2, f).requires_grad_(), data(r, 3, f).requires_grad_()]
@@ -376,7 +379,9 @@ def check_gradients(b: Battery, n: int, r: int) -> None:
     b.check("grad alltoall equal splits (tensor result)", a2a(None))
     b.check("grad alltoall splits", a2a([2] * n))
     b.check("grad broadcast", bc)
-    b.check("grad reducescatter", rs)
+    # Horovod's ReducescatterOp gradient: allgather(grad), times size() for Sum
+    b.check("grad reducescatter sum", rs(hvd.Sum, float(n)))
+    b.check("grad reducescatter average", rs(hvd.Average, 1.0))
     b.check("grad grouped_allreduce", grouped)
 
 
@@ -501,11 +506,23 @@ def check_errors(b: Battery, n: int, r: int) -> None:
         "err different ops (allreduce vs allgather)",
         lambda: hvd.allreduce(torch.ones(2)) if r == 0 else hvd.allgather(torch.ones(2)),
     )
+    # rank 0 waits for an allreduce no peer submits, the peers wait in barrier: Horovod hangs,
+    # ringtrain raises on every rank
     b.raises(
         "err allreduce vs barrier",
-        lambda: hvd.allreduce_async(torch.ones(2), name="lonely") if r == 0 else hvd.barrier(),
+        lambda: (
+            hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="lonely"))
+            if r == 0
+            else hvd.barrier()
+        ),
     )
-    b.raises("err join vs allreduce", lambda: hvd.join() if r else hvd.allreduce(torch.ones(1)))
+
+    def join_serves_allreduce() -> Any:
+        got = hvd.allreduce(torch.full((1,), float(n)), op=hvd.Average) if r == 0 else None
+        last = hvd.join()  # the joined peers contributed zeros to rank 0's allreduce
+        return last == 0 and (got is None or same(got, torch.ones(1)))
+
+    b.check("join serves allreduce", join_serves_allreduce)
     lin = torch.nn.Linear(2, 1)
     b.raises(
         "err DistributedOptimizer vs allreduce",
@@ -519,15 +536,10 @@ def check_errors(b: Battery, n: int, r: int) -> None:
         "err broadcast_parameters layout",
         lambda: hvd.broadcast_parameters({"w": torch.ones(2 + (r == 0))}, root_rank=0),
     )
-    # duplicate in-flight name on rank 0 only: ValueError on every rank (Horovod raises it)
+    # a name in flight: ValueError at once, on the rank that reuses it (Horovod's rule)
     h = hvd.allreduce_async(torch.ones(2), name="dup")
-    if r != 0:
-        hvd.synchronize(h)
-    b.raises(
-        "err duplicate name on one rank", lambda: hvd.allreduce_async(torch.ones(2), name="dup")
-    )
-    if r == 0:
-        hvd.synchronize(h)
+    b.raises("err duplicate name in flight", lambda: hvd.allreduce_async(torch.ones(2), name="dup"))
+    hvd.synchronize(h)
     h = hvd.allgather_async(torch.ones(1), name="dupg")
     b.raises(
         "err duplicate name allgather", lambda: hvd.allgather_async(torch.ones(1), name="dupg")

@@ -267,7 +267,7 @@ def test_error_types_match_horovod(world_size):
         "err shape": "RuntimeError",
         "err dtype": "RuntimeError",
         "err name differs": "RuntimeError",
-        "err duplicate name on one rank": "ValueError",
+        "err duplicate name in flight": "ValueError",
         "err duplicate name allgather": "ValueError",
         "err unknown handle": "ValueError",
         "err broadcast root out of range": "ValueError",

@@ -119,6 +119,10 @@ class FusedWork:
     """An in-flight fused allreduce: call :meth:`wait` once to get the results.
 
     Attributes:
+        post: the factor the reduced buffers are multiplied by.
+        divisor: then divided by (Average: the world size). Floating results are divided, not
+            multiplied by ``1 / divisor``: the correctly rounded mean, as Horovod's (which scales
+            in float64); ``x * float32(1/3)`` is off by one ulp for a third of the values.
         bytes_on_wire: bytes of the buffers reduced (in the wire dtype), per rank.
         pool: where the fusion buffers go back after unpacking (``None``: nowhere).
     """
@@ -129,6 +133,23 @@ class FusedWork:
     bytes_on_wire: int = 0
     done: bool = field(default=False)
     pool: BufferPool | None = None
+    divisor: int = 1
+
+    def _scale(self, t: torch.Tensor) -> None:
+        if not t.is_floating_point():
+            _apply_scale(t, self.post / self.divisor)
+            return
+        _apply_scale(t, self.post)
+        if self.divisor != 1:
+            t.div_(self.divisor)
+
+    def _scale_into(self, view: torch.Tensor, out: torch.Tensor) -> None:
+        if self.post != 1.0:
+            torch.mul(view, self.post, out=out)
+            if self.divisor != 1:
+                out.div_(self.divisor)
+        else:
+            torch.div(view, self.divisor, out=out)
 
     def is_completed(self) -> bool:
         """Whether every collective of this work has finished (never blocks)."""
@@ -142,9 +163,10 @@ class FusedWork:
             if work is not None:
                 work.wait()
             in_place = len(outputs) == 1 and outputs[0].data_ptr() == buf.data_ptr()
-            fold = self.post != 1.0 and buf.is_floating_point() and not in_place
-            if not fold:
-                _apply_scale(buf, self.post)
+            scaled = self.post != 1.0 or self.divisor != 1
+            fold = scaled and buf.is_floating_point() and not in_place
+            if scaled and not fold:
+                self._scale(buf)
             if in_place:
                 continue
             offset = 0
@@ -152,11 +174,11 @@ class FusedWork:
                 n = out.numel()
                 view = buf[offset : offset + n].view_as(out)
                 if fold and out.dtype == buf.dtype:
-                    torch.mul(view, self.post, out=out)  # scale while unpacking: one pass
+                    self._scale_into(view, out)  # scale while unpacking: one pass
                 else:
                     out.copy_(view)
                     if fold:
-                        out.mul_(self.post)
+                        self._scale(out)
                 offset += n
             del sources
             if not in_place and self.pool is not None:
@@ -197,15 +219,15 @@ def launch_fused_allreduce(
 
     The tensors are grouped, in order, into buffers of one wire dtype and device of at most
     ``threshold_bytes`` (:func:`plan_buckets`), each launched with ``async_op=True``. The result is
-    ``postscale * op(prescale * x)`` (Average divides by ``world_size`` as part of the postscale,
-    Horovod's convention). The fusion buffers come from ``pool`` and go back to it after
+    ``postscale * op(prescale * x)`` (Average then divides by ``world_size``, Horovod's
+    convention). The fusion buffers come from ``pool`` and go back to it after
     :meth:`FusedWork.wait` (the caller owns the pool: ``ringtrain.horovod``'s runtime keeps one
     per ``hvd.init()``); without one, each call allocates fresh buffers.
 
     Returns:
         A :class:`FusedWork`; the outputs hold the results after its ``wait()``.
     """
-    post = postscale_factor / world_size if op == ReduceOp.Average else postscale_factor
+    divisor = world_size if op == ReduceOp.Average else 1
     # gloo and NCCL have no int16: such tensors travel as int32 (exact, wraps like int16 on cast)
     wire = [NO_INT16.get(w, w) for w in (compression.wire_dtype_for(t.dtype) for t in tensors)]
     keys = [(w, t.device) for w, t in zip(wire, tensors, strict=True)]
@@ -235,7 +257,7 @@ def launch_fused_allreduce(
         if world_size > 1:
             work = dist.all_reduce(buf, op=DIST_OPS[op], group=group, async_op=True)
         parts.append((work, buf, ins, outs))
-    return FusedWork(parts, post, bytes_on_wire=total, pool=pool)
+    return FusedWork(parts, postscale_factor, bytes_on_wire=total, pool=pool, divisor=divisor)
 
 
 # ------------------------------------------------------------------ gradients during backward
@@ -410,7 +432,10 @@ class GradientAllreducer:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         off = self._offset[index]
-        bucket.buffer[off : off + p.numel()].copy_(p.grad.reshape(-1))  # casts for the wire
+        # A sparse gradient (an Embedding(sparse=True)) travels dense, as Horovod's
+        # sparse_as_dense=True: the same sum, in the bucket's one allreduce.
+        grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        bucket.buffer[off : off + p.numel()].copy_(grad.reshape(-1))  # casts for the wire
         self._copied[index] = True
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -447,8 +472,11 @@ class GradientAllreducer:
                 grad = self.params[i].grad
                 assert grad is not None
                 n = grad.numel()
-                view = buf[offset : offset + n].view_as(grad)
-                if fold and grad.dtype == buf.dtype:
+                view = buf[offset : offset + n].view(grad.shape)
+                if grad.is_sparse:  # back to a sparse gradient of the same layout
+                    dense = (view * self._post if fold else view).to(grad.dtype)
+                    self.params[i].grad = dense.to_sparse(grad.sparse_dim())
+                elif fold and grad.dtype == buf.dtype:
                     torch.mul(view, self._post, out=grad)
                 else:
                     grad.copy_(view)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.comm.fusion import ReduceOp
+from ringtrain.horovod.coordinator import Match
 from ringtrain.horovod.handles import (
     _as_1d,
     _check_process_set,
@@ -24,18 +25,17 @@ from ringtrain.horovod.handles import (
     _view,
     synchronize,
 )
+from ringtrain.horovod.metadata import DIM0
 from ringtrain.horovod.process_sets import ProcessSet, SetView, global_process_set
 from ringtrain.horovod.reduce import allreduce_async
-from ringtrain.horovod.runtime import negotiate, runtime
+from ringtrain.horovod.runtime import runtime
 
 
 def _launch_allgather(
-    src: torch.Tensor, name: str | None, view: SetView, kind: str = "allgather"
+    src: torch.Tensor, view: SetView, dims: Sequence[int]
 ) -> tuple[Callable[[], bool], Callable[[], torch.Tensor]]:
-    rows = negotiate(
-        kind, name, [src], vary_first_dim=True, extra=16 * view.process_set_id, view=view
-    )
-    dims = [row[5] for row in rows] if len(rows) == view.size else [src.shape[0]] * view.size
+    """Start gathering ``src`` (first dimension ``dims[i]`` on the i-th member): every rank
+    sends ``max(dims)`` rows (zero-padded), the padding is cut after."""
     if view.size == 1:
         out = src.clone()
         return (lambda: True), (lambda: out)
@@ -56,6 +56,14 @@ def _launch_allgather(
     return work.is_completed, finish
 
 
+def _dims(match: Match, view: SetView, own: int) -> list[int]:
+    """Every member's first dimension, from the matched rows (each rank's own when the
+    exchange was skipped)."""
+    if len(match.rows) == view.size:
+        return [row[DIM0] for row in match.rows]
+    return [own] * view.size
+
+
 def allgather_async(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -68,7 +76,19 @@ def allgather_async(
     """
     view = _view(process_set, "allgather")
     src = _as_1d(tensor.detach()).contiguous()
-    return _submit(name, "allgather", lambda: _launch_allgather(src, name, view))
+
+    def launch(match: Match) -> tuple[Callable[[], bool], Callable[[], torch.Tensor]]:
+        return _launch_allgather(src, view, _dims(match, view, src.shape[0]))
+
+    return _submit(
+        "allgather",
+        name,
+        [src],
+        launch,
+        view,
+        vary_first_dim=True,
+        extra=16 * view.process_set_id,
+    )
 
 
 class _AllgatherFn(torch.autograd.Function):
@@ -123,28 +143,35 @@ def grouped_allgather_async(
     process_set: ProcessSet | None = global_process_set,
 ) -> int:
     """Start an allgather of each tensor of the list, under one handle (``synchronize`` returns
-    the list of results). One metadata exchange checks the whole list."""
+    the list of results). One exchange checks the whole list; once matched, one small
+    ``all_gather`` shares every tensor's first dimension, then each tensor is gathered."""
     view = _view(process_set, "grouped_allgather")
     srcs = [_as_1d(t.detach()).contiguous() for t in tensors]
     if not srcs:
         raise ValueError("grouped_allgather: the list of tensors is empty")
 
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        negotiate(
-            "grouped_allgather",
-            name,
-            srcs,
-            extra=16 * view.process_set_id,
-            view=view,
-            vary_first_dim=True,
-        )
-        launched = [_launch_allgather(s, None, view, "grouped_allgather.part") for s in srcs]
+    def launch(match: Match) -> tuple[Callable[[], bool], Callable[[], Any]]:
+        own = torch.tensor([s.shape[0] for s in srcs], dtype=torch.int64)
+        dims = [own.tolist()] * view.size
+        if view.size > 1 and len(match.rows) == view.size:
+            gathered = [torch.empty_like(own) for _ in range(view.size)]
+            dist.all_gather(gathered, own, group=view.group)
+            dims = [g.tolist() for g in gathered]
+        launched = [_launch_allgather(s, view, [d[k] for d in dims]) for k, s in enumerate(srcs)]
         return (
             lambda: all(done() for done, _ in launched),
             lambda: [finish() for _, finish in launched],
         )
 
-    return _submit(name, "grouped_allgather", launch)
+    return _submit(
+        "grouped_allgather",
+        name,
+        srcs,
+        launch,
+        view,
+        vary_first_dim=True,
+        extra=16 * view.process_set_id,
+    )
 
 
 def grouped_allgather(
@@ -165,25 +192,32 @@ def grouped_allgather(
 # ------------------------------------------------------------------ broadcast
 
 
-def _broadcast_launch(
-    tensor: torch.Tensor, output: torch.Tensor, root_rank: int, name: str | None, view: SetView
-) -> tuple[Callable[[], bool], Callable[[], Any]]:
-    negotiate(
-        "broadcast", name, [tensor], extra=root_rank + (1 << 20) * view.process_set_id, view=view
+def _submit_broadcast(output: torch.Tensor, root_rank: int, name: str | None, view: SetView) -> int:
+    """Submit a broadcast of ``root_rank``'s ``output`` into ``output`` on every member."""
+
+    def launch(match: Match) -> tuple[Callable[[], bool], Callable[[], Any]]:
+        view.require_root(root_rank, "broadcast")  # the same root on every rank: all raise
+        if view.size == 1:
+            return (lambda: True), (lambda: output)
+        wire = _to_wire(output)
+        work = dist.broadcast(wire, src=root_rank, group=view.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            if wire is not output:
+                output.copy_(wire)
+            return output
+
+        return work.is_completed, finish
+
+    return _submit(
+        "broadcast",
+        name,
+        [output],
+        launch,
+        view,
+        extra=root_rank + (1 << 20) * view.process_set_id,
     )
-    view.require_root(root_rank, "broadcast")
-    if view.size == 1:
-        return (lambda: True), (lambda: output)
-    wire = _to_wire(output)
-    work = dist.broadcast(wire, src=root_rank, group=view.group, async_op=True)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        if wire is not output:
-            output.copy_(wire)
-        return output
-
-    return work.is_completed, finish
 
 
 def broadcast_async_(
@@ -202,9 +236,7 @@ def broadcast_async_(
     view = _view(process_set, "broadcast")
     if not tensor.is_contiguous():
         raise ValueError("broadcast_: the tensor must be contiguous (use broadcast())")
-    return _submit(
-        name, "broadcast", lambda: _broadcast_launch(tensor, tensor, root_rank, name, view)
-    )
+    return _submit_broadcast(tensor, root_rank, name, view)
 
 
 def broadcast_async(
@@ -216,9 +248,7 @@ def broadcast_async(
     """As :func:`broadcast_async_`, into a new tensor."""
     view = _view(process_set, "broadcast")
     output = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return _submit(
-        name, "broadcast", lambda: _broadcast_launch(output, output, root_rank, name, view)
-    )
+    return _submit_broadcast(output, root_rank, name, view)
 
 
 class _BroadcastFn(torch.autograd.Function):

@@ -1,8 +1,9 @@
 """What every Horovod collective shares: argument checks and the asynchronous handles.
 
-An operation is launched through :func:`_submit`, which registers a
-:class:`~ringtrain.horovod.runtime.Pending` under an integer handle; :func:`poll` and
-:func:`synchronize` are Horovod's way to test and wait for it. A ``RuntimeError`` raised because a
+An operation is submitted through :func:`_submit` (a
+:class:`~ringtrain.horovod.coordinator.Request`, matched across ranks by name) and registered
+under an integer handle; :func:`poll` and :func:`synchronize` are Horovod's way to test and wait
+for it. A ``RuntimeError`` raised because a
 peer is gone becomes :class:`~ringtrain.horovod.runtime.HorovodInternalError` (what
 ``hvd.elastic.run`` catches). The ``_parse_op``/``_view``/wire helpers turn Horovod's arguments
 (op codes, process sets, int16 tensors) into what ``torch.distributed`` takes.
@@ -10,7 +11,7 @@ peer is gone becomes :class:`~ringtrain.horovod.runtime.HorovodInternalError` (w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,8 +21,9 @@ from ringtrain.comm.fusion import (
     ReduceOp,
     check_op,
 )
+from ringtrain.horovod.coordinator import Launch, progress, submit, wait
 from ringtrain.horovod.process_sets import ProcessSet, SetView
-from ringtrain.horovod.runtime import HorovodInternalError, Pending, runtime
+from ringtrain.horovod.runtime import HorovodInternalError, runtime
 
 
 def _parse_op(op: Any) -> ReduceOp:
@@ -75,54 +77,62 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 
 def _submit(
-    name: str | None, kind: str, launch: Callable[[], tuple[Callable[[], bool], Callable[[], Any]]]
+    kind: str,
+    name: str | None,
+    tensors: Sequence[torch.Tensor],
+    launch: Launch,
+    view: SetView,
+    **row: Any,
 ) -> int:
-    """Launch an operation under ``name`` and register it; returns its handle."""
-    rt = runtime()
-    # A duplicate name is not refused here: the flag travels in the metadata exchange and
-    # every rank of the operation raises the same ValueError (Horovod's coordinator does too).
-    rt.duplicate_pending = rt.name_in_flight(name)
-    try:
-        is_completed, finish = launch()
-    except RuntimeError as exc:
-        if _is_peer_failure(exc) and not isinstance(exc, HorovodInternalError):
-            raise HorovodInternalError(f"{kind} failed: {exc}") from exc
-        raise
-    finally:
-        rt.duplicate_pending = False
-    rt.claim_name(name)
-    return rt.add(Pending(name=name, is_completed=is_completed, finish=finish))
+    """Submit an operation (one exchange round: launched at once if every member already
+    submitted it) and register it; returns its handle. ``row`` is passed to
+    :func:`~ringtrain.horovod.coordinator.submit` (``vary_first_dim``, ``extra``, ``splits``,
+    ``payload``).
+
+    Raises:
+        ValueError: at once, on this rank only, if an operation named ``name`` is in flight.
+        HorovodInternalError: if a peer is gone.
+    """
+    request = submit(kind, name, tensors, launch, view, blocking=False, **row)
+    return runtime().add(request)
 
 
 def poll(handle: int) -> bool:
-    """Whether the operation of ``handle`` has finished (``synchronize`` will not block)."""
+    """Whether the operation of ``handle`` has finished (``synchronize`` will not block).
+
+    An operation not yet matched across ranks runs one exchange round first (so a rank that
+    polls in a loop lets its peers match it).
+    """
     if callable(handle):  # sparse_allreduce_async's handle (as in Horovod)
         return True
-    return bool(runtime().take(handle).is_completed())
+    request = runtime().take(handle)
+    if request.state == "queued":
+        progress(request, blocking=False)
+    return request.state == "failed" or (request.state == "launched" and request.is_completed())
 
 
 def synchronize(handle: int) -> Any:
     """Wait for the operation of ``handle`` and return its output.
 
     Raises:
+        RuntimeError: on every rank that submitted it, if the ranks' calls did not match (or
+            can never meet, or it is not allreduce and a rank has joined).
         HorovodInternalError: if the collective failed because a peer is gone.
         ValueError: for an unknown (or already synchronized) handle.
     """
     if callable(handle):  # sparse_allreduce_async returns a function (as in Horovod)
         return handle()
     rt = runtime()
-    pending = rt.take(handle)
+    request = rt.take(handle)
     try:
-        result = pending.finish()
+        return wait(request)
     except RuntimeError as exc:
         if _is_peer_failure(exc) and not isinstance(exc, HorovodInternalError):
-            raise HorovodInternalError(f"operation {pending.name or handle} failed: {exc}") from exc
+            raise HorovodInternalError(f"{request.label} failed: {exc}") from exc
         raise
     finally:
         with rt.lock:
             rt.handles.pop(handle, None)
-        rt.release_name(pending.name)
-    return result
 
 
 def _as_1d(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The row each rank contributes to :func:`~ringtrain.horovod.runtime.negotiate`, and the
 comparison of every rank's row.
 
-Pure functions (no process group): one row of ``10`` int64 per rank plus the alltoall splits:
-``[kind, name, dtype, ndim, shape hash, first dim, extra, count, duplicate, payload, splits...]``,
+Pure functions (no process group): one row of ``9`` int64 per operation plus the alltoall splits:
+``[kind, name, dtype, ndim, shape hash, first dim, extra, count, payload, splits...]``,
 text hashed to 63 bits (blake2b) so that it fits an int64. :func:`mismatches` names, per rank,
 the first field that differs from the first rank's row.
 """
@@ -29,8 +29,8 @@ DTYPES = [
     torch.complex64,
     torch.complex128,
 ]
-HEADER = 10
-KIND, NAME, DTYPE, NDIM, SHAPE, DIM0, EXTRA, COUNT, DUP, PAYLOAD = range(HEADER)
+HEADER = 9
+KIND, NAME, DTYPE, NDIM, SHAPE, DIM0, EXTRA, COUNT, PAYLOAD = range(HEADER)
 
 
 def hash63(text: str) -> int:
@@ -56,12 +56,21 @@ def metadata_row(
     tensors: Sequence[torch.Tensor],
     vary_first_dim: bool,
     extra: int,
-    duplicate: bool,
     payload: int,
     signature: str | None,
 ) -> list[int]:
-    """This rank's ``HEADER`` integers for an operation (see the module docstring); the
-    arguments are :func:`~ringtrain.horovod.runtime.negotiate`'s."""
+    """This rank's ``HEADER`` integers for an operation (see the module docstring).
+
+    Args:
+        kind: the operation (``"allreduce"``...).
+        name: the key it is matched by (its name, or the unnamed key); ``None``: 0.
+        tensors: its tensors (the first one's dtype and dims are recorded, a hash of all
+            shapes).
+        vary_first_dim: the first dimension is left out of the shape hash.
+        extra: an integer every rank must agree on (op, root rank, process set).
+        payload: an integer carried and not compared.
+        signature: text folded into the shape hash (parameter names).
+    """
     t0 = tensors[0] if tensors else torch.empty(0)
     if len(tensors) == 1:
         rest = tuple(t0.shape[1:]) if vary_first_dim else tuple(t0.shape)
@@ -83,7 +92,6 @@ def metadata_row(
         int(t0.shape[0]) if t0.dim() > 0 else 1,
         int(extra),
         len(tensors),
-        int(duplicate),
         int(payload),
     ]
 

@@ -1,28 +1,36 @@
 """The collectives of ``horovod.torch`` on ``torch.distributed``.
 
-Every operation first runs :func:`~ringtrain.horovod.runtime.negotiate` (one small
-``all_gather`` that checks all ranks called the same operation on compatible tensors, raising
-``RuntimeError`` on every rank otherwise), then launches the ``torch.distributed`` collective with
-``async_op=True``. ``*_async`` functions return an integer handle for :func:`poll` and
-:func:`synchronize`; the others synchronize at once. The non-in-place functions are
+Every operation is first submitted to the coordinator (one small ``all_gather`` per round that
+shows every rank each member's queued operations and checks that they agree, raising
+``RuntimeError`` on every rank otherwise); once every member has submitted it, its
+``torch.distributed`` collective is launched with ``async_op=True``. ``*_async`` functions
+return an integer handle for :func:`poll` and :func:`synchronize`; the others synchronize at
+once. The non-in-place functions are
 differentiable (``torch.autograd.Function``, with Horovod's gradients: allreduce's gradient is
 the allreduce of the gradient with the same op, allgather's its own slice of the *averaged*
 gradient, broadcast's the averaged gradient on the root and zero elsewhere: Horovod's
-convention since 0.22, horovod PR #2687). Invalid calls raise the same exception on every rank
-(see ``negotiate``); operations are matched in program order, not by name.
+convention since 0.22, horovod PR #2687). Operations are matched across ranks by name, as in
+Horovod (:mod:`~ringtrain.horovod.coordinator`); invalid calls raise the same exception on every
+rank that made them, and ranks that wait for operations that can never meet raise instead of
+hanging.
 
 This module is the façade (``hvd.allreduce`` and friends are imported from here); the
 operations live by family: :mod:`~ringtrain.horovod.handles` (argument checks, handles,
 ``poll``/``synchronize``), :mod:`~ringtrain.horovod.reduce` (allreduce),
 :mod:`~ringtrain.horovod.gather` (allgather, broadcast, sparse allreduce) and
-:mod:`~ringtrain.horovod.scatter` (alltoall, reducescatter); ``barrier`` and ``join`` are here.
+:mod:`~ringtrain.horovod.scatter` (alltoall, reducescatter); ``barrier`` and ``join`` are here
+(a joined rank's zeros: :mod:`~ringtrain.horovod.joiner`).
 """
 
 from __future__ import annotations
 
-import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from ringtrain.comm.fusion import ReduceOp
+from ringtrain.horovod.coordinator import Match, submit, wait
 from ringtrain.horovod.gather import (
     allgather,
     allgather_async,
@@ -70,30 +78,54 @@ Average, Sum, Adasum, Min, Max, Product = (
 
 
 def barrier(process_set: ProcessSet | None = global_process_set) -> None:
-    """Block until every rank of the set has called ``barrier()`` (the metadata exchange is the
-    barrier: a rank in another operation makes both raise instead of hanging)."""
+    """Block until every rank of the set has called ``barrier()`` (the exchange is the barrier).
+
+    Raises:
+        RuntimeError: on every rank, when the ranks wait for operations that can never meet
+            (a rank blocked in another operation: Horovod would hang), or a rank has joined.
+    """
     view = _view(process_set, "barrier")
     negotiate("barrier", None, [], extra=view.process_set_id, view=view)
 
 
 def join(device: int = -1) -> int:
-    """Block until every rank has called ``join()``; return the rank that joined last.
+    """Declare that this rank has no more data; return the rank that joined last.
 
-    Unlike Horovod, a rank that has joined does not serve its peers' later collectives with
-    zeros: call ``join()`` where every rank has finished its collectives (the end of an epoch
-    with uneven data); a rank still issuing collectives then meets the joined ranks in the
-    metadata exchange and every rank raises ``RuntimeError`` (no hang). The last rank is the one
-    with the latest wall-clock arrival (carried by the same exchange).
+    Until every rank has joined, this rank takes part in its peers' allreduces with zero tensors
+    (``Average`` divides by the full size); any other collective its peers submit meanwhile
+    raises ``RuntimeError`` on them (Horovod's rule). ``DistributedOptimizer`` reduces its
+    gradients without this exchange: do not join while peers still step one.
 
     Args:
-        device: Horovod's GPU for the zero tensors; ignored.
+        device: the CUDA device for the zero tensors (``-1``: the process group's device, CUDA
+            ``local_rank()`` under NCCL, else CPU).
+
+    Returns:
+        The global rank that called ``join()`` last (the highest of those that joined in the
+        same round), the same on every rank; 0 in a single process.
+
+    Raises:
+        HorovodInternalError: if a peer is gone.
     """
     rt = runtime()
     if rt.size == 1:
         return 0
-    rows = negotiate("join", None, [], payload=time.time_ns() // 1000)
-    arrivals = [row[9] for row in rows]
-    return int(max(range(len(arrivals)), key=lambda i: (arrivals[i], i)))
+    if device >= 0:
+        rt.join_device = torch.device("cuda", device)
+    elif dist.is_initialized() and dist.get_backend() == "nccl":
+        rt.join_device = torch.device("cuda", rt.ctx.local_rank)
+    else:
+        rt.join_device = torch.device("cpu")
+    rt.join_age = 0
+    try:
+        request = submit("join", None, [], _never_launched, rt.set_view(None), blocking=True)
+        return int(wait(request))
+    finally:
+        rt.join_age = -1
+
+
+def _never_launched(match: Match) -> Any:
+    raise AssertionError("a join entry is completed by the round plan, never launched")
 
 
 __all__ = [

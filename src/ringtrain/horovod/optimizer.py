@@ -26,15 +26,18 @@ from ringtrain.horovod.runtime import negotiate, runtime
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixin placed before the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
-    _hvd_engine: GradientAllreducer
+    _hvd_engine: GradientAllreducer | None
     _hvd_should_synchronize: bool
     _hvd_synchronized: bool
+    _parameter_names: dict[torch.Tensor, str]
 
     def synchronize(self) -> None:
         """Finish the allreduce of every gradient (launching those not launched yet) and write
         the averaged gradients into ``param.grad``. Call it before gradient clipping, then step
-        inside ``with optimizer.skip_synchronize():``."""
-        self._hvd_engine.synchronize()
+        inside ``with optimizer.skip_synchronize():``. On a rank outside the optimizer's process
+        set, nothing is reduced (as Horovod)."""
+        if self._hvd_engine is not None:
+            self._hvd_engine.synchronize()
         self._hvd_synchronized = True
 
     @contextlib.contextmanager
@@ -60,7 +63,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._hvd_engine.pending:
+        if self._hvd_engine is not None and self._hvd_engine.pending:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): the gradients being reduced would "
@@ -97,27 +100,28 @@ def DistributedOptimizer(
             by ``size() / factor`` after it (Horovod's overflow guard for fp16).
         groups: Horovod's explicit grouping; the fusion buckets replace it (ignored, with a
             warning, unless ``None``).
-        sparse_as_dense: sparse gradients are not supported; must be False.
-        process_set: the ranks whose gradients are averaged (default: all); every member
-            wraps its optimizer, the other ranks must not.
+        sparse_as_dense: accepted either way: sparse gradients (``Embedding(sparse=True)``)
+            are always reduced dense, in their bucket, and handed back to the optimizer sparse
+            (Horovod's ``sparse_as_dense=True``; its default allgathers indices and values).
+        process_set: the ranks whose gradients are averaged (default: all). On a rank outside
+            the set the optimizer reduces nothing and steps on the local gradients (as
+            Horovod).
         fusion_threshold_bytes: bucket cap in bytes (default: ``HOROVOD_FUSION_THRESHOLD``,
             else 128 MiB; 0 disables fusion).
 
     Returns:
-        The distributed optimizer (an instance of a subclass of ``type(optimizer)``).
+        The distributed optimizer (an instance of a subclass of ``type(optimizer)``); its
+        ``_parameter_names`` maps each parameter to its name, as Horovod's does.
 
     Raises:
         ValueError: for duplicate or missing parameter names, a bad ``gradient_predivide_factor``
             or ``backward_passes_per_step``, or a predivide factor with ``op != Average``.
         RuntimeError: on every rank, if the ranks' parameters differ (names, dtypes, shapes).
-        NotImplementedError: for Adasum or sparse_as_dense.
+        NotImplementedError: for Adasum.
     """
     rt = runtime()
     rop = check_op(op)
-    if sparse_as_dense:
-        raise NotImplementedError("sparse_as_dense=True: sparse gradients are not supported")
     view = rt.set_view(process_set)
-    view.require_member("DistributedOptimizer")
     if gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if gradient_predivide_factor != 1.0 and rop != ReduceOp.Average:
@@ -157,6 +161,12 @@ def DistributedOptimizer(
     )
     dist_opt: Any = object.__new__(cls)
     dist_opt.__dict__ = optimizer.__dict__  # share param groups, state and hooks
+    dist_opt._parameter_names = {p: n for n, p in sorted(named, key=lambda item: item[0])}
+    dist_opt._hvd_should_synchronize = True
+    dist_opt._hvd_synchronized = False
+    dist_opt._hvd_engine = None
+    if not view.included:
+        return dist_opt  # Horovod: a rank outside the set steps on its own gradients
     # The same metadata exchange as every hvd call first, so that a rank constructing the
     # optimizer while a peer is in another hvd call raises on both instead of hanging; the
     # engine's own layout digest check follows.
@@ -179,6 +189,4 @@ def DistributedOptimizer(
         prescale_factor=1.0 / gradient_predivide_factor,
         postscale_factor=gradient_predivide_factor,
     )
-    dist_opt._hvd_should_synchronize = True
-    dist_opt._hvd_synchronized = False
     return dist_opt

@@ -20,6 +20,7 @@ from ringtrain.comm.fusion import (
     fusion_threshold_from_env,
     launch_fused_allreduce,
 )
+from ringtrain.horovod.coordinator import Match
 from ringtrain.horovod.handles import (
     _check_process_set,
     _resolve_op,
@@ -27,36 +28,10 @@ from ringtrain.horovod.handles import (
     _view,
     synchronize,
 )
+from ringtrain.horovod.joiner import layout_length, send_layout
+from ringtrain.horovod.metadata import PAYLOAD
 from ringtrain.horovod.process_sets import ProcessSet, SetView
-from ringtrain.horovod.runtime import negotiate, runtime
-
-
-def _launch_allreduce(
-    kind: str,
-    tensors: Sequence[torch.Tensor],
-    outputs: Sequence[torch.Tensor],
-    op: ReduceOp,
-    name: str | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    view: SetView,
-    compression: type[Compressor] = NoneCompressor,
-) -> tuple[Callable[[], bool], Callable[[], None]]:
-    negotiate(kind, name, tensors, extra=int(op) + 16 * view.process_set_id, view=view)
-    check_op(op)  # Adasum: NotImplementedError, on every rank (all passed the same op)
-    work = launch_fused_allreduce(
-        tensors,
-        outputs,
-        op=op,
-        world_size=view.size,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        compression=compression,
-        threshold_bytes=max(1, fusion_threshold_from_env()),
-        group=view.group,
-        pool=runtime().pool,
-    )
-    return work.is_completed, work.wait
+from ringtrain.horovod.runtime import runtime
 
 
 def _submit_allreduce(
@@ -69,24 +44,57 @@ def _submit_allreduce(
     view: SetView,
     result: Callable[[], Any],
     outputs: Sequence[torch.Tensor] | None = None,
+    scalar: bool = False,
 ) -> int:
-    """Register a fused allreduce of ``tensors`` into ``outputs`` (default: in place) under
+    """Submit a fused allreduce of ``tensors`` into ``outputs`` (default: in place) under
     ``name``; ``synchronize`` waits for it, then returns ``result()``. The one submit path of
-    every allreduce and reducescatter form."""
-    into = tensors if outputs is None else outputs
+    every allreduce and reducescatter form.
 
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        done, wait = _launch_allreduce(
-            kind, tensors, into, rop, name, prescale_factor, postscale_factor, view
+    Args:
+        scalar: (reducescatter) a tensor had no dimension: every participant raises
+            ``RuntimeError`` once matched, as Horovod refuses to scatter a rank-zero tensor.
+    """
+    into = tensors if outputs is None else outputs
+    threshold = max(1, fusion_threshold_from_env())
+    scatters = kind.endswith("reducescatter")
+
+    def launch(match: Match) -> tuple[Callable[[], bool], Callable[[], Any]]:
+        check_op(rop)  # Adasum: NotImplementedError, on every rank (all passed the same op)
+        if scatters:
+            scalars = [view.ranks[i] for i, row in enumerate(match.rows) if row[PAYLOAD]]
+            if scalars:
+                raise RuntimeError(
+                    f"{kind}: rank(s) {scalars} passed a rank-zero tensor (a scalar), which "
+                    "cannot be scattered; pass a tensor with at least one dimension"
+                )
+        send_layout(match, view, tensors, rop, threshold)
+        work = launch_fused_allreduce(
+            tensors,
+            into,
+            op=rop,
+            world_size=view.size,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            threshold_bytes=threshold,
+            group=view.group,
+            pool=runtime().pool,
         )
 
         def finish() -> Any:
-            wait()
+            work.wait()
             return result()
 
-        return done, finish
+        return work.is_completed, finish
 
-    return _submit(name, kind, launch)
+    return _submit(
+        kind,
+        name,
+        tensors,
+        launch,
+        view,
+        extra=int(rop) + 16 * view.process_set_id,
+        payload=int(scalar) if scatters else layout_length(tensors),
+    )
 
 
 def _forward_reduction(

@@ -15,7 +15,7 @@ import atexit
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,13 @@ import torch.distributed as dist
 from ringtrain.cluster.env import DistributedContext
 from ringtrain.comm.fusion import BufferPool
 from ringtrain.horovod import slot
-from ringtrain.horovod.metadata import DUP, hash63, metadata_row, mismatches
+from ringtrain.horovod.errors import HorovodInternalError
+from ringtrain.horovod.metadata import hash63
 from ringtrain.horovod.process_sets import ProcessSet, SetView, add_process_set, global_process_set
 from ringtrain.horovod.slot import runtime
+
+if TYPE_CHECKING:
+    from ringtrain.horovod.coordinator import Request
 
 __all__ = [
     "HorovodInternalError",
@@ -43,25 +47,6 @@ __all__ = [
 ]
 
 
-class HorovodInternalError(RuntimeError):
-    """A collective failed because a peer is gone (the process group broke).
-
-    Under ringtrain the controller then restarts the whole worker group from the last
-    checkpoint (see :mod:`ringtrain.horovod.elastic`); the error is not retried in-process.
-    """
-
-
-@dataclass
-class Pending:
-    """An in-flight operation: ``finish()`` waits and returns its result."""
-
-    name: str | None
-    is_completed: Callable[[], bool]
-    finish: Callable[[], Any]
-    result: Any = None
-    done: bool = False
-
-
 @dataclass
 class Runtime:
     """The state ``hvd.init()`` creates.
@@ -70,22 +55,32 @@ class Runtime:
         ctx: the worker's context (ranks, sizes, device).
         owns_group: whether ``init`` created the default process group (``shutdown`` then
             destroys it; a group made by ringtrain's worker or by the user is left alone).
-        handles: in-flight operations by handle.
-        inflight_names: names of the in-flight operations (a duplicate raises ``ValueError``).
+        handles: the operations returned as handles (``*_async``), by handle.
+        inflight_names: names of this rank's operations submitted and not yet synchronized (a
+            duplicate raises ``ValueError`` at once, on this rank only: Horovod's rule).
+        queues: per process set id, this rank's operations not matched yet, oldest first
+            (:mod:`ringtrain.horovod.coordinator`).
+        seqs: per process set id, the sequence number of the next unnamed operation.
+        join_age: exchange rounds spent in ``hvd.join()`` so far (-1: not in it).
     """
 
     ctx: DistributedContext
     owns_group: bool
-    handles: dict[int, Pending] = field(default_factory=dict)
+    handles: dict[int, Request] = field(default_factory=dict)
     inflight_names: set[str] = field(default_factory=set)
     next_handle: int = 1
     lock: threading.Lock = field(default_factory=threading.Lock)
+    coord_lock: threading.RLock = field(default_factory=threading.RLock)
+    queues: dict[int, list[Request]] = field(default_factory=dict)
+    seqs: dict[int, int] = field(default_factory=dict)
+    join_age: int = -1
+    join_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sets: dict[int, tuple[tuple[int, ...], Any]] = field(default_factory=dict)
     next_set_id: int = 1
     check: bool = True
     """Exchange each operation's descriptor before its data (``False`` only for benchmarks:
-    a mismatch then hangs or corrupts instead of raising on every rank)."""
-    duplicate_pending: bool = False
+    operations are then launched in program order unchecked, and a mismatch hangs or corrupts
+    instead of raising on every rank)."""
     pool: BufferPool = field(default_factory=BufferPool)
     """The fusion buffers of this runtime's fused allreduces (kept between calls, as Horovod
     keeps its fusion buffer; :func:`shutdown` drops them)."""
@@ -98,38 +93,19 @@ class Runtime:
     def rank(self) -> int:
         return self.ctx.world_rank
 
-    def add(self, pending: Pending) -> int:
-        """Register an in-flight operation; returns its handle."""
+    def add(self, request: Request) -> int:
+        """Register an operation handed out as a handle; returns the handle."""
         with self.lock:
             handle = self.next_handle
             self.next_handle += 1
-            self.handles[handle] = pending
+            self.handles[handle] = request
             return handle
 
-    def claim_name(self, name: str | None) -> None:
-        """Reserve ``name`` for an operation about to be launched.
-
-        Raises:
-            ValueError: if an in-flight operation already has this name.
-        """
-        if name is None:
-            return
-        with self.lock:
-            if name in self.inflight_names:
-                raise ValueError(
-                    f"an operation named {name!r} is already in flight: synchronize() its handle "
-                    "before reusing the name, or give this one another name"
-                )
-            self.inflight_names.add(name)
-
     def release_name(self, name: str | None) -> None:
+        """The operation named ``name`` is synchronized: the name may be used again."""
         if name is not None:
             with self.lock:
                 self.inflight_names.discard(name)
-
-    def name_in_flight(self, name: str | None) -> bool:
-        with self.lock:
-            return name is not None and name in self.inflight_names
 
     # -------------------------------------------------------------- process sets
 
@@ -193,14 +169,19 @@ class Runtime:
             dist.destroy_process_group(group)
         return True
 
-    def take(self, handle: int) -> Pending:
+    def take(self, handle: int) -> Request:
+        """The operation of ``handle``.
+
+        Raises:
+            ValueError: for an unknown (or already synchronized) handle.
+        """
         with self.lock:
-            pending = self.handles.get(handle)
-        if pending is None:
+            request = self.handles.get(handle)
+        if request is None:
             raise ValueError(
                 f"handle {handle!r} is not an in-flight operation (already synchronized?)"
             )
-        return pending
+        return request
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -266,22 +247,25 @@ def shutdown() -> None:
     ``init`` created is destroyed at interpreter exit; one made by ringtrain's worker or by the
     user is theirs to destroy. Called at interpreter exit too (registered by ``init``).
 
-    Order matters: in-flight operations are finished first, then the process sets' groups
-    destroyed. A gloo group destroyed under queued work, or left to the interpreter's own
-    teardown, can end the process with SIGABRT ("terminate called without an active
-    exception": a C++ thread object destroyed while still joinable).
+    Order matters: in-flight operations are finished first (operations never matched by the
+    peers are dropped), then the process sets' groups destroyed. A gloo group destroyed under
+    queued work, or left to the interpreter's own teardown, can end the process with SIGABRT
+    ("terminate called without an active exception": a C++ thread object destroyed while still
+    joinable).
     """
     with slot.lock:
         rt = slot.current
         slot.current = None
     if rt is None:
         return
-    for pending in list(rt.handles.values()):
-        try:
-            pending.finish()
-        except Exception:
-            pass
+    for request in list(rt.handles.values()):
+        if request.state == "launched":
+            try:
+                request.finish()
+            except Exception:
+                pass
     rt.handles.clear()
+    rt.queues.clear()
     for _, group in rt.sets.values():
         if group is not None:
             try:
@@ -411,71 +395,52 @@ def negotiate(
     *,
     vary_first_dim: bool = False,
     extra: int = 0,
-    splits: Sequence[int] | None = None,
     view: SetView | None = None,
-    payload: int = 0,
     signature: str | None = None,
 ) -> list[list[int]]:
-    """Check that every rank calls the same operation on compatible tensors; raise otherwise.
+    """Wait until every member of the set has submitted this operation (matched by ``name``, or
+    by order among the unnamed ones) and check that the calls agree; raise otherwise.
 
-    One ``all_gather`` of ``10 + n`` int64 per rank over the process set's group (n ranks; under
-    250 bytes at 16 ranks: one network latency per call; a grouped or fused call pays it once for
-    all its tensors). Every rank sees every rank's row, so an invalid call on any rank raises the
-    same exception on every rank instead of leaving some ranks blocked in the data collective.
-    ``barrier``, ``join``, the object collectives and process-set changes go through it too, so
-    two ranks in different operations always meet here and both raise.
+    For the operations that move their data themselves once matched (``barrier``, the object
+    collectives, ``broadcast_parameters``, process-set changes, ``DistributedOptimizer``): a
+    blocking request of :mod:`ringtrain.horovod.coordinator` whose launch does nothing. Every
+    member sees every member's row, so an invalid call on any rank raises the same exception on
+    every rank instead of leaving some ranks blocked in the data collective.
 
     Args:
-        kind: the operation (``"allreduce"``...).
-        name: the operation's name (``None``: not compared).
+        kind: the operation (``"barrier"``...).
+        name: the operation's name (``None``: unnamed).
         tensors: the tensors of the operation.
-        vary_first_dim: the first dimension may differ across ranks (allgather, alltoall).
-        extra: one more integer every rank must agree on (the op, the root rank).
-        splits: this rank's alltoall splits (``n`` ints).
+        vary_first_dim: the first dimension may differ across ranks.
+        extra: one more integer every rank must agree on (the root rank, a set id).
         view: the process set's :class:`~ringtrain.horovod.process_sets.SetView` (``None``: all
             ranks).
-        payload: an integer carried to every rank and not compared (``join``'s arrival time).
         signature: text every rank must agree on (e.g. the names of broadcast parameters).
 
     Returns:
-        Every member's row: ``[kind, name, dtype, ndim, shape hash, first dim, extra, count,
-        duplicate, payload, splits...]``.
+        Every member's row (``metadata_row`` and ``n`` zeros), in set order.
 
     Raises:
-        ValueError: on every rank, if a rank already has an in-flight operation of this name.
-        RuntimeError: on every rank, naming what differs.
+        ValueError: on this rank only, if an operation of this name is in flight on it.
+        RuntimeError: on every rank, naming what differs, or when the ranks wait for
+            operations that can never meet (Horovod would hang), or when a rank has joined.
+        HorovodInternalError: if a peer is gone.
     """
-    rt = runtime()
-    if view is None:
-        view = rt.set_view(None)
-    n = view.size
-    duplicate, rt.duplicate_pending = rt.duplicate_pending, False
-    row = metadata_row(kind, name, tensors, vary_first_dim, extra, duplicate, payload, signature)
-    row += list(splits) if splits is not None else [0] * n
-    rows = [row]
-    if n > 1 and rt.check:
-        mine = torch.tensor(row, dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(n)]
-        try:
-            dist.all_gather(gathered, mine, group=view.group)
-        except Exception as exc:
-            raise HorovodInternalError(f"{kind}: the metadata exchange failed: {exc}") from exc
-        rows = [g.tolist() for g in gathered]
-    label = f"{kind}" + (f" {name!r}" if name else "")
-    dups = [view.ranks[i] for i, other in enumerate(rows) if other[DUP]]
-    if len(rows) == 1 and duplicate:
-        dups = [rt.rank]
-    if dups:
-        raise ValueError(
-            f"{label}: rank(s) {dups} already have an operation named {name!r} in flight: "
-            "synchronize() its handle before reusing the name, or give this one another name "
-            "(raised on every rank of the operation)"
-        )
-    problems = mismatches(rows, view.ranks, vary_first_dim, signature)
-    if problems:
-        raise RuntimeError(
-            f"{label}: mismatched calls across ranks ({'; '.join(problems)}); every rank must "
-            "call the same operations in the same order, on tensors of the same dtype and shape"
-            + (" (the first dimension may differ)" if vary_first_dim else "")
-        )
-    return rows
+    from ringtrain.horovod.coordinator import Match, submit, wait
+
+    def rows(match: Match) -> tuple[Callable[[], bool], Callable[[], Any]]:
+        return (lambda: True), (lambda: match.rows)
+
+    view = runtime().set_view(None) if view is None else view
+    request = submit(
+        kind,
+        name,
+        tensors,
+        rows,
+        view,
+        blocking=True,
+        vary_first_dim=vary_first_dim,
+        extra=extra,
+        signature=signature,
+    )
+    return wait(request)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ringtrain.comm.compression import Compressor, NoneCompressor
 from ringtrain.comm.fusion import ReduceOp
+from ringtrain.horovod.coordinator import Match
 from ringtrain.horovod.gather import allgather_async
 from ringtrain.horovod.handles import (
     _as_1d,
@@ -24,9 +25,9 @@ from ringtrain.horovod.handles import (
     _view,
     synchronize,
 )
+from ringtrain.horovod.metadata import HEADER, PAYLOAD
 from ringtrain.horovod.process_sets import ProcessSet, global_process_set
 from ringtrain.horovod.reduce import _forward_reduction, _reduce_compressed, _submit_allreduce
-from ringtrain.horovod.runtime import negotiate
 
 
 def _splits_list(splits: Any, dim0: int, size: int) -> tuple[list[int], str | None]:
@@ -64,25 +65,16 @@ def alltoall_async(
     """
     view = _view(process_set, "alltoall")
     src = _as_1d(tensor.detach()).contiguous()
+    send, problem = _splits_list(splits, src.shape[0], view.size)
 
-    def launch() -> tuple[Callable[[], bool], Callable[[], Any]]:
-        send, problem = _splits_list(splits, src.shape[0], view.size)
-        rows = negotiate(
-            "alltoall",
-            name,
-            [src],
-            vary_first_dim=True,
-            splits=send,
-            extra=16 * view.process_set_id,
-            view=view,
-            payload=int(problem is not None),
-        )
-        bad = [view.ranks[i] for i, row in enumerate(rows) if row[9]]
+    def launch(match: Match) -> tuple[Callable[[], bool], Callable[[], Any]]:
+        bad = [view.ranks[i] for i, row in enumerate(match.rows) if row[PAYLOAD]]
         if problem is not None:
             raise ValueError(problem)
         if bad:
             raise ValueError(f"alltoall: rank(s) {bad} passed invalid splits (they raise why)")
-        received = [row[10 + view.rank] for row in rows] if len(rows) > 1 else list(send)
+        rows = match.rows
+        received = [row[HEADER + view.rank] for row in rows] if len(rows) > 1 else list(send)
         out = src.new_empty((sum(received), *src.shape[1:]))
         recv_splits = torch.tensor(received, dtype=torch.int32)
         if view.size == 1:
@@ -106,7 +98,17 @@ def alltoall_async(
 
         return work.is_completed, finish
 
-    return _submit(name, "alltoall", launch)
+    return _submit(
+        "alltoall",
+        name,
+        [src],
+        launch,
+        view,
+        vary_first_dim=True,
+        splits=send,
+        extra=16 * view.process_set_id,
+        payload=int(problem is not None),
+    )
 
 
 class _AlltoallFn(torch.autograd.Function):
@@ -181,7 +183,15 @@ def reducescatter_async(
         return work_tensor.narrow(0, offset, counts[view.rank]).clone()
 
     return _submit_allreduce(
-        "reducescatter", [work_tensor], rop, name, prescale_factor, postscale_factor, view, mine
+        "reducescatter",
+        [work_tensor],
+        rop,
+        name,
+        prescale_factor,
+        postscale_factor,
+        view,
+        mine,
+        scalar=tensor.dim() == 0,
     )
 
 
@@ -194,10 +204,12 @@ class _ReducescatterFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        # Horovod's ReducescatterOp gradient: the allgather of the upstream gradient, times the
+        # set's size for Sum (for Average, as is), times the pre- and postscale factors.
         op, pre, post, ps = ctx.args
         full = synchronize(allgather_async(grad.contiguous(), process_set=ps))
         n = _view(ps, "reducescatter").size
-        scale = pre * post / (n if op == ReduceOp.Average else 1)
+        scale = pre * post * (n if op == ReduceOp.Sum else 1)
         return full * scale, None, None, None, None, None
 
 
@@ -256,7 +268,15 @@ def grouped_reducescatter_async(
         return out
 
     return _submit_allreduce(
-        "grouped_reducescatter", works, rop, name, prescale_factor, postscale_factor, view, mine
+        "grouped_reducescatter",
+        works,
+        rop,
+        name,
+        prescale_factor,
+        postscale_factor,
+        view,
+        mine,
+        scalar=any(t.dim() == 0 for t in tensors),
     )
 
 
