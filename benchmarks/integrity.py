@@ -135,6 +135,11 @@ def false_positives(args: argparse.Namespace) -> dict:
     return found
 
 
+#: sdc_fn at W=3: 96 samples, batch 4 -> 8 steps per epoch; the flip lands in steps 2..23.
+DETECT_EPOCHS = 3
+DETECT_STEPS = 8 * DETECT_EPOCHS
+
+
 def _events(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -150,7 +155,7 @@ def detect(args: argparse.Namespace) -> dict:
     for where, replica, replay in cases:
         caught, delays = 0, []
         for trial in range(args.trials):
-            rank, step = rng.randrange(3), rng.randint(3, 20)
+            rank, step = rng.randrange(3), rng.randint(2, DETECT_STEPS - 1)
             with tempfile.TemporaryDirectory(prefix="rt_integrity_det_") as tmp:
                 result = rt.Trainer(
                     integrity_workloads.sdc_fn,
@@ -165,6 +170,7 @@ def detect(args: argparse.Namespace) -> dict:
                     ),
                     train_loop_config={
                         "out": os.path.join(tmp, "out.pt"),
+                        "epochs": DETECT_EPOCHS,
                         "inject": {"rank": rank, "where": where, "step": step},
                     },
                 ).fit()

@@ -83,6 +83,18 @@ def test_a_flipped_bit_is_caught_named_and_rolled_back_to_an_exact_end(
     assert set_aside, "the checkpoints after the last passed check were set aside"
 
 
+def test_a_flip_after_the_last_periodic_check_is_caught_by_the_final_check(
+    tmp_path, tmp_path_factory
+):
+    # 16 steps, checks at 3, 6, ..., 15: the flip at step 16 is seen only by the check of the
+    # final state when the train function returns.
+    result, out = _run(tmp_path, "last", 3, {"rank": 1, "where": "param", "step": 16})
+    assert result.status == "FINISHED" and result.error is None
+    first = _mismatches(result)[0]
+    assert (first["step"], first["ranks"], first["action"]) == (16, [1], "rollback"), first
+    assert_bit_identical(torch.load(out, weights_only=True), _clean_state(tmp_path_factory, 3))
+
+
 def test_a_rank_that_corrupts_every_step_stops_the_run_naming_it(tmp_path):
     with pytest.raises(rt.TrainingFailedError) as failed:
         _run(tmp_path, "faulty", 3, {"rank": 2, "where": "param", "step": 4, "every": True})

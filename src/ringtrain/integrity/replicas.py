@@ -106,6 +106,8 @@ class ReplicaCheck(WorkerPlugin):
         self.round_steps: dict[int, int] = {}  # report round -> the step it was reported at
         self.checks = 0  # checks started (for tests and the cost benchmark)
         self._step: int | None = None
+        self._started: int | None = None  # the step of the newest check started
+        self._state: tuple[Any, Any] | None = None  # (model, optimizer) of the newest step
         self._group: Any = None
         self._group_for: Any = None
         self._pending: tuple[Any, torch.Tensor, int, int] | None = None
@@ -151,14 +153,26 @@ class ReplicaCheck(WorkerPlugin):
         step = int(state.step)
         self._step = step
         self._finish()
-        if step % self.every == 0:
-            model = _get(state, "model")
-            if model is not None:
-                self._start(step, model, _get(state, "optimizer"))
+        model = _get(state, "model")
+        if model is not None:
+            self._state = (model, _get(state, "optimizer"))
+            if step % self.every == 0:
+                self._start(step, model, self._state[1])
 
     def on_worker_stop(self, error: BaseException | None) -> None:
-        """The last check started is read too (every rank started it)."""
-        if error is None and self._pending is not None:
+        """The train function returned: the last check started is read, and the final state
+        is checked if its step was not (a flip in the last ``every - 1`` steps would otherwise
+        end up in the run's result unseen). Every rank returns after the same step, so every
+        rank starts that check.
+
+        Raises:
+            ReplicaMismatchError: either check found replicas with different bits.
+        """
+        if error is not None:
+            return
+        self._finish()
+        if self._state is not None and self._step is not None and self._started != self._step:
+            self._start(self._step, *self._state)
             self._finish()
 
     # ------------------------------------------------------------------ the check
@@ -171,6 +185,7 @@ class ReplicaCheck(WorkerPlugin):
         value = to_signed(fingerprint(state_tensors(model, optimizer)))
         ctx = self.session.context
         self.checks += 1
+        self._started = step
         if ctx.world_size <= 1 or not dist.is_initialized():
             self._pending = (None, torch.tensor([value], dtype=torch.int64), step, value)
             return
