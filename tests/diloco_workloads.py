@@ -89,7 +89,8 @@ def diloco_fn(config: dict) -> None:
         )
     )
     state = rt.TrainState(model=model, optimizer=optimizer, data_loader=loader)
-    state.restore()
+    if state.restore() and config.get("strategy", "diloco") == "diloco":
+        _note_resume(model, config, ctx)
     every = config.get("every", 4)
     loss = torch.zeros(())
     losses = []
@@ -114,6 +115,25 @@ def diloco_fn(config: dict) -> None:
     if config.get("losses"):
         with open(f"{config['out']}_{ctx.world_rank}.losses", "a") as f:
             f.write("".join(f"{v!r}\n" for v in losses))
+
+
+def _note_resume(model: nn.Module, config: dict, ctx: Any) -> None:
+    """Append ``"<attempt> <inner step> <in flight>"`` to ``out_<rank>.resumes``: where this
+    attempt resumed, and whether an outer exchange was in flight in the checkpoint."""
+    from ringtrain.parallel.diloco import outer_sync
+
+    sync = outer_sync(model)
+    with open(f"{config['out']}_{ctx.world_rank}.resumes", "a") as f:
+        f.write(f"{ctx.attempt} {sync.inner_steps} {int(sync.in_flight is not None)}\n")
+
+
+def resumes(out: Any, rank: int) -> list[tuple[int, int, int]]:
+    """What :func:`_note_resume` wrote for ``rank`` of the run whose ``out`` prefix is ``out``."""
+    try:
+        with open(f"{out}_{rank}.resumes") as f:
+            return [tuple(int(v) for v in line.split()) for line in f]  # type: ignore[misc]
+    except FileNotFoundError:
+        return []
 
 
 def final_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:

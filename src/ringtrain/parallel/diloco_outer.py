@@ -123,6 +123,12 @@ class OuterSync:
         self._pending: _Pending | None = None
         self._inner_state: dict[str, Any] | None = None  # restored before the optimizer came
 
+    @property
+    def in_flight(self) -> int | None:
+        """The fragment whose exchange is in flight (started, its outer step not applied yet),
+        or ``None``."""
+        return None if self._pending is None else self._pending.fragment
+
     # ------------------------------------------------------------------ the schedule
     def adopt(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` (a prepared optimizer) is the inner one: the first whose
