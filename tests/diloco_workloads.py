@@ -153,6 +153,7 @@ def final_state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -
     out["global"] = [p.detach().clone() for p in sync.global_params]
     out["outer"] = sync.outer.state_dict()["state"]
     out["counters"] = [sync.inner_steps, sync.outer_steps]
+    out["stats"] = [sync.stats.bytes_sent, sync.stats.peak_bytes, sync.stats.exchanges]
     return out
 
 

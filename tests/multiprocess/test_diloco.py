@@ -76,3 +76,66 @@ def test_diloco_replicas_share_global_parameters_and_train_apart(tmp_path):
             assert torch.equal(s["momentum_buffer"], state["outer"][i]["momentum_buffer"])
         # inner AdamW moments are each replica's own
         assert not torch.equal(first["optimizer"][0]["exp_avg"], state["optimizer"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize(
+    ("config", "job", "names"),
+    [
+        (
+            {"diloco": {"sync_every": 4, "fragments": 2}},  # the MLP has 3 layers
+            {},
+            r"DiLoCoConfig\.fragments=2 does not divide the model's 3 layers",
+        ),
+        (
+            {"diloco": {"sync_every": 4}},
+            {"parallel": rt.ParallelConfig(dp_replicate=1, dp_shard=2)},
+            r"ParallelConfig\(dp_replicate=1\) makes one island",
+        ),
+        (
+            {"diloco": {"sync_every": 4}, "model_kwargs": {"comm_hook": "bf16"}},
+            {},
+            r"comm_hook configure a gradient all-reduce at every step",
+        ),
+    ],
+)
+def test_bad_input_fails_the_run_before_any_step_naming_the_field(tmp_path, config, job, names):
+    from support import run_job
+
+    with pytest.raises(rt.TrainingFailedError, match=names):
+        run_job(
+            dw.diloco_fn,
+            2,
+            storage_path=tmp_path,
+            train_loop_config={"epochs": 1, "out": str(tmp_path / "out"), **config},
+            **job,
+        )
+    assert not list(tmp_path.glob("out_*.pt"))
+
+
+def test_low_precision_outer_gradients_cost_fewer_bytes_and_stay_close(tmp_path):
+    """H=4 on 2 replicas for 20 inner steps: bf16 and int8 outer gradients send 1/2 and about
+    1/4 of fp32's bytes (ring all-reduce vs all-gather counts at R=2: 4n, 2n and n + 4 per
+    tensor) and end within 1 % of the fp32 run's global parameters; streaming (3 fragments: one
+    Linear each, 448, 2080 and 99 parameters) exchanges one fragment every 2 steps, its peak
+    the largest fragment."""
+    base = {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}
+    runs = {}
+    for name, extra in {
+        "fp32": {},
+        "bf16": {"outer_dtype": "bf16"},
+        "int8": {"outer_dtype": "int8"},
+        "streaming": {"sync_every": 6, "fragments": 3},
+    }.items():
+        runs[name] = dw.run_diloco(tmp_path, name, 2, epochs=EPOCHS, diloco={**base, **extra})[1][0]
+    numel = sum(v.numel() for v in runs["fp32"]["model"].values())
+    tensors = len(runs["fp32"]["model"])
+    assert runs["fp32"]["stats"] == [5 * 4 * numel, 4 * numel, 5]  # 5 syncs of 4n bytes
+    assert runs["bf16"]["stats"] == [5 * 2 * numel, 2 * numel, 5]
+    assert runs["int8"]["stats"] == [5 * (numel + 4 * tensors), numel + 4 * tensors, 5]
+    # fragments 0, 1, 2 leave at steps 2, 4, 6 (mod 6): 0 four times in 20 steps, 1 and 2 three
+    assert runs["streaming"]["stats"] == [4 * (4 * 448 + 3 * 2080 + 3 * 99), 4 * 2080, 10]
+    reference = torch.cat([g.reshape(-1) for g in runs["fp32"]["global"]])
+    for name in ("bf16", "int8"):
+        got = torch.cat([g.reshape(-1) for g in runs[name]["global"]])
+        assert (got - reference).norm() / reference.norm() < 1e-2, name
+        assert not torch.equal(got, reference), name

@@ -195,3 +195,54 @@ def test_any_torch_optimizer_factory_is_the_outer_optimizer():
     optimizer.step()
     assert isinstance(outer_sync(model).outer, torch.optim.Adam)
     assert outer_sync(model).outer.state[outer_sync(model).global_params[0]]["step"] == 1
+
+
+def test_an_overlapped_exchange_lands_sync_delay_steps_later_and_merges_with_alpha():
+    """Streaming DiLoCo's overlap (arXiv:2501.18512 section 2.3) on one replica: H=3,
+    ``sync_delay=1``, ``merge_alpha=0.5``: the outer gradient taken at step 3 is applied at
+    step 4, where the local parameters become the mean of themselves and the new global ones."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1, bias=False)
+    hand = net.weight.detach().clone()
+    config = rt.DiLoCoConfig(sync_every=3, sync_delay=1)
+    model = rt.prepare_model(net, parallel_strategy="diloco", diloco_config=config)
+    optimizer = rt.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    sync = outer_sync(model)
+    local, global_, momentum, sent = hand.clone(), hand.clone(), torch.zeros_like(hand), None
+    in_flight = []
+    for t in range(1, 8):
+        x = torch.randn(8, 4)
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        in_flight.append(sync.in_flight)
+        w = local.clone().requires_grad_()
+        (x @ w.T).pow(2).mean().backward()
+        local = local - 0.1 * w.grad
+        if sent is not None:  # due: one step after it left
+            momentum = 0.9 * momentum + sent
+            global_ = global_ - 0.7 * (sent + 0.9 * momentum)
+            local = 0.5 * local + 0.5 * global_
+            sent = None
+        if t % 3 == 0:
+            sent = global_ - local
+    assert in_flight == [None, None, 0, None, None, 0, None]
+    assert sync.outer_steps == 2
+    assert torch.allclose(sync.global_params[0], global_, atol=1e-6)
+    assert torch.allclose(model.weight, local, atol=1e-6)
+
+
+def test_fragments_leave_at_staggered_steps():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    config = rt.DiLoCoConfig(sync_every=6, fragments=3, sync_delay=1)
+    model = rt.prepare_model(net, parallel_strategy="diloco", diloco_config=config)
+    optimizer = rt.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    sync = outer_sync(model)
+    seen = []
+    for _ in range(12):
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        seen.append(sync.in_flight)
+    assert seen == [None, 0, None, 1, None, 2] * 2
+    assert sync.outer_steps == 5  # fragment 2's second exchange (step 12) is still in flight

@@ -101,6 +101,18 @@ class DiLoCoStrategy:
             check_outer_dtype(self.config.outer_dtype, str(dist.get_backend()))
             if ctx.sync_token is None:
                 _broadcast_module(model)
+        if (
+            self.config.outer_dtype == "int8"
+            and topology.replicas >= 4
+            and ctx.context.world_rank == 0
+        ):
+            logger.warning(
+                "DiLoCoConfig(outer_dtype='int8') is all-gathered: %d replicas each send %d "
+                "bytes per byte of outer gradient, as many or more than bf16's all-reduce "
+                "(4 (R - 1) / R); use outer_dtype='bf16' at 4 replicas or more",
+                topology.replicas,
+                topology.replicas - 1,
+            )
         wrapped = model
         if topology.island_size > 1:
             from ringtrain.comm.ddp import wrap_ddp
