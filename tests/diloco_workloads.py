@@ -68,7 +68,8 @@ def diloco_fn(config: dict) -> None:
     """See the module docs. Options: ``strategy`` ("diloco", "ddp"), ``diloco`` (DiLoCoConfig
     fields; ``"outer": "adam"`` for an Adam outer optimizer), ``inner`` ("sgd", "adamw"),
     ``model`` ("small", "300k"), ``every``, ``kills``, ``losses`` (append each step's loss to
-    ``out_<rank>.losses``)."""
+    ``out_<rank>.losses``); ``how``, ``notice_step``, ``marker``, ``driver_pid``: a preemption
+    notice (``preempt_workloads.NoticeAt``) from rank ``notice_rank``."""
     ctx = rt.get_context()
     kills = [
         k[2:] for k in config.get("kills", ()) if (k[0], k[1]) == (ctx.attempt, ctx.world_rank)
@@ -78,6 +79,11 @@ def diloco_fn(config: dict) -> None:
             _arm_kill_during_write(moment[1], moment[2])
         elif moment[0] == "exchange":
             _arm_kill_mid_exchange(moment[1])
+    if config.get("how") and ctx.world_rank == config.get("notice_rank", 0):
+        from preempt_workloads import NoticeAt
+        from ringtrain.worker.session import current_session
+
+        current_session().hooks.register(NoticeAt(config))  # a preemption notice at a step
     net = make_net(config.get("model", "small"))
     np.random.seed(0)
     random.seed(0)
@@ -194,3 +200,63 @@ def assert_states_equal(clean: list[dict], got: list[dict], context: str = "") -
             for i, s in a.get(key, {}).items():
                 for n, v in s.items():
                     assert torch.equal(b[key][i][n], v), f"{key} {i}.{n} differs, {where}"
+
+
+def elastic_fn(config: dict) -> None:
+    """DiLoCo (``config["diloco"]``, AdamW inside) on an elastic run laid out on
+    ``ParallelConfig(dp_replicate=-1, dp_shard=1)``. On attempt 0 at world size
+    ``first_world``, rank ``kill_rank`` SIGKILLs itself right after step ``kill_step`` (once);
+    the grow-back hooks of ``workloads._elastic_grow_hooks`` apply. Per step every rank appends
+    ``[pid, world, rank, step, inner_steps, outer_steps, replicas]`` to
+    ``{log}/{pid}.jsonl`` and after each restore ``[world, rank, step, max |local - global|]``
+    to ``{log}/{pid}.restores``; at the end every rank saves :func:`final_state` to
+    ``out_<rank>.pt``."""
+    import json
+    import os
+
+    from ringtrain.parallel.diloco import outer_sync
+    from workloads import _elastic_grow_hooks
+
+    ctx = rt.get_context()
+    first_world = ctx.attempt == 0 and ctx.world_size == config.get("first_world")
+    net = make_net()
+    model = rt.prepare_model(
+        net, parallel_strategy="diloco", diloco_config=rt.DiLoCoConfig(**config["diloco"])
+    )
+    optimizer = rt.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    loader = rt.prepare_data_loader(
+        DataLoader(NoisyDataset(), batch_size=config["batch_size"], shuffle=True)
+    )
+    state = rt.TrainState(model=model, optimizer=optimizer, data_loader=loader)
+    restored = state.restore()
+    sync = outer_sync(model)
+    log = os.path.join(config["log"], f"{os.getpid()}.jsonl")
+    if restored:  # how far this replica's local parameters are from the global ones
+        pairs = zip(sync.params, sync.global_params, strict=True)
+        drift = max(float((p - g).abs().max()) for p, g in pairs)
+        with open(log.replace(".jsonl", ".restores"), "a") as f:
+            f.write(json.dumps([ctx.world_size, ctx.world_rank, state.step, drift]) + "\n")
+    for _ in state.epochs(config["epochs"]):
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            state.step += 1
+            record = [
+                os.getpid(),
+                rt.get_context().world_size,
+                rt.get_context().world_rank,
+                state.step,
+                sync.inner_steps,
+                sync.outer_steps,
+                sync.topology.replicas,
+            ]
+            with open(log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            killed = first_world and rt.get_context().world_rank == config["kill_rank"]
+            if killed and state.step == config["kill_step"]:
+                _kill_self()
+            _elastic_grow_hooks(config, state.step)
+    rank = rt.get_context().world_rank
+    torch.save(final_state(model, optimizer, state.step), f"{config['out']}_{rank}.pt")

@@ -129,11 +129,14 @@ def test_low_precision_outer_gradients_cost_fewer_bytes_and_stay_close(tmp_path)
         runs[name] = dw.run_diloco(tmp_path, name, 2, epochs=EPOCHS, diloco={**base, **extra})[1][0]
     numel = sum(v.numel() for v in runs["fp32"]["model"].values())
     tensors = len(runs["fp32"]["model"])
-    assert runs["fp32"]["stats"] == [5 * 4 * numel, 4 * numel, 5]  # 5 syncs of 4n bytes
-    assert runs["bf16"]["stats"] == [5 * 2 * numel, 2 * numel, 5]
-    assert runs["int8"]["stats"] == [5 * (numel + 4 * tensors), numel + 4 * tensors, 5]
+    # + one element (4, 2 bytes) or one float32 (int8) per exchange: the replica's weight
+    assert runs["fp32"]["stats"] == [5 * 4 * (numel + 1), 4 * (numel + 1), 5]  # 5 syncs
+    assert runs["bf16"]["stats"] == [5 * 2 * (numel + 1), 2 * (numel + 1), 5]
+    int8 = numel + 4 * tensors + 4
+    assert runs["int8"]["stats"] == [5 * int8, int8, 5]
     # fragments 0, 1, 2 leave at steps 2, 4, 6 (mod 6): 0 four times in 20 steps, 1 and 2 three
-    assert runs["streaming"]["stats"] == [4 * (4 * 448 + 3 * 2080 + 3 * 99), 4 * 2080, 10]
+    sizes = [4 * (448 + 1), 4 * (2080 + 1), 4 * (99 + 1)]
+    assert runs["streaming"]["stats"] == [4 * sizes[0] + 3 * sizes[1] + 3 * sizes[2], sizes[1], 10]
     reference = torch.cat([g.reshape(-1) for g in runs["fp32"]["global"]])
     for name in ("bf16", "int8"):
         got = torch.cat([g.reshape(-1) for g in runs[name]["global"]])

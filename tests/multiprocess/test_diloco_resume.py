@@ -121,3 +121,35 @@ def test_randomized_kill_campaign(tmp_path, tmp_path_factory, seed):
     result, got = _run(tmp_path, f"seed{seed}", workers, diloco, {"max_failures": 2}, kills=kills)
     assert len(result.failures) <= len(kills), context
     dw.assert_states_equal(clean, got, context)
+
+
+@pytest.mark.parametrize(("workers", "diloco"), [(2, PLAIN), (3, STREAMING_INT8)])
+def test_a_preemption_notice_stops_at_an_agreed_sync_step_and_resumes_exactly(
+    tmp_path, tmp_path_factory, workers, diloco
+):
+    """SIGTERM to the driver after step 5: the ranks agree on the stop step only at sync steps
+    (``DiLoCoConfig.preempt_at_sync``: no collective of every rank between syncs), so they stop
+    at one (a step where a fragment leaves; with ``sync_delay=1`` its exchange is still in
+    flight), save, and the resumed run ends bit-identical to an uninterrupted one."""
+    from support import read_events, run_job
+
+    clean = _baseline(tmp_path_factory, workers, diloco)
+    config = {
+        "epochs": EPOCHS,
+        "out": str(tmp_path / "run"),
+        "diloco": diloco,
+        "inner": "adamw",
+        "how": "driver-SIGTERM",
+        "notice_step": 5,
+        "marker": str(tmp_path / "marker"),
+        "driver_pid": os.getpid(),
+    }
+    first = run_job(
+        dw.diloco_fn, workers, storage_path=tmp_path / "runs", name="run", train_loop_config=config
+    )
+    assert (first.status, first.failures) == ("PREEMPTED", [])
+    (saved,) = read_events(first.path, "preemption_saved")
+    offsets = {rt.DiLoCoConfig(**diloco).offset(f) for f in range(diloco.get("fragments", 1))}
+    assert saved["step"] > 5 and saved["step"] % diloco["sync_every"] in offsets, saved
+    _, got = dw.run_diloco(tmp_path, "run", workers, epochs=EPOCHS, diloco=diloco, inner="adamw")
+    dw.assert_states_equal(clean, got, f"(preempted at step {saved['step']})")

@@ -129,7 +129,9 @@ class DiLoCoStrategy:
             )
         sync = OuterSync(model, self.config, topology, fragments)
         attach_rank_state(wrapped, STATE_NAME, sync)
-        _register(DiLoCoPlugin(sync))
+        elastic = ctx.context.config.elastic
+        _register(sync, joining=elastic is not None and elastic.joining)
+        _agree_at_syncs(self.config if self.config.preempt_at_sync else None)
         return wrapped
 
 
@@ -191,6 +193,13 @@ def make_topology(ctx: DistributedContext) -> Topology:
         ValueError: ``tp`` or ``pp`` above 1, or a single island (``dp_replicate == 1``),
             naming the ``ParallelConfig`` field.
     """
+    if ctx.config.elastic is not None and ctx.config.mesh is None:
+        raise ValueError(
+            "DiLoCo in an elastic run (ScalingConfig(num_workers=(min, max))) resizes its "
+            "replica axis: add parallel=rt.ParallelConfig(dp_replicate=-1, dp_shard=1) (or "
+            "dp_shard=S for islands of S workers), so that a resize resumes every survivor from "
+            "its own state at the oldest step they all hold"
+        )
     if ctx.world_size == 1:
         return Topology(replicas=1)
     if ctx.config.mesh is None:
@@ -235,17 +244,36 @@ def _broadcast_module(model: nn.Module) -> None:
                 dist.broadcast(tensor, src=0)
 
 
-def _register(plugin: DiLoCoPlugin) -> None:
-    """Register ``plugin`` on this worker's hooks, replacing the plug-in of an earlier
-    ``prepare_model`` (one DiLoCo model per worker; a train function re-entered after an elastic
-    resize prepares its model again)."""
+def _register(sync: OuterSync, joining: bool) -> None:
+    """Register the plug-in of ``sync`` on this worker's hooks, replacing the plug-in of an
+    earlier ``prepare_model`` (one DiLoCo model per worker: a train function re-entered after an
+    elastic resize prepares its model again). ``joining``: this process was started to join a
+    running elastic group; it is a joiner until its first restore, unless it prepared a DiLoCo
+    model before (then it is a member re-entering after a later resize)."""
     from ringtrain.worker.session import current_hooks
 
     hooks = current_hooks()
     old = hooks.find(DiLoCoPlugin)
     if old is not None:
         hooks.unregister(old)
-    hooks.register(plugin)
+    hooks.register(DiLoCoPlugin(sync, joining=joining and old is None))
+
+
+def _agree_at_syncs(config: DiLoCoConfig | None) -> None:
+    """Make the preemption agreement (:mod:`ringtrain.worker.preempt`) run only at the steps
+    where a fragment leaves (``config``; ``None``: at every step, as without DiLoCo)."""
+    from ringtrain.worker.preempt import PreemptionPlugin
+    from ringtrain.worker.session import current_hooks
+
+    plugin = current_hooks().find(PreemptionPlugin)
+    if plugin is None:
+        return
+    if config is None:
+        plugin.agree_when = None
+        return
+    offsets = frozenset(config.offset(f) for f in range(config.fragments))
+    every = config.sync_every
+    plugin.agree_when = lambda step: step % every in offsets
 
 
 def outer_sync(model: nn.Module) -> OuterSync:
@@ -266,10 +294,13 @@ class DiLoCoPlugin(WorkerPlugin):
 
     Args:
         sync: the rank's :class:`~ringtrain.parallel.diloco_outer.OuterSync`.
+        joining: this process joins a running elastic group: the state its first restore loads
+            is a member's (the elastic snapshot it received), so it keeps only the global part.
     """
 
-    def __init__(self, sync: OuterSync) -> None:
+    def __init__(self, sync: OuterSync, joining: bool = False) -> None:
         self.sync = sync
+        self.joining = joining
 
     def on_prepare_optimizer(self, optimizer: object) -> None:
         self.sync.adopt(optimizer)
@@ -292,8 +323,16 @@ class DiLoCoPlugin(WorkerPlugin):
             )
 
     def on_restore(self, state: object, checkpoint: object) -> None:
-        """Give ranks without DiLoCo state the global parameters and outer optimizer state of
-        the lowest rank that has them (a collective of every rank; every rank restores)."""
+        """A joining replica keeps only the global part of the member state it received (its
+        local parameters become the global ones: :meth:`OuterSync.join`); ranks without DiLoCo
+        state get the global parameters and outer optimizer state of the lowest rank that has
+        them (a collective of every rank; every rank restores)."""
+        if self.joining and self.sync.restored:
+            self.sync.join()
+            logger.info(
+                "DiLoCo: joined at inner step %d from a member's state", self.sync.inner_steps
+            )
+        self.joining = False
         share_missing_state(self.sync)
 
     def on_worker_stop(self, error: BaseException | None) -> None:
@@ -312,10 +351,28 @@ def share_missing_state(sync: OuterSync) -> None:
         return
     world, rank = dist.get_world_size(), dist.get_rank()
     device = _collective_device()
-    # MIN of (rank if it has state else world): the source; MIN of -(has not): who lacks it.
-    box = torch.tensor([rank if sync.restored else world, -int(not sync.restored)], device=device)
+    # MIN of: (rank if it has state else world): the source; -(has none): whether one lacks
+    # it; the inner step of those that have it, and its negation: they must all be equal.
+    have = sync.restored
+    big = 2**62
+    box = torch.tensor(
+        [
+            rank if have else world,
+            -int(not have),
+            sync.inner_steps if have else big,
+            -sync.inner_steps if have else big,
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
     dist.all_reduce(box, op=dist.ReduceOp.MIN)
-    source, missing = int(box[0]), -int(box[1])
+    source, missing, low, high = int(box[0]), -int(box[1]), int(box[2]), -int(box[3])
+    if source < world and low != high:
+        raise RuntimeError(
+            f"DiLoCo: the ranks restored states of different inner steps ({low} to {high}); "
+            "their outer syncs would not line up (an elastic resize without a ParallelConfig "
+            "takes the newest snapshot: use ParallelConfig(dp_replicate=-1, dp_shard=1))"
+        )
     if not missing:
         return
     if source == world:
@@ -326,7 +383,7 @@ def share_missing_state(sync: OuterSync) -> None:
     if not sync.restored:
         assert shared[0] is not None
         sync.load_shared_state(shared[0])
-        sync.adopt_global()
+        sync.join(shared[0].get("in_flight"))
         logger.info("rank %d: DiLoCo global state received from rank %d", rank, source)
 
 

@@ -108,14 +108,24 @@ class Exchange:
         deltas: the outer gradients (global - local), float32, the same shapes on every rank.
         topology: who averages (see :class:`Topology`).
         outer_dtype: one of ``ringtrain.config.diloco.OUTER_DTYPES``.
+        weight: 1, or 0 for a replica that joined while this exchange was in flight (it has no
+            inner steps behind it: its zeros are left out of the mean). The weights travel with
+            the payload (one more element), and the mean is over the replicas that contribute.
 
     Attributes:
         bytes_sent: bytes this rank puts on the wire across islands (ring-algorithm count).
     """
 
-    def __init__(self, deltas: list[torch.Tensor], topology: Topology, outer_dtype: str) -> None:
+    def __init__(
+        self,
+        deltas: list[torch.Tensor],
+        topology: Topology,
+        outer_dtype: str,
+        weight: float = 1.0,
+    ) -> None:
         self.topology = topology
         self.outer_dtype = outer_dtype
+        self.weight = weight
         self.shapes = [d.shape for d in deltas]
         self.device = deltas[0].device if deltas else torch.device("cpu")
         self.owner = owners([d.numel() for d in deltas], topology.island_size)
@@ -132,7 +142,7 @@ class Exchange:
         if not tensors:
             return
         if self.outer_dtype == "int8":
-            payload = _quantize(tensors)
+            payload = _quantize(tensors, self.weight)
             self._payload = payload
             if replicas == 1:
                 self._buffers = [payload]
@@ -144,6 +154,7 @@ class Exchange:
             )
             return
         flat = torch.cat([t.reshape(-1) for t in tensors]).div_(replicas)
+        flat = torch.cat([flat, flat.new_full((1,), self.weight)])
         if self.outer_dtype in CAST:
             flat = flat.to(CAST[self.outer_dtype])
         self._buffers = [flat]
@@ -166,9 +177,14 @@ class Exchange:
         sizes = [torch.Size(self.shapes[i]).numel() for i in self.mine]
         if self.outer_dtype == "int8":
             mine = _dequantize_mean(self._buffers, sizes) if self._buffers else []
+        elif self._buffers:
+            flat = self._buffers[0].float()
+            flat, contributors = flat[:-1], float(flat[-1])
+            if contributors != self.topology.replicas:  # some replica joined mid-exchange
+                flat = flat * (self.topology.replicas / max(contributors, 1.0))
+            mine = list(flat.split(sizes))
         else:
-            flat = self._buffers[0].float() if self._buffers else torch.empty(0, device=self.device)
-            mine = list(flat.split(sizes)) if sizes else []
+            mine = []
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
         for index, tensor in zip(self.mine, mine, strict=True):
             out[index] = tensor.reshape(self.shapes[index])
@@ -194,26 +210,31 @@ class Exchange:
                 out[index] = part.reshape(self.shapes[index])
 
 
-def _quantize(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One int8 buffer: the float32 scales as bytes (4 per tensor, first: a float32 view needs
-    an aligned offset), then every tensor's values quantized with its own scale."""
+def _quantize(tensors: list[torch.Tensor], weight: float = 1.0) -> torch.Tensor:
+    """One int8 buffer: the weight and the float32 scales as bytes (4 each, first: a float32
+    view needs an aligned offset), then every tensor's values quantized with its own scale."""
     scales = torch.stack([t.abs().max() / 127.0 if t.numel() else t.new_zeros(()) for t in tensors])
     scales = torch.where(scales > 0, scales, torch.ones_like(scales)).float()
     quantized = [
         torch.round(t / s).clamp_(-127, 127).to(torch.int8).reshape(-1)
         for t, s in zip(tensors, scales, strict=True)
     ]
-    return torch.cat([scales.view(torch.int8), *quantized])
+    head = torch.cat([scales.new_full((1,), weight), scales])
+    return torch.cat([head.view(torch.int8), *quantized])
 
 
 def _dequantize_mean(payloads: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
-    """The mean over ``payloads`` (one per replica, in rank order) of the dequantized tensors."""
-    head = 4 * len(sizes)
+    """The weighted mean over ``payloads`` (one per replica, summed in rank order) of the
+    dequantized tensors."""
+    head = 4 * (len(sizes) + 1)
     total: torch.Tensor | None = None
+    contributors = 0.0
     for payload in payloads:
-        scales = payload[:head].view(torch.float32)
+        weight_and_scales = payload[:head].view(torch.float32)
+        weight, scales = float(weight_and_scales[0]), weight_and_scales[1:]
+        contributors += weight
         parts = payload[head:].float().split(sizes)
-        flat = torch.cat([p * s for p, s in zip(parts, scales, strict=True)])
+        flat = torch.cat([p * s * weight for p, s in zip(parts, scales, strict=True)])
         total = flat if total is None else total.add_(flat)
     assert total is not None
-    return list(total.div_(len(payloads)).split(sizes))
+    return list(total.div_(max(contributors, 1.0)).split(sizes))

@@ -75,6 +75,7 @@ class _Pending:
     fragment: int
     due: int
     deltas: list[torch.Tensor]
+    weight: float = 1.0  # 0: this replica joined while the exchange was in flight
     exchange: Exchange | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -172,7 +173,9 @@ class OuterSync:
             self._finish()
 
     def _send(self, pending: _Pending) -> None:
-        pending.exchange = Exchange(pending.deltas, self.topology, self.config.outer_dtype)
+        pending.exchange = Exchange(
+            pending.deltas, self.topology, self.config.outer_dtype, pending.weight
+        )
         sent = pending.exchange.bytes_sent
         self.stats.bytes_sent += sent
         self.stats.exchanges += 1
@@ -224,6 +227,9 @@ class OuterSync:
             "outer_steps": self.outer_steps,
             "global": [p.detach() for p in self.global_params],
             "outer_optimizer": self.outer.state_dict(),
+            "in_flight": None
+            if self._pending is None
+            else [self._pending.fragment, self._pending.due],
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -236,7 +242,12 @@ class OuterSync:
             "inner_optimizer": inner,
             "pending": None
             if pending is None
-            else {"fragment": pending.fragment, "due": pending.due, "deltas": pending.deltas},
+            else {
+                "fragment": pending.fragment,
+                "due": pending.due,
+                "deltas": pending.deltas,
+                "weight": pending.weight,
+            },
         }
 
     def load_shared_state(self, state: dict[str, Any]) -> None:
@@ -268,11 +279,14 @@ class OuterSync:
             else:
                 self._inner_state = inner
         pending = state.get("pending")
-        self._pending = (
-            None
-            if pending is None
-            else _Pending(int(pending["fragment"]), int(pending["due"]), list(pending["deltas"]))
-        )
+        self._pending = None
+        if pending is not None:
+            self._pending = _Pending(
+                int(pending["fragment"]),
+                int(pending["due"]),
+                list(pending["deltas"]),
+                float(pending.get("weight", 1.0)),
+            )
         self.restored = True
 
     def reset_from_local(self) -> None:
@@ -284,9 +298,22 @@ class OuterSync:
         self.outer = default_outer_optimizer(self.config)(self.global_params)
         self._pending = None
 
-    def adopt_global(self) -> None:
-        """Set the local parameters to the global ones (a replica that joins)."""
+    def join(self, in_flight: list[int] | None = None) -> None:
+        """Become a replica that joins now, holding the group's global state (counters, global
+        parameters, outer optimizer: :meth:`load_shared_state`): the local parameters become
+        the global ones, and an exchange the group has in flight (``in_flight``: its fragment
+        and due step, from :meth:`shared_state`; or the one this state holds) is joined with a
+        zero outer gradient of weight 0 (the collective needs every rank; the mean leaves it
+        out). The replica contributes from its next sync on."""
         with torch.no_grad():
             for p, g in zip(self.params, self.global_params, strict=True):
                 p.copy_(g)
-        self._pending = None
+        if in_flight is not None and self._pending is None:
+            fragment, due = int(in_flight[0]), int(in_flight[1])
+            zeros = [self.global_params[i].detach() for i in self.fragments[fragment]]
+            self._pending = _Pending(fragment, due, zeros)
+        pending = self._pending
+        if pending is not None:
+            pending.deltas = [torch.zeros_like(d) for d in pending.deltas]
+            pending.weight = 0.0
+            pending.exchange = None
