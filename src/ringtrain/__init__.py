@@ -11,6 +11,7 @@ The public API; nothing outside this list is public::
     FSDPConfig, export_model                         (sharded data parallelism, export)
     DDPStrategy, FSDPStrategy                        (prepare_model(strategy=...))
     ParallelConfig, ParallelStrategy                 (device mesh: HSDP, tensor parallelism)
+    DiLoCoConfig, DiLoCoStrategy                     (low-communication training, slow links)
     TensorBoardCallback, CSVCallback, MLflowCallback, WandbCallback   (logging callbacks)
 """
 
@@ -33,6 +34,7 @@ from ringtrain.config import (
     RunConfig,
     ScalingConfig,
 )
+from ringtrain.config.diloco import DiLoCoConfig
 from ringtrain.config.parallel import ParallelConfig
 from ringtrain.result import Result, TrainingFailedError, WorkerFailure
 from ringtrain.worker.session import get_checkpoint, get_context, report
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from ringtrain.monitor.sinks import CSVCallback, TensorBoardCallback
     from ringtrain.parallel import DDPStrategy, FSDPStrategy, ParallelStrategy
     from ringtrain.parallel.deepspeed import prepare_deepspeed
+    from ringtrain.parallel.diloco import DiLoCoStrategy
     from ringtrain.parallel.fsdp import FSDPConfig
     from ringtrain.parallel.pipeline import prepare_pipeline
     from ringtrain.prepare import get_device, prepare_data_loader, prepare_model
@@ -66,6 +69,7 @@ _LAZY = {
     "DDPStrategy": "ringtrain.parallel",
     "FSDPStrategy": "ringtrain.parallel",
     "ParallelStrategy": "ringtrain.parallel",
+    "DiLoCoStrategy": "ringtrain.parallel.diloco",
     "prepare_pipeline": "ringtrain.parallel.pipeline",
     "prepare_deepspeed": "ringtrain.parallel.deepspeed",
     "export_model": "ringtrain.export",
@@ -83,6 +87,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointConfig",
     "DDPStrategy",
+    "DiLoCoConfig",
+    "DiLoCoStrategy",
     "DistributedContext",
     "FSDPConfig",
     "FSDPStrategy",

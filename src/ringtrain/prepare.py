@@ -22,6 +22,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from ringtrain.cluster.env import DistributedContext
+from ringtrain.config.diloco import DiLoCoConfig
+from ringtrain.parallel.diloco import diloco_strategy
 from ringtrain.parallel.fsdp import FSDPConfig
 from ringtrain.parallel.strategy import (
     ModelStrategy,
@@ -57,6 +59,7 @@ def prepare_model(
     fsdp_config: FSDPConfig | None = None,
     bucket_order: str = "fixed",
     tp_plan: Mapping[str, Any] | None = None,
+    diloco_config: DiLoCoConfig | None = None,
 ) -> torch.nn.Module:
     """Place ``model`` on this worker's device and wrap it for data parallelism.
 
@@ -82,7 +85,10 @@ def prepare_model(
         parallel_strategy: ``"ddp"`` wraps in ``DistributedDataParallel`` when the world size is
             above 1; ``"fsdp"`` shards parameters, gradients and optimizer state over the ranks
             with FSDP2 ``fully_shard`` (also at world size 1; build the optimizer after this
-            call; see docs/fsdp.md); ``None`` returns the placed module unwrapped.
+            call; see docs/fsdp.md); ``"diloco"``: low-communication training, each worker (or
+            island of ``dp_shard`` workers) a replica that syncs every ``sync_every`` steps
+            (:class:`ringtrain.DiLoCoConfig`, docs/slow-links.md); ``None`` returns the placed
+            module unwrapped.
         ddp_kwargs: extra arguments for ``DistributedDataParallel`` (``gradient_as_bucket_view``,
             ``broadcast_buffers``...).
         comm_hook: how DDP allreduces gradients: ``None`` (its built-in fp32 allreduce),
@@ -110,6 +116,9 @@ def prepare_model(
             whenever the run has a ``ParallelConfig`` (and ``parallel_strategy`` is ``"ddp"``
             or ``"fsdp"``), the strategy is :class:`ringtrain.ParallelStrategy`: the plan on
             ``mesh["tp"]``, then FSDP2 (with ``fsdp_config``) over the data-parallel dimensions.
+        diloco_config: a :class:`ringtrain.DiLoCoConfig` for ``parallel_strategy="diloco"``
+            (default ``DiLoCoConfig()``); the DDP keywords then configure the DDP inside an
+            island and are refused without islands.
 
     Returns:
         The module to train (``model.module`` is the original when wrapped).
@@ -131,7 +140,9 @@ def prepare_model(
         static_graph=static_graph,
         find_unused_parameters=find_unused_parameters,
     )
-    if strategy is None and (
+    if strategy is None and (parallel_strategy == "diloco" or diloco_config is not None):
+        strategy = _diloco(ctx, parallel_strategy, diloco_config, fsdp_config, tp_plan, ddp_options)
+    elif strategy is None and (
         tp_plan is not None or (ctx.config.mesh is not None and parallel_strategy is not None)
     ):
         strategy = mesh_strategy(parallel_strategy, fsdp_config, tp_plan, ddp_options)
@@ -149,6 +160,7 @@ def prepare_model(
             fsdp_config=(fsdp_config, None),
             bucket_order=(bucket_order, "fixed"),
             tp_plan=(tp_plan, None),
+            diloco_config=(diloco_config, None),
         )
         check_strategy(
             strategy, [k for k, (value, default) in keywords.items() if value != default]
@@ -158,6 +170,31 @@ def prepare_model(
     mesh = ctx.mesh if getattr(strategy, "uses_mesh", False) else None
     target = WrapContext(ctx, move_to_device, precision, mesh=mesh)
     return _wrap(model, strategy, target)
+
+
+def _diloco(
+    ctx: DistributedContext,
+    parallel_strategy: str | None,
+    diloco_config: DiLoCoConfig | None,
+    fsdp_config: FSDPConfig | None,
+    tp_plan: Mapping[str, Any] | None,
+    ddp_options: Mapping[str, Any],
+) -> ModelStrategy:
+    """``prepare_model``'s keywords for DiLoCo as a strategy (:func:`diloco_strategy`)."""
+    if parallel_strategy != "diloco":
+        raise ValueError(
+            f"prepare_model(diloco_config=...) needs parallel_strategy='diloco', got "
+            f"parallel_strategy={parallel_strategy!r}"
+        )
+    if tp_plan is not None:
+        raise ValueError(
+            "prepare_model(parallel_strategy='diloco', tp_plan=...): DiLoCo replicates the "
+            "model on each island; drop tp_plan"
+        )
+    mesh = ctx.config.mesh
+    return diloco_strategy(
+        diloco_config, fsdp_config, ddp_options, islands=mesh is not None and mesh.dp_shard > 1
+    )
 
 
 def mesh_strategy(

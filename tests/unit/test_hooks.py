@@ -42,6 +42,12 @@ class Recorder(WorkerPlugin):
     def on_step(self, state: Any) -> None:
         self.log.append(("on_step", self.tag, state.step))
 
+    def on_prepare_optimizer(self, optimizer: object) -> None:
+        self.log.append(("on_prepare_optimizer", self.tag, optimizer))
+
+    def on_optimizer_step(self, optimizer: object) -> None:
+        self.log.append(("on_optimizer_step", self.tag, optimizer))
+
     def on_batch_start(self) -> None:
         self.log.append(("on_batch_start", self.tag))
 
@@ -158,6 +164,8 @@ def _one_call_of_each(registry: HookRegistry) -> dict[str, tuple[Any, ...]]:
         "on_group_formed": (),
         "on_epoch": (0, 3, 2),
         "on_step": (_Step(7),),
+        "on_prepare_optimizer": (object(),),
+        "on_optimizer_step": (object(),),
         "on_batch_start": (),
         "on_batch": ("batch",),
         "on_batches_end": (),
@@ -180,7 +188,9 @@ def test_the_core_calls_each_hook(tmp_path):
     dataset = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(4, 2))
     loader = rt.prepare_data_loader(torch.utils.data.DataLoader(dataset, batch_size=2))
     state = rt.TrainState(model=model, data_loader=loader)
+    optimizer = rt.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     for _ in loader:
+        optimizer.step()
         state.step += 1
     rt.report({"loss": torch.tensor(0.5)})
     names = [entry[0] for entry in log]
@@ -188,11 +198,14 @@ def test_the_core_calls_each_hook(tmp_path):
         "before_wrap",
         "after_wrap",
         "on_prepare_loader",
+        "on_prepare_optimizer",
         "on_batch_start",
         "on_batch",
+        "on_optimizer_step",
         "on_step",
         "on_batch_start",
         "on_batch",
+        "on_optimizer_step",
         "on_step",
         "on_batch_start",
         "on_batches_end",
@@ -200,6 +213,8 @@ def test_the_core_calls_each_hook(tmp_path):
     ], names
     assert log[0][2] is True and log[1][2] is model  # before: unwrapped; after: the result
     assert [e[2] for e in log if e[0] == "on_step"] == [1, 2]
+    assert all(e[2] is optimizer for e in log if e[0].endswith("optimizer_step"))
+    assert [e[2] for e in log if e[0] == "on_prepare_optimizer"] == [optimizer]
     assert log[-1][2:] == ({"loss": 0.5}, 0)
 
     ckpt = _InMemory(state.to_payload())

@@ -7,6 +7,7 @@
 - :mod:`ringtrain.config.failure`: :class:`FailureConfig`;
 - :mod:`ringtrain.config.monitor`: :class:`MonitorConfig`;
 - :mod:`ringtrain.config.parallel`: :class:`ParallelConfig` (the device mesh);
+- :mod:`ringtrain.config.diloco`: :class:`DiLoCoConfig` (low-communication training);
 - :mod:`ringtrain.config.fsdp`: ``FSDPConfig`` (not imported here: it needs torch);
 - the pure rules the configs validate with: :mod:`~ringtrain.config.backends` (backend-specific
   fields), :mod:`~ringtrain.config.replica_groups` (elastic resizing on a mesh),
@@ -16,6 +17,7 @@ The config layer is the bottom of the package: it imports no launcher, no contro
 code and no torch (checked by the import contracts in ``pyproject.toml``).
 """
 
+from ringtrain.config.diloco import DiLoCoConfig
 from ringtrain.config.failure import FailureConfig
 from ringtrain.config.monitor import MonitorConfig
 from ringtrain.config.parallel import ParallelConfig
@@ -31,6 +33,7 @@ __all__ = [
     "CALLBACK_HOOKS",
     "ELASTIC_BATCH_POLICIES",
     "CheckpointConfig",
+    "DiLoCoConfig",
     "FailureConfig",
     "MonitorConfig",
     "ParallelConfig",

@@ -339,7 +339,7 @@ def strategy_from_kwargs(
     if parallel_strategy not in ("ddp", "fsdp", None):
         raise ValueError(
             f"prepare_model(parallel_strategy={parallel_strategy!r}) is not supported "
-            "(use 'ddp', 'fsdp', or None to leave the model unwrapped)"
+            "(use 'ddp', 'fsdp', 'diloco', or None to leave the model unwrapped)"
         )
     if parallel_strategy == "fsdp" or fsdp_config is not None:
         return _fsdp_from_kwargs(parallel_strategy, fsdp_config, ddp_options)

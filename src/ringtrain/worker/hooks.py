@@ -25,6 +25,9 @@ hook                          when (who calls it)
                               resize): every rank at once, so a plug-in may make sub-groups
 ``on_epoch(epoch, n, steps)`` ``TrainState.epochs`` enters ``epoch`` of ``n`` (``steps`` a pass)
 ``on_step(state)``            ``TrainState.step`` was set (after the new value is stored)
+``on_prepare_optimizer(opt)`` ``prepare_optimizer`` wrapped ``opt`` (before its first step)
+``on_optimizer_step(opt)``    a prepared optimizer's ``step()`` returned (also a step the fp16
+                              loss scaler skipped): DiLoCo's outer sync runs here
 ``on_batch_start()``          a prepared data loader is about to fetch its next batch
 ``on_batch(batch)``           a prepared data loader hands ``batch`` out (on the device)
 ``on_batches_end()``          a prepared data loader's iteration ended (epoch end, or a break)
@@ -73,6 +76,8 @@ HOOKS = (
     "on_group_formed",
     "on_epoch",
     "on_step",
+    "on_prepare_optimizer",
+    "on_optimizer_step",
     "on_batch_start",
     "on_batch",
     "on_batches_end",
@@ -210,6 +215,17 @@ class WorkerPlugin(Protocol):
         """``state.step`` was just set (a ``TrainState``); may raise to leave the train function."""
         return None
 
+    def on_prepare_optimizer(self, optimizer: object) -> None:
+        """``prepare_optimizer`` returns ``optimizer`` (a
+        :class:`~ringtrain.worker.precision.PreparedOptimizer`), before its first step."""
+        return None
+
+    def on_optimizer_step(self, optimizer: object) -> None:
+        """``optimizer`` (a :class:`~ringtrain.worker.precision.PreparedOptimizer`) finished a
+        ``step()`` call, whether or not the fp16 loss scaler skipped the update: every rank calls
+        it at the same steps, so a plug-in may run a collective here (DiLoCo's outer sync)."""
+        return None
+
     def on_batch_start(self) -> None:
         """A prepared loader is about to fetch a batch; may raise to leave the train function."""
         return None
@@ -331,6 +347,14 @@ class HookRegistry:
     def on_step(self, state: StepState) -> None:
         for call in self._calls["on_step"]:
             call(state)
+
+    def on_prepare_optimizer(self, optimizer: object) -> None:
+        for call in self._calls["on_prepare_optimizer"]:
+            call(optimizer)
+
+    def on_optimizer_step(self, optimizer: object) -> None:
+        for call in self._calls["on_optimizer_step"]:
+            call(optimizer)
 
     def on_batch_start(self) -> None:
         for call in self._calls["on_batch_start"]:

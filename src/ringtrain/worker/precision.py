@@ -174,7 +174,9 @@ def precision_plugin() -> PrecisionPlugin:
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
-    """An optimizer whose ``step()`` applies loss scaling under ``precision="16-mixed"``.
+    """An optimizer whose ``step()`` applies loss scaling under ``precision="16-mixed"`` and then
+    runs the worker's ``on_optimizer_step`` hooks (:mod:`ringtrain.worker.hooks`: DiLoCo's outer
+    sync, :mod:`ringtrain.parallel.diloco`).
 
     With a GradScaler, ``step()`` unscales the gradients, skips the update when any is inf/NaN
     (and then lowers the scale), and updates the scale; ``param_groups``, ``state``,
@@ -227,6 +229,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 would divide them by the scale).
             ValueError: a ``closure`` under ``"16-mixed"`` (GradScaler does not support one).
         """
+        result = self._step(closure)
+        from ringtrain.worker.session import current_hooks
+
+        current_hooks().on_optimizer_step(self)  # DiLoCo's outer sync (ringtrain.parallel)
+        return result
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         scaler = self.grad_scaler
         if scaler is None:
             return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
@@ -327,6 +336,9 @@ def prepare_optimizer(
         scaler = grad_scaler or torch.amp.GradScaler(get_context().device.type)
     prepared = PreparedOptimizer(optimizer, scaler)
     plugin.optimizer = prepared  # rt.backward scales for the latest prepared optimizer
+    from ringtrain.worker.session import current_hooks
+
+    current_hooks().on_prepare_optimizer(prepared)  # DiLoCo adopts its inner optimizer
     return prepared
 
 

@@ -95,6 +95,14 @@ class PreemptionPlugin(WorkerPlugin):
 
     Args:
         session: the worker's :class:`~ringtrain.worker.session.Session` (with a channel).
+
+    Attributes:
+        agree_when: ``None`` (agree at every step boundary), or a predicate of
+            ``TrainState.step`` that every rank evaluates alike: agree only at the steps where
+            it holds. DiLoCo sets it to its sync steps (``DiLoCoConfig.preempt_at_sync``): no
+            collective of every rank between two syncs, and a notice stops at most two
+            agreement intervals after it arrived (the agreement is pipelined: the stop step is
+            the first agreement boundary after the one where a flag was raised).
     """
 
     def __init__(self, session: Session) -> None:
@@ -109,6 +117,9 @@ class PreemptionPlugin(WorkerPlugin):
         self._group_for: Any = None  # was made for (an elastic resize replaces that one)
         self._lock = threading.Lock()
         self.allreduces = 0  # steps agreed on (for tests and the overhead benchmark)
+        # Agree only at the steps this says (None: every step). DiLoCo sets it to its sync
+        # steps (DiLoCoConfig.preempt_at_sync): no collective of every rank between syncs.
+        self.agree_when: Callable[[int], bool] | None = None
 
     # ------------------------------------------------------------------ notices
     def request(self, reason: str) -> None:
@@ -154,6 +165,8 @@ class PreemptionPlugin(WorkerPlugin):
         self.session.poll_driver()
         for message in self.session.take_messages(PreemptRequest):
             self.request(message.reason or "preemption notice from the driver")
+        if self.agree_when is not None and not self.agree_when(int(state.step)):
+            return
         if self._agreed(int(state.step)):
             self.stop_after = int(state.step)
             self.state = state
