@@ -16,13 +16,16 @@ gradient accumulation over 2 micro-batches; the bf16 communication hook): the nu
 gradient of a random rank at a random step (seeded; ``--trials`` each), with
 ``replica_check_every`` and ``replay_check_every`` as given: the share caught and the steps from
 the flip to the check that caught it; for the transient gradient flip the rate is a function of
-``replay_check_every`` (a flip is seen only if its step is replayed).
+``replay_check_every`` (a flip is seen only if its rank's step is replayed). ``faulty``: a rank
+whose gradient is wrong at every step from a random step on (a miscomputing core): the steps
+until the replay check catches it.
 
 Usage::
 
     python benchmarks/integrity.py cost --runs 3 --steps 300
     python benchmarks/integrity.py false --steps 2000
     python benchmarks/integrity.py detect --trials 10 --replay-every 1,2,4
+    python benchmarks/integrity.py detect --trials 10 --replay-every 4,100 --cases faulty
 """
 
 from __future__ import annotations
@@ -152,12 +155,17 @@ def detect(args: argparse.Namespace) -> dict:
     out: dict[str, dict] = {}
     cases = [("param", args.replica_every, 0), ("optimizer", args.replica_every, 0)]
     cases += [("gradient", 0, m) for m in args.replay_every]
-    for where, replica, replay in cases:
+    cases += [("faulty", 0, m) for m in args.replay_every]
+    cases = [c for c in cases if c[0] in args.cases]
+    for name, replica, replay in cases:
+        # "faulty": the rank's gradient is wrong at every step from the flip on (a core that
+        # miscomputes); the run stops naming it after a rollback.
+        where, every = ("gradient", True) if name == "faulty" else (name, False)
         caught, delays = 0, []
         for trial in range(args.trials):
             rank, step = rng.randrange(3), rng.randint(2, DETECT_STEPS - 1)
             with tempfile.TemporaryDirectory(prefix="rt_integrity_det_") as tmp:
-                result = rt.Trainer(
+                trainer = rt.Trainer(
                     integrity_workloads.sdc_fn,
                     rt.ScalingConfig(num_workers=3),
                     rt.RunConfig(
@@ -171,18 +179,22 @@ def detect(args: argparse.Namespace) -> dict:
                     train_loop_config={
                         "out": os.path.join(tmp, "out.pt"),
                         "epochs": DETECT_EPOCHS,
-                        "inject": {"rank": rank, "where": where, "step": step},
+                        "inject": {"rank": rank, "where": where, "step": step, "every": every},
                     },
-                ).fit()
-                hits = [e for e in _events(result.path) if e["type"] == "replica_mismatch"]
+                )
+                try:
+                    trainer.fit()
+                except rt.TrainingFailedError:
+                    if not every:
+                        raise
+                run_dir = os.path.join(tmp, "runs", "det")
+                hits = [e for e in _events(run_dir) if e["type"] == "replica_mismatch"]
                 if hits:
                     caught += 1
                     flipped = step + 1 if where == "gradient" else step
                     delays.append(hits[0]["step"] - flipped)
-            print(
-                f"{where} trial {trial} rank {rank} step {step}: {'caught' if hits else 'missed'}"
-            )
-        key = f"{where} (replica {replica}, replay {replay})"
+            print(f"{name} trial {trial} rank {rank} step {step}: {'caught' if hits else 'missed'}")
+        key = f"{name} (replica {replica}, replay {replay})"
         out[key] = {"caught": caught, "trials": args.trials, "delays": delays}
         print(f"{key}: caught {caught}/{args.trials}, steps to detection {delays}")
     return out
@@ -204,6 +216,12 @@ def main(argv: list[str]) -> int:
     d.add_argument("--replica-every", type=int, default=3)
     d.add_argument(
         "--replay-every", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4]
+    )
+    d.add_argument(
+        "--cases",
+        type=lambda s: s.split(","),
+        default=["param", "optimizer", "gradient", "faulty"],
+        help="comma-separated: param, optimizer, gradient (transient), faulty (every step)",
     )
     for p in (c, f, d):
         p.add_argument("--json", help="write the results here")
