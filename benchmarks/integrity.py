@@ -138,9 +138,9 @@ def false_positives(args: argparse.Namespace) -> dict:
     return found
 
 
-#: sdc_fn at W=3: 96 samples, batch 4 -> 8 steps per epoch; the flip lands in steps 2..23.
+#: sdc_fn at W=3: 96 samples, batch 4 -> 8 steps per epoch. Runs are 24 steps (at least three
+#: replay periods) and the flip lands at a step before the run's last check.
 DETECT_EPOCHS = 3
-DETECT_STEPS = 8 * DETECT_EPOCHS
 
 
 def _events(run_dir: str) -> list[dict]:
@@ -163,7 +163,9 @@ def detect(args: argparse.Namespace) -> dict:
         where, every = ("gradient", True) if name == "faulty" else (name, False)
         caught, delays = 0, []
         for trial in range(args.trials):
-            rank, step = rng.randrange(3), rng.randint(2, DETECT_STEPS - 1)
+            epochs = max(DETECT_EPOCHS, -(-3 * replay // 8))  # 3 replay periods or more
+            last = 8 * epochs - 1 if not replay else (8 * epochs // replay) * replay - 1
+            rank, step = rng.randrange(3), rng.randint(2, last)
             with tempfile.TemporaryDirectory(prefix="rt_integrity_det_") as tmp:
                 trainer = rt.Trainer(
                     integrity_workloads.sdc_fn,
@@ -178,7 +180,7 @@ def detect(args: argparse.Namespace) -> dict:
                     ),
                     train_loop_config={
                         "out": os.path.join(tmp, "out.pt"),
-                        "epochs": DETECT_EPOCHS,
+                        "epochs": epochs,
                         "inject": {"rank": rank, "where": where, "step": step, "every": every},
                     },
                 )
