@@ -160,20 +160,21 @@ def test_ringtrain_show_lists_what_the_replica_checks_found(tmp_path):
     assert "Silent data corruption (2)" in out.getvalue()
 
 
-def test_replay_roles_rotate_and_verdicts_name_the_odd_one_out():
-    from ringtrain.integrity.replay import MISMATCH, OK, roles, verdict
+def test_the_replay_ring_names_a_rank_whose_record_and_replay_both_disagree():
+    from ringtrain.integrity.replay import MISMATCH, OK, neighbours, verdict
 
-    assert [roles(t, 2, 3) for t in (0, 2, 4, 6)] == [
-        (0, [1, 2]),
-        (1, [2, 0]),
-        (2, [0, 1]),
-        (0, [1, 2]),
-    ]
-    assert roles(4, 2, 2) == (0, [1])
-    assert verdict([1, 2], {1: OK, 2: OK}, 0) == ([], True)
-    assert verdict([1, 2], {1: MISMATCH, 2: MISMATCH}, 0) == ([0], True)  # the replayed rank
-    assert verdict([1, 2], {1: MISMATCH, 2: OK}, 0) == ([1], True)  # a faulty replayer
-    assert verdict([1], {1: MISMATCH}, 0) == ([0, 1], False)  # two workers: suspects
+    assert [neighbours(r, 3) for r in range(3)] == [(2, 1), (0, 2), (1, 0)]
+    assert (neighbours(0, 2), neighbours(1, 2)) == ((1, 1), (0, 0))  # two workers: each other
+    ok = {q: OK for q in range(4)}
+    assert verdict(ok, 4) == ([], True)
+    # results[q] is q's replay of q - 1: rank 2 miscomputes its step and rank 1's replay.
+    assert verdict({**ok, 2: MISMATCH, 3: MISMATCH}, 4) == ([2], True)
+    assert verdict({0: OK, 1: OK, 2: MISMATCH}, 3) == ([1, 2], False)  # transient: a pair
+    assert verdict({0: MISMATCH, 1: OK, 2: MISMATCH}, 3) == ([2], True)  # 2 in (1,2), (2,0)
+    assert verdict({0: MISMATCH, 1: MISMATCH}, 2) == ([0, 1], False)  # two workers: suspects
+    assert verdict({0: MISMATCH, 1: MISMATCH, 2: MISMATCH}, 3) == ([0, 1, 2], False)
+    # two disagreeing pairs apart: both pairs are suspects, nobody named
+    assert verdict({**ok, 1: MISMATCH, 3: MISMATCH}, 4) == ([0, 1, 2, 3], False)
 
 
 def test_what_the_replay_sends_is_described_in_json_never_pickled():

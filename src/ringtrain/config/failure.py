@@ -54,11 +54,12 @@ class FailureConfig:
             a check and continues; a rank caught twice is excluded (elastic runs) or stops the
             run with its name and host. 0 (default): off. Cost and detection:
             docs/fault-tolerance.md, "Silent data corruption".
-        replay_check_every: every this many steps one rank's step (its batch, its RNG state,
-            the parameters before the step) is recomputed on another rank, rotating through the
-            ranks, and the two local gradients' fingerprints compared: this catches a rank whose
-            *gradient* is wrong, which the replica check cannot see (the allreduce spreads it to
-            every replica alike). 0 (default): off.
+        replay_check_every: every this many steps each rank's step (its batch, its RNG state,
+            the parameters before the step) is recomputed by the next rank in a ring and the
+            local gradients' fingerprints compared: this catches a rank whose *gradient* is
+            wrong, which the replica check cannot see (the allreduce spreads it to every replica
+            alike): a device that miscomputes at every step within this many steps, a transient
+            flip with probability 1/N. 0 (default): off.
     """
 
     max_failures: int = 0

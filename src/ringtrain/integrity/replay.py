@@ -1,32 +1,35 @@
-"""The replay check: every ``FailureConfig.replay_check_every`` steps one rank's step is
-recomputed on other ranks, and the local gradients compared bit for bit.
+"""The replay check: every ``FailureConfig.replay_check_every`` steps each rank's step is
+recomputed on its neighbour in a ring, and the local gradients compared bit for bit.
 
 The replica check cannot see a rank whose *gradient* is wrong (a core that miscomputes during
 its backward): the allreduce spreads the wrong gradient to every replica alike. But a rank's
 step is a deterministic function of its inputs, its RNG state and the parameters every replica
 shares, so another rank can compute it again and must get the same bits:
 
-1. At a replay step t, rank ``r = (t / N) mod W`` (rotating through the ranks) records what its
-   model's forward got (the inputs, the RNG state right before it), the gradient its loss sent
-   back into the model's outputs, and a fingerprint of each parameter's local gradient (before
-   the allreduce: a tensor hook). The replaying ranks (``r + 1``, and ``r + 2`` from three
-   workers on) keep a copy of the parameters and buffers their own forward of step t saw.
-2. At the step boundary after t, ``r`` sends that record to them (point-to-point on the check's
-   own gloo group; tensors with a header of integers, never a pickle); each replays the forward
-   with ``r``'s inputs and RNG state on the saved parameters and the model's backward with
-   ``r``'s output gradient (``torch.autograd.grad``), compares the per-parameter fingerprints, and
-   puts its parameters, buffers and RNG state back. Every rank learns the verdicts (one
-   allgather).
-3. A mismatch: with two replayers, the odd one out is named (``r``, whose gradient both
-   replayers disagree with; or the replayer that alone disagrees); with two workers both are
-   suspects. Every rank raises :class:`~ringtrain.integrity.replicas.ReplicaMismatchError` and the
-   driver rolls back as for the replica check (check ``"replay"``).
+1. At a replay step t every rank records what its model's forward got (the inputs, the RNG
+   state right before it), the gradient its loss sent back into the model's outputs, and a
+   fingerprint of each parameter's local gradient (before the allreduce: a tensor hook), and
+   keeps a copy of the parameters and buffers its forward of step t saw.
+2. At the step boundary after t, rank ``i`` sends its record to rank ``i + 1 (mod W)`` (a chain
+   of point-to-point sends on the check's own gloo group; tensors with a header of integers,
+   never a pickle) and receives rank ``i - 1``'s; it replays the forward with that rank's inputs
+   and RNG state on the saved parameters and the model's backward with that rank's output
+   gradient (``torch.autograd.grad``), compares the per-parameter fingerprints, and puts its
+   parameters, buffers and RNG state back. Every rank learns the verdicts (one allgather).
+   Every rank's step is checked at every replay step, for one replay per rank: a transient
+   flip is caught when its step is a replay step (a rate of 1/N), a rank that miscomputes at
+   every step within N steps.
+3. A mismatch of the pair (``i - 1``, ``i``): from three workers on, a rank whose record *and*
+   whose replay both disagree (a device that miscomputes both times) is named
+   (:func:`verdict`); otherwise both ranks of each disagreeing pair are suspects, not named.
+   Every rank raises :class:`~ringtrain.integrity.replicas.ReplicaMismatchError` and the driver
+   rolls back as for the replica check (check ``"replay"``).
 
 Assumptions (docs/fault-tolerance.md): the loss depends on the parameters only through the
 model's outputs (weight decay in the optimizer is fine; an L2 term added to the loss is not);
 one forward of the prepared model per step (a step with gradient accumulation, or a second
 forward, is not replayed, and says so once); positional tensor inputs, and keyword inputs that
-are tensors or ``None``. The cost is a recomputation of one micro-batch every N steps.
+are tensors or ``None``. The cost is a recomputation of one micro-batch per rank every N steps.
 """
 
 from __future__ import annotations
@@ -52,25 +55,29 @@ logger = logging.getLogger("ringtrain")
 OK, MISMATCH, SKIPPED = 0, 1, 2
 
 
-def roles(step: int, every: int, world_size: int) -> tuple[int, list[int]]:
-    """The replayed rank of replay step ``step`` and its replayers."""
-    r = (step // every) % world_size
-    return r, [(r + k) % world_size for k in range(1, min(3, world_size))]
+def neighbours(rank: int, world_size: int) -> tuple[int, int]:
+    """``(the rank whose step this rank replays, the rank that replays this rank's step)``."""
+    return (rank - 1) % world_size, (rank + 1) % world_size
 
 
-def verdict(replayers: list[int], results: Mapping[int, int], r: int) -> tuple[list[int], bool]:
-    """Who a replay names, from each replayer's result (:data:`OK` or :data:`MISMATCH`):
-    ``([], True)`` when all agree with ``r``; ``r`` when every replayer disagrees (and there are
-    two of them); the replayer that alone disagrees; ``r`` and its one replayer (not named) at
-    two workers."""
-    bad = [q for q in replayers if results.get(q) == MISMATCH]
-    if not bad:
+def verdict(results: Mapping[int, int], world_size: int) -> tuple[list[int], bool]:
+    """Who a replay step names, from each rank's result (``results[q]``: :data:`OK` or
+    :data:`MISMATCH`, rank ``q``'s replay of rank ``q - 1``'s step). ``([], True)``: every pair
+    agrees. From three workers on, the ranks that are in two disagreeing pairs (their record
+    and their replay both differ: a device that miscomputes) are named, when every disagreeing
+    pair holds one of them; otherwise every rank of a disagreeing pair is a suspect, not named
+    (a transient flip: the recording rank or its replayer; two workers; every pair disagreeing).
+    """
+    pairs = [((q - 1) % world_size, q) for q in sorted(results) if results[q] == MISMATCH]
+    if not pairs:
         return [], True
-    if len(replayers) == 1:
-        return sorted([r, *bad]), False
-    if len(bad) == len(replayers):
-        return [r], True
-    return bad, True
+    involved = sorted({r for pair in pairs for r in pair})
+    if world_size < 3 or len(pairs) == world_size:
+        return involved, False
+    named = [r for r in involved if sum(r in pair for pair in pairs) >= 2]
+    if named and all(any(r in pair for r in named) for pair in pairs):
+        return named, True
+    return involved, False
 
 
 class ReplayCheck(WorkerPlugin):
@@ -90,8 +97,8 @@ class ReplayCheck(WorkerPlugin):
         self.round_steps: dict[int, int] = {}
         self._step = 0
         self._armed: int | None = None  # the replay step being recorded
-        self._record: dict[str, Any] | None = None  # what r recorded of its step
-        self._saved: dict[str, list[torch.Tensor]] | None = None  # a replayer's params, buffers
+        self._record: dict[str, Any] | None = None  # what this rank recorded of its step
+        self._saved: dict[str, list[torch.Tensor]] | None = None  # params, buffers it saw
         self._forwards = 0
         self._hooks: list[Any] = []
         self._replaying = False
@@ -145,13 +152,11 @@ class ReplayCheck(WorkerPlugin):
     # ------------------------------------------------------------------ recording a step
     def _arm(self, step: int) -> None:
         self._armed, self._forwards = step, 0
-        self._record, self._saved = None, None
-        r, _ = roles(step, self.every, self.session.context.world_size)
-        if self.session.context.world_rank == r:
-            self._record = {"grads": {}, "outputs": [], "g_out": {}}
-            for i, p in enumerate(self.module.parameters()):
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
+        self._saved = None
+        self._record = {"grads": {}, "outputs": [], "g_out": {}}
+        for i, p in enumerate(self.module.parameters()):
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
 
     def _disarm(self) -> None:
         for handle in self._hooks:
@@ -173,14 +178,12 @@ class ReplayCheck(WorkerPlugin):
         if self._armed is None or self._replaying:
             return
         self._forwards += 1
-        r, replayers = roles(self._armed, self.every, self.session.context.world_size)
-        me = self.session.context.world_rank
-        if me in replayers and self._forwards == 1:
+        if self._forwards == 1:
             self._saved = {
                 "params": [p.detach().clone() for p in module.parameters()],
                 "buffers": [b.detach().clone() for b in module.buffers()],
             }
-        if me == r and self._record is not None and self._forwards == 1:
+        if self._record is not None and self._forwards == 1:
             rec = self._record
             rec["args"] = [_copy(a) for a in args]
             rec["kwargs"] = {k: _copy(v) for k, v in kwargs.items()}
@@ -209,27 +212,29 @@ class ReplayCheck(WorkerPlugin):
     def _exchange(self, step: int) -> None:
         ctx = self.session.context
         world, me = ctx.world_size, ctx.world_rank
-        r, replayers = roles(step, self.every, world)
+        before, after = neighbours(me, world)
         if self._group is None or self._group_for is not dist.group.WORLD:
             self.on_group_formed()
-        result = OK
-        if me == r:
-            tensors, meta = self._payload()
-            for q in replayers:
-                send_tensors(tensors, meta, q, self._group)
-        elif me in replayers:
-            tensors, meta = recv_tensors(r, self._group)
-            result = self._replay(tensors, meta)
+        tensors, meta = self._payload()
+        # A chain round the ring (rank 0 sends first, every other rank receives first): blocking
+        # point-to-point calls that cannot wait on each other in a circle.
+        if me == 0:
+            send_tensors(tensors, meta, after, self._group)
+            theirs = recv_tensors(before, self._group)
+        else:
+            theirs = recv_tensors(before, self._group)
+            send_tensors(tensors, meta, after, self._group)
+        result = self._replay(*theirs)
         mine = torch.tensor([result], dtype=torch.int64)
         everyone = torch.empty(world, dtype=torch.int64)
         dist.all_gather_single(everyone, mine, group=self._group)
-        results = {q: int(everyone[q]) for q in replayers}
+        results = {q: int(everyone[q]) for q in range(world)}
         if any(v == SKIPPED for v in results.values()):
             self.skipped += 1
             return
-        suspects, named = verdict(replayers, results, r)
+        suspects, named = verdict(results, world)
         if suspects:
-            self._mismatch(step, suspects, named, r)
+            self._mismatch(step, suspects, named)
 
     def _payload(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
         rec = self._record
@@ -266,7 +271,8 @@ class ReplayCheck(WorkerPlugin):
         return tensors, meta
 
     def _replay(self, tensors: list[torch.Tensor], meta: dict[str, Any]) -> int:
-        """Recompute ``r``'s step here; :data:`OK`, :data:`MISMATCH` or :data:`SKIPPED`."""
+        """Recompute the previous rank's step here; :data:`OK`, :data:`MISMATCH` or
+        :data:`SKIPPED`."""
         saved = self._saved
         if not meta.get("valid") or saved is None or self._forwards != 1:
             self._say_skip()
@@ -339,7 +345,7 @@ class ReplayCheck(WorkerPlugin):
                 "forward in one step, or inputs that are not tensors): such steps are skipped"
             )
 
-    def _mismatch(self, step: int, suspects: list[int], named: bool, r: int) -> None:
+    def _mismatch(self, step: int, suspects: list[int], named: bool) -> None:
         ctx = self.session.context
         clean = max((rd for rd, s in self.round_steps.items() if s < step), default=-1)
         message = IntegrityMismatch(
@@ -357,9 +363,9 @@ class ReplayCheck(WorkerPlugin):
             self.session.channel.send(message)
         who = f"rank(s) {suspects}" if named else f"one of ranks {suspects}"
         raise ReplicaMismatchError(
-            f"replay check of rank {r}'s step {step}: {who} computed other gradient bits than "
-            "the replay (silent data corruption); the run rolls back to the newest checkpoint "
-            f"before step {step}"
+            f"replay check of step {step}: {who} computed other gradient bits than the replay "
+            "(silent data corruption); the run rolls back to the newest checkpoint before step "
+            f"{step}"
         )
 
 
@@ -379,4 +385,4 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-__all__ = ["MISMATCH", "OK", "SKIPPED", "ReplayCheck", "roles", "verdict"]
+__all__ = ["MISMATCH", "OK", "SKIPPED", "ReplayCheck", "neighbours", "verdict"]
