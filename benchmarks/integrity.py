@@ -12,8 +12,8 @@ every step, across configurations (plain DDP; two DataLoader workers; bf16 autoc
 gradient accumulation over 2 micro-batches; the bf16 communication hook): the number of
 ``replica_mismatch`` events over the steps run (target: 0).
 
-``detect``: at W=3, a bit flipped once in a parameter, in the optimizer state, and in one local
-gradient of a random rank at a random step (seeded; ``--trials`` each), with
+``detect``: at W=3 (``--workers``), a bit flipped once in a parameter, in the optimizer state, and
+in one local gradient of a random rank at a random step (seeded; ``--trials`` each), with
 ``replica_check_every`` and ``replay_check_every`` as given: the share caught and the steps from
 the flip to the check that caught it; for the transient gradient flip the rate is a function of
 ``replay_check_every`` (a flip is seen only if its rank's step is replayed). ``faulty``: a rank
@@ -138,8 +138,8 @@ def false_positives(args: argparse.Namespace) -> dict:
     return found
 
 
-#: sdc_fn at W=3: 96 samples, batch 4 -> 8 steps per epoch. Runs are 24 steps (at least three
-#: replay periods) and the flip lands at a step before the run's last check.
+#: sdc_fn: 96 samples, batch 4 -> 96 / (4 W) steps per epoch. Runs are three epochs (at least
+#: three replay periods) and the flip lands at a step before the run's last check.
 DETECT_EPOCHS = 3
 
 
@@ -163,13 +163,15 @@ def detect(args: argparse.Namespace) -> dict:
         where, every = ("gradient", True) if name == "faulty" else (name, False)
         caught, delays = 0, []
         for trial in range(args.trials):
-            epochs = max(DETECT_EPOCHS, -(-3 * replay // 8))  # 3 replay periods or more
-            last = 8 * epochs - 1 if not replay else (8 * epochs // replay) * replay - 1
-            rank, step = rng.randrange(3), rng.randint(2, last)
+            per_epoch = 96 // (4 * args.workers)
+            epochs = max(DETECT_EPOCHS, -(-3 * replay // per_epoch))  # 3 replay periods or more
+            steps = per_epoch * epochs
+            last = steps - 1 if not replay else (steps // replay) * replay - 1
+            rank, step = rng.randrange(args.workers), rng.randint(2, last)
             with tempfile.TemporaryDirectory(prefix="rt_integrity_det_") as tmp:
                 trainer = rt.Trainer(
                     integrity_workloads.sdc_fn,
-                    rt.ScalingConfig(num_workers=3),
+                    rt.ScalingConfig(num_workers=args.workers),
                     rt.RunConfig(
                         name="det",
                         storage_path=os.path.join(tmp, "runs"),
@@ -214,6 +216,7 @@ def main(argv: list[str]) -> int:
     f.add_argument("--workers", type=int, default=2)
     d = sub.add_parser("detect")
     d.add_argument("--trials", type=int, default=10)
+    d.add_argument("--workers", type=int, default=3)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--replica-every", type=int, default=3)
     d.add_argument(
