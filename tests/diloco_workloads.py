@@ -84,6 +84,11 @@ def diloco_fn(config: dict) -> None:
         from ringtrain.worker.session import current_session
 
         current_session().hooks.register(NoticeAt(config))  # a preemption notice at a step
+    inject = config.get("inject")
+    if inject and (ctx.world_rank, ctx.attempt) == (inject["rank"], 0):
+        from ringtrain.integrity.inject import inject_bitflip
+
+        inject_bitflip(inject["where"], inject["step"])  # a transient flip, first attempt only
     net = make_net(config.get("model", "small"))
     np.random.seed(0)
     random.seed(0)

@@ -16,7 +16,9 @@ Inside a train function, on the rank to corrupt::
 - ``"optimizer"``: a bit of the first optimizer state tensor (e.g. a momentum buffer);
 - ``"gradient"``: a bit of this rank's *local* gradient of the first parameter during the next
   backward (before DDP's allreduce spreads it to every replica: what a miscomputing core does;
-  the replica check cannot see it, the replay check can).
+  the replica check cannot see it, the replay check can);
+- ``"global"``: a bit of the first global parameter of a model prepared with DiLoCo
+  (``parallel_strategy="diloco"``), which every replica holds alike.
 
 ``every=True`` corrupts again at every step from ``step`` on. The bit (default 20: a float32's
 high mantissa bits, a change of about 12 % of the value, silent: no NaN, no inf) is flipped in
@@ -35,7 +37,7 @@ from ringtrain.worker.session import current_hooks
 
 logger = logging.getLogger("ringtrain")
 
-WHERE = ("param", "optimizer", "gradient")
+WHERE = ("param", "optimizer", "gradient", "global")
 """What :func:`inject_bitflip` can corrupt."""
 
 
@@ -81,6 +83,11 @@ class BitFlip(WorkerPlugin):
         if self.where == "param":
             flip_bit(next(module.parameters()), self.bit, self.index)
             self._flipped(step)
+        elif self.where == "global":
+            from ringtrain.parallel.diloco import outer_sync  # raises for a model without it
+
+            flip_bit(outer_sync(model).global_params[0], self.bit, self.index)
+            self._flipped(step)
         elif self.where == "optimizer":
             tensors = _optimizer_tensors(_get(state, "optimizer"))
             if tensors:
@@ -115,7 +122,7 @@ def inject_bitflip(
     of the rank to corrupt, before the loop.
 
     Args:
-        where: ``"param"``, ``"optimizer"`` or ``"gradient"``.
+        where: ``"param"``, ``"optimizer"``, ``"gradient"`` or ``"global"`` (DiLoCo).
         step: the ``TrainState.step`` at which the (first) flip happens (>= 1).
         every: flip again at every later step (a consistently faulty device).
         bit: which bit of the 32-bit word (0..31).

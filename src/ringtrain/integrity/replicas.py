@@ -14,6 +14,12 @@ On a device mesh the replicas of a rank are the ranks that hold the same shard: 
 replicas (FSDP over every rank, tensor parallelism alone) cannot be checked: the plug-in refuses
 it when the model is prepared, naming what to use instead.
 
+Under DiLoCo (``parallel_strategy="diloco"``) the replicas train alone between syncs, so their
+local parameters differ by design; what every rank holds alike is the *global* state (the global
+parameters and the outer optimizer's state, moved by the same averaged outer gradient on every
+rank), and inside an island of ``dp_shard`` workers (DDP) the local state too. Each rank sends
+both fingerprints: the global one is compared over every rank, the local one within islands.
+
 Pipelined like the step agreement (:mod:`ringtrain.worker.preempt`): the allgather of step k's
 fingerprint starts at k's boundary and is read at the next one, so no rank waits for it; a
 mismatch found there raises :class:`ReplicaMismatchError` on every rank, after telling the
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from ringtrain.cluster.distributed import collective_timeout_s, new_gloo_group
 from ringtrain.config.parallel import MESH_DIMS, MeshShape
 from ringtrain.integrity.fingerprint import fingerprint, state_tensors, to_signed
+from ringtrain.parallel.diloco import outer_sync
 from ringtrain.wire.channel import IntegrityMismatch, IntegrityVerified
 from ringtrain.worker.hooks import ModelSetup, StepState, WorkerPlugin
 from ringtrain.worker.session import Session
@@ -84,6 +91,38 @@ def judge(fingerprints: Mapping[int, int], sets: Sequence[Sequence[int]]) -> tup
             suspects += list(ranks)
             named = False
     return sorted(suspects), named
+
+
+def diloco_state(model: Any) -> Any | None:
+    """The :class:`~ringtrain.parallel.diloco_outer.OuterSync` of a model prepared with
+    DiLoCo (its global parameters and outer optimizer), ``None`` for any other model."""
+    try:
+        return outer_sync(model)
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def global_tensors(sync: Any) -> list[torch.Tensor]:
+    """DiLoCo's global state, in an order every rank shares: the global parameters, then the
+    outer optimizer's state tensors by parameter index and name."""
+    found = list(sync.global_params)
+    state = sync.outer.state_dict().get("state", {})
+    for index in sorted(state):
+        found += [v for _k, v in sorted(state[index].items()) if isinstance(v, torch.Tensor)]
+    return found
+
+
+def judge_diloco(
+    local: Mapping[int, int], global_: Mapping[int, int], islands: Mapping[int, int]
+) -> tuple[list[int], bool]:
+    """:func:`judge` for DiLoCo: the global fingerprints over every rank, the local ones over
+    the ranks of each island (``islands``: rank -> its replica index)."""
+    sets: dict[int, list[int]] = {}
+    for rank, island in sorted(islands.items()):
+        sets.setdefault(island, []).append(rank)
+    a, named_a = judge(global_, [sorted(global_)])
+    b, named_b = judge(local, list(sets.values()))
+    return sorted(set(a) | set(b)), named_a and named_b
 
 
 class ReplicaCheck(WorkerPlugin):
@@ -183,16 +222,22 @@ class ReplicaCheck(WorkerPlugin):
 
     def _start(self, step: int, model: Any, optimizer: Any) -> None:
         value = to_signed(fingerprint(state_tensors(model, optimizer)))
+        sync = diloco_state(model)
+        # [local, global, island]: a DiLoCo rank's global state and its replica index; -1 for
+        # a model without a global state (the local fingerprint is compared over replica_sets).
+        row = [value, 0, -1]
+        if sync is not None:
+            row = [value, to_signed(fingerprint(global_tensors(sync))), sync.topology.replica]
         ctx = self.session.context
         self.checks += 1
         self._started = step
+        mine = torch.tensor(row, dtype=torch.int64)
         if ctx.world_size <= 1 or not dist.is_initialized():
-            self._pending = (None, torch.tensor([value], dtype=torch.int64), step, value)
+            self._pending = (None, mine, step, value)
             return
         if self._group is None or self._group_for is not dist.group.WORLD:
             self._new_group()
-        mine = torch.tensor([value], dtype=torch.int64)
-        gathered = torch.empty(ctx.world_size, dtype=torch.int64)
+        gathered = torch.empty(ctx.world_size * 3, dtype=torch.int64)
         work = dist.all_gather_single(gathered, mine, group=self._group, async_op=True)
         self._pending = (work, gathered, step, value)
 
@@ -205,9 +250,17 @@ class ReplicaCheck(WorkerPlugin):
             self._passed(step, value)
             return
         work.wait()
-        values = {r: int(v) & ((1 << 64) - 1) for r, v in enumerate(gathered.tolist())}
+        rows = gathered.view(-1, 3).tolist()
+        values = {r: int(row[0]) & ((1 << 64) - 1) for r, row in enumerate(rows)}
         ctx = self.session.context
-        suspects, named = judge(values, replica_sets(ctx.world_size, ctx.config.mesh))
+        if rows[0][2] >= 0:  # DiLoCo
+            globals_ = {r: int(row[1]) & ((1 << 64) - 1) for r, row in enumerate(rows)}
+            islands = {r: int(row[2]) for r, row in enumerate(rows)}
+            suspects, named = judge_diloco(values, globals_, islands)
+            if any(globals_[r] != globals_[0] for r in globals_):
+                values = globals_  # the event shows the fingerprints that differ
+        else:
+            suspects, named = judge(values, replica_sets(ctx.world_size, ctx.config.mesh))
         if not suspects:
             self._passed(step, value)
             return
