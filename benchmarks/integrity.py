@@ -3,9 +3,9 @@
 
 ``cost``: the steady-state step period of ``benchmarks/goodput.py``'s workload (an MLP
 784-1024-1024-10, 1.86 M parameters, momentum SGD, DDP on gloo, batch 64 per worker, an
-asynchronous checkpoint every 20 steps) at W=2 with no check, with ``replica_check_every=1``,
-and with ``replay_check_every=100``; the runs alternate (ABBA...) and each mode's figure is the
-median over its runs of the median period between rank 0's steps.
+asynchronous checkpoint every 20 steps) at W=2 with no check, with ``replica_check_every=1`` and
+``=10``, and with ``replay_check_every=100``; the runs alternate (ABBA...) and each mode's figure is
+the median over its runs of the median period between rank 0's steps.
 
 ``false``: clean runs of ``tests/integrity_workloads.sdc_fn``-like training with both checks at
 every step, across configurations (plain DDP; two DataLoader workers; bf16 autocast on CPU;
@@ -49,6 +49,7 @@ import ringtrain as rt
 COST_MODES = {
     "off": {},
     "replica_check_every=1": {"replica_check_every": 1},
+    "replica_check_every=10": {"replica_check_every": 10},
     "replay_check_every=100": {"replay_check_every": 100},
 }
 
