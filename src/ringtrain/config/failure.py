@@ -48,7 +48,7 @@ class FailureConfig:
             the run by its name (:mod:`ringtrain.cluster.slurm`). ``False`` leaves the job ended.
         replica_check_every: every this many ``TrainState.step`` increments, the data-parallel
             replicas (DDP's ranks, HSDP's ``dp_replicate`` axis) compare a 64-bit fingerprint of
-            their parameters and optimizer state (one allgather of 8 bytes per rank, pipelined
+            their parameters and optimizer state (one allgather of 24 bytes per rank, pipelined
             with the next step). Replicas are bit-identical by construction, so a rank that
             differs holds corrupted bits: the run rolls back to the newest checkpoint that passed
             a check and continues; a rank caught twice is excluded (elastic runs) or stops the
