@@ -47,13 +47,14 @@ class FailureConfig:
             asks for its job to be queued again (``scontrol requeue``); the requeued job resumes
             the run by its name (:mod:`ringtrain.cluster.slurm`). ``False`` leaves the job ended.
         replica_check_every: every this many ``TrainState.step`` increments, the data-parallel
-            replicas (DDP's ranks, HSDP's ``dp_replicate`` axis) compare a 64-bit fingerprint of
-            their parameters and optimizer state (one allgather of 24 bytes per rank, pipelined
-            with the next step). Replicas are bit-identical by construction, so a rank that
-            differs holds corrupted bits: the run rolls back to the newest checkpoint that passed
-            a check and continues; a rank caught twice is excluded (elastic runs) or stops the
-            run with its name and host. 0 (default): off. Cost and detection:
-            docs/fault-tolerance.md, "Silent data corruption".
+            replicas (DDP's ranks, HSDP's ``dp_replicate`` axis; DiLoCo's global parameters
+            and outer optimizer over every rank, its local state within islands) compare a
+            64-bit fingerprint of their parameters and optimizer state (one allgather of 24
+            bytes per rank, pipelined with the next step). Replicas are bit-identical by
+            construction, so a rank that differs holds corrupted bits: the run rolls back to the
+            newest checkpoint that passed a check and continues; a rank caught twice is excluded
+            (elastic runs) or stops the run with its name and host. 0 (default): off. Cost and
+            detection: docs/fault-tolerance.md, "Silent data corruption".
         replay_check_every: every this many steps each rank's step (its batch, its RNG state,
             the parameters before the step) is recomputed by the next rank in a ring and the
             local gradients' fingerprints compared: this catches a rank whose *gradient* is
