@@ -9,6 +9,9 @@ the machine:
 - ``spares_ready``: at step ``spares_ready_step`` (default ``kill_step``), the first rank of
   ``kill_ranks`` (default rank 0) waits, before its own kill or notice, until that many spares
   have said ready (the replacement of a lost spare included).
+- ``campaign``: ``[[step, rank], ...]``: after that step, the process holding that rank waits
+  until a spare is ready (not yet used) and SIGKILLs itself; each kill once (a marker file in
+  ``config["log"]``), however often the step is reached.
 - ``kill_on_reentry``: that rank SIGKILLs itself when the train function is entered a second
   time in its process (after a hand-over to a spare, before the group's first step).
 """
@@ -74,6 +77,12 @@ def after_step(config, step: int) -> None:
         )
         os.kill(started["pid"], signal.SIGKILL)
         _wait_for(config, lambda e: e["action"] == "lost" and e["spare"] == ready["spare"])
+    for i, (at, rank) in enumerate(config.get("campaign", ())):
+        marker = os.path.join(config["log"], f"campaign_kill_{i}")
+        if step == at and ctx.world_rank == rank and not os.path.exists(marker):
+            _wait_for(config, lambda e: _unused_ready(config) > 0)
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
     wanted = config.get("spares_ready")
     ranks = config.get("kill_ranks") or [0]
     when = config.get("spares_ready_step", config.get("kill_step"))
@@ -83,3 +92,9 @@ def after_step(config, step: int) -> None:
 
 def _ready_count(config) -> int:
     return sum(e["action"] == "ready" for e in _spare_events(config))
+
+
+def _unused_ready(config) -> int:
+    events = _spare_events(config)
+    ready = {e["spare"] for e in events if e["action"] == "ready"}
+    return len(ready - {e["spare"] for e in events if e["action"] in ("promoted", "lost")})

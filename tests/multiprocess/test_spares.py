@@ -10,6 +10,7 @@ SIGKILLs the ranks in ``kill_ranks`` right after step ``KILL_STEP`` of the first
 from __future__ import annotations
 
 import io
+import random
 
 import pytest
 import torch
@@ -165,4 +166,25 @@ def test_a_preemption_notice_hands_the_rank_to_a_spare_before_it_leaves(tmp_path
     assert after[1] != before[1] and (after[0], after[2]) == (before[0], before[2])
     assert sorted(r["step"] for r in records if r["rank"] == 1) == list(range(1, 21))
     _, _, reference = _fit(tmp_path, "ref", 3)
+    _same_parameters(final, reference)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_a_seeded_campaign_of_kills_ends_bit_exact_at_full_size(tmp_path, workers):
+    seed = 42 + workers
+    rng = random.Random(seed)
+    steps = -(-120 // (4 * workers)) * EPOCHS
+    at = sorted(rng.sample(range(2, steps - 2, 3), 3))  # 3 kills, 3 steps apart at least
+    campaign = [[step, rng.randrange(workers)] for step in at]
+    note = f"seed {seed}: kills (step, rank) {campaign}"
+    result, records, final = _fit(
+        tmp_path, "campaign", workers, spares=1, max_failures=3, loop={"campaign": campaign}
+    )
+    assert result.error is None, note
+    assert [f.rank for f in result.failures] == [rank for _, rank in campaign], note
+    resizes = _events(result.path, "resize")
+    assert [r["spare_ranks"] for r in resizes] == [[rank] for _, rank in campaign], note
+    assert [e["attempt"] for e in _events(result.path, "run_start")] == [0], note
+    assert {r["world"] for r in records} == {workers}, note
+    _, _, reference = _fit(tmp_path, "ref", workers)
     _same_parameters(final, reference)
