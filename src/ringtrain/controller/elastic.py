@@ -79,7 +79,7 @@ class ResizePlan:
         return len(self.assignment)
 
 
-def _orders(
+def membership(
     gen: Generation,
     order: Sequence[int],
     source: int | None,
@@ -128,7 +128,7 @@ def shrink(
     """
     assert decision.snapshot_step is not None
     new_generation = generation + 1
-    assignment, orders = _orders(
+    assignment, orders = membership(
         gen, decision.survivors, decision.source, new_generation, next_round, decision.snapshot_step
     )
     reached = [i.step for i in gen.interrupted.values() if i.step is not None]
@@ -192,7 +192,7 @@ def reform(
     if newest is not None and (joiners or len(set(steps.values())) > 1):
         source = order.index(min(r for r in kept if steps[r] == newest))
     new_generation = generation + 1
-    assignment, orders = _orders(
+    assignment, orders = membership(
         gen, order, source, new_generation, next_round, newest if newest is not None else -1
     )
     reached = [i.step for i in gen.interrupted.values() if i.step is not None]

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ringtrain.controller.effects import Discard, Effect, Say, Write
-from ringtrain.controller.elastic import ResizePlan, _orders
+from ringtrain.controller.elastic import ResizePlan, membership
 from ringtrain.controller.generation import Generation
 from ringtrain.elastic.policy import ElasticDecision
 from ringtrain.preemption import PreemptionNotice
@@ -163,7 +163,9 @@ def replace(
     order = [use.get(r, r) for r in range(gen.world_size) if r in survivors or r in use]
     step = decision.snapshot_step
     holder = min(r for r in survivors if gen.interrupted[r].snapshot_step == step)
-    assignment, orders = _orders(gen, order, order.index(holder), generation + 1, next_round, step)
+    assignment, orders = membership(
+        gen, order, order.index(holder), generation + 1, next_round, step
+    )
     reached = [i.step for i in gen.interrupted.values() if i.step is not None]
     rolled_back = max(0, max(reached, default=step) - step)
     taken = sorted(assignment[s] for s in use.values())
