@@ -15,6 +15,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DataLoader, TensorDataset
 
 import ringtrain as rt
+import spare_hooks
 
 
 def make_dataset(n: int = 48, d: int = 8) -> TensorDataset:
@@ -423,6 +424,7 @@ def elastic_fn(config):
     import json
 
     ctx = rt.get_context()
+    spare_hooks.on_entry(config)  # hot-spare faults (tests/spare_hooks.py)
     first_world = ctx.attempt == 0 and ctx.world_size == config.get("first_world", 3)
     # "unrestored_reentry": after a resize, build a different model on every rank and skip
     # restore(), so that DDP's deferred initial sync must broadcast rank 0's parameters.
@@ -447,7 +449,8 @@ def elastic_fn(config):
             with open(log, "a") as f:
                 f.write(json.dumps(record) + "\n")
             kills = config.get("kill_ranks", ())
-            if first_world and ctx.world_rank in kills and state.step == config["kill_step"]:
+            spare_hooks.after_step(config, state.step)
+            if first_world and ctx.world_rank in kills and state.step == config.get("kill_step"):
                 if config.get("kill_after_own_write"):
                     _wait_for_own_checkpoint_write()
                 _kill_self()

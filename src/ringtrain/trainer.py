@@ -16,6 +16,7 @@ from ringtrain.checkpoint.signing import from_run_config
 from ringtrain.checkpoint.storage import protocols
 from ringtrain.cluster.env import detect_source
 from ringtrain.config import RunConfig, ScalingConfig
+from ringtrain.config.spares import spares_run_refusal
 from ringtrain.config.validation import short_error
 from ringtrain.controller.controller import Controller
 from ringtrain.controller.policy import FailurePolicy
@@ -363,6 +364,13 @@ def run_workers(
     ``extra_env``: environment variables added to every worker's (e.g. ``CUDA_VISIBLE_DEVICES``
     for a sweep trial's share of the GPUs)."""
     own_launcher = launcher is None
+    refusal = spares_run_refusal(
+        scaling_config.spares,
+        max_failures=run_config.failure_config.max_failures,
+        script=script is not None,
+    )
+    if refusal is not None:  # before any process starts
+        raise ValueError(refusal)
     signer = from_run_config(run_config)  # an unusable key file fails before anything starts
     launcher = launcher or make_launcher(scaling_config)  # before anything is written
     # The launcher may hold processes already (the warm pool starts at once): whatever fails
@@ -406,7 +414,7 @@ def run_workers(
         # Everything the workers are told travels typed in Start (ringtrain.wire.worker_config).
         worker_config = build_worker_config(scaling_config, run_config, max_steps=max_steps)
         elastic = None
-        if worker_config.elastic is not None:  # num_workers=(min, max): resize in place
+        if worker_config.elastic is not None:  # num_workers=(min, max) or spares: in place
             from ringtrain.elastic.policy import ElasticPolicy
 
             elastic = ElasticPolicy(
@@ -458,6 +466,7 @@ def run_workers(
                 *(launcher.notice_sources() if isinstance(launcher, NoticeProvider) else ()),
             ],
             preemption_grace_s=run_config.failure_config.preemption_grace_s,
+            spares=scaling_config.spares,
         )
         if isinstance(launcher, ColdStartReporter):  # the warm pool lost: an event, not a log
             launcher.on_cold_start(lambda reason: run_dir.write(ColdStartEvent(reason=reason)))

@@ -84,6 +84,14 @@ def _check_ray(s: ScalingConfig) -> None:
         if key not in _BUILTIN_RESOURCES and (not isinstance(key, str) or not key):
             raise _unknown_resource(key)
     _check_ray_values(s)
+    spares = s.spares
+    if isinstance(spares, int) and not isinstance(spares, bool) and spares > 0:
+        raise ValueError(
+            f"ScalingConfig(spares={spares}) with backend='ray': hot spares are built for the "
+            "local backend only (on Ray a spare needs its own placement bundle and actor "
+            "hand-over: not built yet); use backend='local' for spares, or on Ray spares=0 "
+            "with num_workers=(min, max), which shrinks in place and grows back to max"
+        )
 
 
 FIELD_RULES: Mapping[str, Callable[[ScalingConfig], None]] = {

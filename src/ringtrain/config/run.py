@@ -20,6 +20,7 @@ from ringtrain.config.failure import FailureConfig
 from ringtrain.config.monitor import MonitorConfig
 from ringtrain.config.parallel import ParallelConfig
 from ringtrain.config.replica_groups import elastic_mesh_refusal
+from ringtrain.config.spares import check_spares
 from ringtrain.config.validation import check_int, short_errors
 
 ELASTIC_BATCH_POLICIES = ("resize_batch", "accumulate", "scale_lr")
@@ -100,6 +101,13 @@ class ScalingConfig:
             error if it imports it); one that starts a thread at import stops the zygote from
             forking (a thread's locks would be copied held): the workers then start cold, and
             the run's ``cold_start`` event says why. Ray: ignored.
+        spares: hot spare workers (>= 0): started with the group and kept ready (imported,
+            warmed up, connected), each takes a lost member's rank, or that of a member a
+            preemption notice names, at the next step boundary with the state of a peer, so the
+            group goes on at full size (a spare is started again to replace the one used).
+            ``spares > 0`` resizes in place with an int ``num_workers`` too (the group never
+            shrinks: no spare ready means a restart from disk). Local backend, CPU, plain data
+            parallelism; ``ValueError`` otherwise (docs/elastic.md, "Hot spares").
     """
 
     num_workers: int | tuple[int, int] = 1
@@ -114,6 +122,7 @@ class ScalingConfig:
     parallel: ParallelConfig | None = None
     warm_start: bool = True
     preload_modules: tuple[str, ...] = ()
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.warm_start, bool):
@@ -146,6 +155,7 @@ class ScalingConfig:
             object.__setattr__(self, "resources_per_worker", dict(self.resources_per_worker))
         check_backend_fields(self)  # resource names, placement_strategy, ray_address, ...
         self._check_resource_amounts()
+        check_spares(self)  # ringtrain.config.spares: where a spare cannot serve
 
     def _check_preload_modules(self) -> None:
         names = self.preload_modules
@@ -255,6 +265,11 @@ class ScalingConfig:
     def elastic(self) -> bool:
         """Whether ``num_workers`` is a ``(min, max)`` range (elastic training, docs/elastic.md)."""
         return isinstance(self.num_workers, tuple)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the run resizes or replaces workers in place (elastic, or with spares)."""
+        return self.elastic or self.spares > 0
 
     @property
     def min_workers(self) -> int:

@@ -40,9 +40,7 @@ from typing import Any
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.controller import events, integrity
 from ringtrain.controller.attempt import root_cause
-from ringtrain.controller.effects import (
-    Say,
-)
+from ringtrain.controller.effects import Say
 from ringtrain.controller.elastic import Rendezvous
 from ringtrain.controller.executor import Executor
 from ringtrain.controller.generation import Generation, Grow
@@ -54,6 +52,7 @@ from ringtrain.controller.policy import Decision, FailurePolicy
 from ringtrain.controller.preempting import Preemption
 from ringtrain.controller.resume import ResumePoint
 from ringtrain.controller.rounds import Publisher
+from ringtrain.controller.spares import SpareBook
 from ringtrain.controller.states import (
     Aborted,
     Errored,
@@ -130,6 +129,7 @@ class Controller(Executor, InPlace, Notices):
             :meth:`run` starts and stopped when it ends.
         preemption_grace_s: seconds the workers get to save after a notice
             (``FailureConfig.preemption_grace_s``).
+        spares: hot spares to keep ready (``ScalingConfig.spares``; needs ``elastic``).
     """
 
     def __init__(
@@ -153,6 +153,7 @@ class Controller(Executor, InPlace, Notices):
         stop_event: threading.Event | None = None,
         notice_sources: Sequence[NoticeSource] = (),
         preemption_grace_s: float = 30.0,
+        spares: int = 0,
     ) -> None:
         self.launcher = launcher
         self.make_spec = make_spec
@@ -182,6 +183,7 @@ class Controller(Executor, InPlace, Notices):
         self.recheck: Recheck | None = None  # a mismatch the re-run is to name a rank for
         self.excluded = 0  # workers left out after corrupting twice (elastic runs)
         self.said: set[str] = set()  # notes shown once per run (every attempt sends them)
+        self.spares = SpareBook(spares) if spares else None  # per group: _start_generation
 
     @property
     def state(self) -> RunState:
@@ -427,6 +429,7 @@ class Controller(Executor, InPlace, Notices):
             self.progress.worker_state(rank, "starting")
         self.group = self.launcher.start(spec)
         self.rendezvous = Rendezvous()  # a (re)start has max workers, at generation 0
+        self.spares = SpareBook(self.spares.wanted) if self.spares is not None else None
         mesh = getattr(getattr(getattr(self.group, "spec", None), "config", None), "mesh", None)
         if self.elastic is not None and mesh is not None:
             self.elastic.use_mesh(mesh.dp_shard)  # a lost rank's replica group leaves with it
@@ -450,6 +453,8 @@ class Controller(Executor, InPlace, Notices):
         assert self.group is not None
         batch = [event] if event is not None else self.group.poll(self.poll_interval_s)
         for ev in batch:
+            if self._spare_event(ev):  # in_place.py: a hot spare's, not the group's
+                continue
             if isinstance(ev, WorkerNotice):
                 self.preemption.from_worker(ev)
             elif isinstance(ev, PreemptSaved):

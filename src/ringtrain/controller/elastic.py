@@ -79,7 +79,7 @@ class ResizePlan:
         return len(self.assignment)
 
 
-def _orders(
+def membership(
     gen: Generation,
     order: Sequence[int],
     source: int | None,
@@ -128,7 +128,7 @@ def shrink(
     """
     assert decision.snapshot_step is not None
     new_generation = generation + 1
-    assignment, orders = _orders(
+    assignment, orders = membership(
         gen, decision.survivors, decision.source, new_generation, next_round, decision.snapshot_step
     )
     reached = [i.step for i in gen.interrupted.values() if i.step is not None]
@@ -162,6 +162,7 @@ def reform(
     next_round: int,
     members: Sequence[int] | None = None,
     since: float | None = None,
+    slots: dict[int, int] | None = None,
 ) -> ResizePlan:
     """Make the paused ``members`` (default: all, ranks kept; else renumbered in order) and
     ``joiners`` (numbered after them) the next generation: the joiners (and members with an
@@ -176,6 +177,8 @@ def reform(
         next_round: the round the new group's next ``report()`` has.
         members: the members that stay (``None``: all).
         since: when the cause arose (Unix seconds; default: now).
+        slots: hot spares taking leaving members' places (leaving rank -> spare id, the spares
+            among ``joiners``): the spare gets that rank and the members keep theirs.
     """
     old_world = gen.world_size
     kept = list(range(old_world)) if members is None else list(members)
@@ -183,11 +186,13 @@ def reform(
     held = [s for s in steps.values() if s is not None]
     newest = max(held) if held else None
     order = kept + list(joiners)
+    if slots:  # a hot spare takes each leaving rank's place (ringtrain.controller.spares)
+        order = [slots.get(r, r) for r in range(old_world) if r in kept or r in slots]
     source = None
     if newest is not None and (joiners or len(set(steps.values())) > 1):
         source = order.index(min(r for r in kept if steps[r] == newest))
     new_generation = generation + 1
-    assignment, orders = _orders(
+    assignment, orders = membership(
         gen, order, source, new_generation, next_round, newest if newest is not None else -1
     )
     reached = [i.step for i in gen.interrupted.values() if i.step is not None]
@@ -203,6 +208,8 @@ def reform(
         "failure_time": since if since is not None else time.time(),
         "pause_time": min(pauses, default=time.time()),
     }
+    if slots:
+        info["spare_ranks"] = sorted(assignment[s] for s in slots.values())
     message = (
         f"{'growing back' if len(order) > old_world else 'resizing'} in place: {old_world} -> "
         f"{len(order)} workers ({cause}); joining at the snapshot of step {newest}"

@@ -15,12 +15,14 @@ from collections.abc import Callable, Sequence
 
 from ringtrain.controller import elastic as plans
 from ringtrain.controller import events, leaving
+from ringtrain.controller import spares as spare_plans
 from ringtrain.controller.attempt import root_cause
 from ringtrain.controller.effects import DiscardStaging, Say, Send, Write
 from ringtrain.controller.elastic import Rendezvous, ResizePlan
 from ringtrain.controller.generation import Generation, Grow
 from ringtrain.controller.outputs import RunBook
 from ringtrain.controller.policy import Decision, FailureDecision, FailurePolicy
+from ringtrain.controller.spares import SpareBook
 from ringtrain.controller.states import (
     Growing,
     Leaving,
@@ -31,7 +33,7 @@ from ringtrain.controller.states import (
     Transition,
 )
 from ringtrain.elastic.policy import ElasticAction, ElasticDecision, ElasticPolicy
-from ringtrain.launch.base import GrowableGroup, WorkerGroup
+from ringtrain.launch.base import GrowableGroup, SpareGroup, WorkerGroup
 from ringtrain.monitor.progress import ProgressReporter
 from ringtrain.result import WorkerFailure
 from ringtrain.rundir.schema import ResizeFallbackEvent
@@ -45,6 +47,7 @@ class InPlace:
     group: WorkerGroup | None
     elastic: ElasticPolicy | None
     rendezvous: Rendezvous
+    spares: SpareBook | None
     book: RunBook
     failure_policy: FailurePolicy
     progress: ProgressReporter
@@ -68,8 +71,9 @@ class InPlace:
         assert self.elastic is not None and gen.first_failure_at is not None
         finished = gen.done | {r for r, code in gen.exited.items() if code == 0}
         waited = time.monotonic() - gen.first_failure_at
+        ready = self.spares.ready_ids if self.spares is not None else []
         decision = self.elastic.decide(
-            gen.world_size, gen.failures, gen.interrupted, finished, waited
+            gen.world_size, gen.failures, gen.interrupted, finished, waited, spares=len(ready)
         )
         if decision.action is ElasticAction.WAIT:
             return Transition(state, state)  # waiting for the survivors
@@ -82,14 +86,15 @@ class InPlace:
         if self._growable() is None:
             why = "not resizing in place: this launcher cannot resize a worker group"
             return self._fall_back(state, decision, why, failure, verdict)
-        plan = plans.shrink(
-            gen,
-            decision,
-            failure,
-            generation=self.rendezvous.generation,
-            next_round=self.next_round,
-            failures=len(self.book.failures) + 1,
-        )
+        counters = {
+            "generation": self.rendezvous.generation,
+            "next_round": self.next_round,
+            "failures": len(self.book.failures) + 1,
+        }
+        if decision.spares:  # hot spares take the lost ranks
+            plan = spare_plans.replace(gen, decision, failure, ready, **counters)
+        else:
+            plan = plans.shrink(gen, decision, failure, **counters)
         try:
             new = self._shrink(gen, plan, failure, state.plan)
         except OSError as exc:
@@ -123,6 +128,31 @@ class InPlace:
         target = Restarting(gen, failure or state.failure, verdict)
         return Transition(state, target, why)
 
+    def _spare_event(self, event: Event) -> bool:
+        """Record ``event`` if a hot spare sent it (True), else leave it to the group (False)."""
+        if spare_plans.spare_of(self.spares, event) is None:
+            return False
+        assert self.spares is not None
+        self.apply(spare_plans.observe(self.spares, event))
+        return True
+
+    def _keep_spares(self, gen: Generation) -> None:
+        """Start the hot spares the group lacks, while it trains steadily (after its last
+        resize resumed; not after a spare just died: :func:`~ringtrain.controller.spares.
+        to_start`)."""
+        group = self.group
+        steady = gen.resize is None and not gen.interrupted and not gen.exited
+        count = spare_plans.to_start(self.spares, steady=steady)
+        if count == 0 or not isinstance(group, SpareGroup) or self.spares is None:
+            return
+        try:
+            ids = group.add_spares(count)
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.spares.retry_at = time.monotonic() + spare_plans.RETRY_MAX_S
+            self.apply([Say(f"could not start a hot spare: {exc}", warn=True)])
+            return
+        spare_plans.started(self.spares, ids)
+
     def _growable(self) -> GrowableGroup | None:
         """The worker group, when its launcher can resize and grow it in place."""
         group = self.group
@@ -136,9 +166,13 @@ class InPlace:
             if members is None:
                 return None
             cause = f"preemption notice for ranks {sorted(set(state.notice.ranks or ()))}"
-            return self._reform(state, gen, [], cause, members, state.notice.time)
+            ready = self.spares.ready_ids if self.spares is not None else []
+            slots = spare_plans.hand_over(gen, state.notice, ready)  # spares take their places
+            joiners = list(slots.values())
+            return self._reform(state, gen, joiners, cause, members, state.notice.time, slots)
         if self.elastic is None:
             return None
+        self._keep_spares(gen)
         if isinstance(state, Growing):
             return self._grow_step(state)
         paused = plans.paused_members(gen)
@@ -211,8 +245,10 @@ class InPlace:
         cause: str,
         members: list[int] | None = None,
         since: float | None = None,
+        slots: dict[int, int] | None = None,
     ) -> Transition:
-        """Re-form ``gen``'s paused members (and ``joiners``) into the next generation."""
+        """Re-form ``gen``'s paused members (and ``joiners``; hot spares in ``slots``: leaving
+        rank -> spare id) into the next generation."""
         plan = plans.reform(
             gen,
             joiners=joiners,
@@ -221,6 +257,7 @@ class InPlace:
             next_round=self.next_round,
             members=members,
             since=since,
+            slots=slots,
         )
         self.apply([DiscardStaging(plan.stale_rounds)])
         new = self._next_generation(gen, plan)
@@ -237,6 +274,8 @@ class InPlace:
             self.apply([*events.failed(new, failure), Write(ResizeFallbackEvent(reason=why))])
         else:
             self._resized(gen, plan)
+            if self.spares is not None:
+                self.apply(spare_plans.promoted(self.spares, plan))
         reason = f"re-formed the group: {gen.world_size} -> {new.world_size} workers ({cause})"
         return Transition(state, Running(new), reason)
 
@@ -256,6 +295,8 @@ class InPlace:
         self.callback("on_failure", failure)
         new = self._next_generation(gen, plan)
         self._resized(gen, plan)
+        if self.spares is not None:
+            self.apply(spare_plans.promoted(self.spares, plan))
         return new
 
     def _next_generation(self, gen: Generation, plan: ResizePlan) -> Generation:

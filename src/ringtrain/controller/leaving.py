@@ -24,7 +24,12 @@ from ringtrain.wire.channel import GrowRequest
 
 
 def refusal(
-    policy: ElasticPolicy | None, gen: Generation, notice: PreemptionNotice, *, can_resize: bool
+    policy: ElasticPolicy | None,
+    gen: Generation,
+    notice: PreemptionNotice,
+    *,
+    can_resize: bool,
+    spares: int = 0,
 ) -> str | None:
     """Why the ranks of the partial ``notice`` cannot leave ``gen`` in place (``None``: they can;
     otherwise the caller preempts the whole run).
@@ -34,11 +39,12 @@ def refusal(
         gen: the group, in the ``Running`` state.
         notice: a notice for some ranks.
         can_resize: the launcher's group can be resized in place.
+        spares: hot spares ready to take the leaving ranks' places (``ScalingConfig.spares``).
     """
     if policy is None or notice.ranks is None:
         return "the notice covers every rank" if policy else "the run is not elastic"
     leaving = set(notice.ranks) & set(range(gen.world_size))
-    stay = gen.world_size - len(leaving)
+    stay = gen.world_size - len(leaving) + min(spares, len(leaving))
     if not leaving:
         return f"the notice names ranks {list(notice.ranks)}, none of the group's"
     if stay < policy.min_workers:
@@ -68,15 +74,19 @@ def start(
     generation: int,
     grace_s: float,
     min_workers: int,
+    spares: int = 0,
 ) -> tuple[str, list[Effect]]:
     """The leave of ``notice``'s ranks from ``gen`` (call it when :func:`refusal` is ``None``):
     the reason for the log and the effects (the pause request to every member, the
-    ``preemption`` event). ``grace_s``: ``FailureConfig.preemption_grace_s``."""
+    ``preemption`` event). ``grace_s``: ``FailureConfig.preemption_grace_s``; ``spares``: hot
+    spares ready to take the leaving ranks' places."""
     ranks = sorted(set(notice.ranks or ()) & set(range(gen.world_size)))
+    taken = min(spares, len(ranks))
+    handed = f", hot spares take the places of ranks {ranks[:taken]}" if taken else ""
     message = (
         f"preemption notice for ranks {ranks} ({notice.reason or notice.source}): they leave "
-        f"in place at the next step boundary; {gen.world_size - len(ranks)} workers go on "
-        f"(min_workers={min_workers})"
+        f"in place at the next step boundary{handed}; {gen.world_size - len(ranks) + taken} "
+        f"workers go on (min_workers={min_workers})"
     )
     return message, [
         # A member that cannot be reached is gone: its failure follows and ends the leave.

@@ -17,6 +17,7 @@ from ringtrain.controller import leaving
 from ringtrain.controller.elastic import Rendezvous
 from ringtrain.controller.generation import Generation
 from ringtrain.controller.preempting import Preemption
+from ringtrain.controller.spares import SpareBook
 from ringtrain.controller.states import (
     Growing,
     Leaving,
@@ -50,6 +51,7 @@ class Notices:
     group: WorkerGroup | None
     elastic: ElasticPolicy | None
     rendezvous: Rendezvous
+    spares: SpareBook | None
     preemption: Preemption
     checkpoints: CheckpointManager
     apply: Callable[..., None]
@@ -73,7 +75,8 @@ class Notices:
         if notice.ranks is not None and self.elastic is not None and isinstance(state, Running):
             # Some ranks of an elastic run: they leave in place while min_workers holds.
             can = self._growable() is not None
-            why_not = leaving.refusal(self.elastic, gen, notice, can_resize=can)
+            ready = len(self.spares.ready) if self.spares is not None else 0
+            why_not = leaving.refusal(self.elastic, gen, notice, can_resize=can, spares=ready)
             if why_not is None:
                 reason, effects = leaving.start(
                     gen,
@@ -81,6 +84,7 @@ class Notices:
                     generation=self.rendezvous.generation,
                     grace_s=self.preemption.grace_s,
                     min_workers=self.elastic.min_workers,
+                    spares=ready,
                 )
                 self.preemption.handled.append(notice)
                 self.apply(effects)

@@ -46,7 +46,8 @@ class ElasticDecision:
     """``survivors``: the old ranks that form the new group, in new-rank order. ``source``: the
     new rank whose snapshot all take (``None``: all hold the same). ``snapshot_step``: the step
     the new group resumes after. ``stuck``: the survivors that did not report the lost peer in
-    time (a FALLBACK for that reason)."""
+    time (a FALLBACK for that reason). ``spares``: how many ready hot spares take lost ranks
+    (``ScalingConfig.spares``; :func:`ringtrain.controller.spares.replace` places them)."""
 
     action: ElasticAction
     reason: str
@@ -54,6 +55,7 @@ class ElasticDecision:
     stuck: tuple[int, ...] = ()
     source: int | None = None
     snapshot_step: int | None = None
+    spares: int = 0
 
 
 class ElasticPolicy:
@@ -124,6 +126,7 @@ class ElasticPolicy:
         interrupted: Mapping[int, Interrupted],
         finished: set[int],
         waited_s: float,
+        spares: int = 0,
     ) -> ElasticDecision:
         """Args:
         world_size: ranks of the current generation.
@@ -131,6 +134,8 @@ class ElasticPolicy:
         interrupted: rank -> its Interrupted message.
         finished: ranks that exited successfully or sent Done.
         waited_s: seconds since the first failure.
+        spares: hot spares ready to take lost ranks (each counts toward ``min_workers``; not
+            on a mesh: a spare takes one rank, a replica group leaves whole).
         """
         other = {r: f for r, f in failures.items() if f.kind not in LOST_KINDS}
         if other:
@@ -149,11 +154,13 @@ class ElasticPolicy:
         gone = ""
         if self.replica_group_size > 1 and leaving:
             gone = f" (replica groups {list(leaving)} of {self.replica_group_size} ranks leave)"
-        if lost and len(survivors) < self.min_workers:
+        used = 0 if self.replicas else min(spares, len(lost))
+        if lost and len(survivors) + used < self.min_workers:
+            ready = f" and {used} spares are ready" if used else ""
             return ElasticDecision(
                 ElasticAction.FALLBACK,
-                f"not resizing in place: {len(survivors)} of {world_size} workers remain{gone}, "
-                f"fewer than min={self.min_workers}",
+                f"not resizing in place: {len(survivors)} of {world_size} workers remain{gone}"
+                f"{ready}, fewer than min={self.min_workers}",
             )
         waiting = [r for r in survivors if r not in interrupted]
         if waiting or not lost:
@@ -179,11 +186,20 @@ class ElasticPolicy:
         source = None
         if len(set(steps.values())) > 1 and not self.replicas:
             source = survivors.index(min(r for r in survivors if steps[r] == newest))
+        reason = (
+            f"resizing in place: {world_size} -> {len(survivors)} workers (lost ranks {lost})"
+            + gone
+        )
+        if used:
+            reason = (
+                f"replacing in place: {used} spare(s) take lost ranks {lost[:used]}; "
+                f"{world_size} -> {len(survivors) + used} workers"
+            )
         return ElasticDecision(
             ElasticAction.RESIZE,
-            f"resizing in place: {world_size} -> {len(survivors)} workers (lost ranks {lost})"
-            + gone,
+            reason,
             survivors=survivors,
             source=source,
             snapshot_step=newest,
+            spares=used,
         )

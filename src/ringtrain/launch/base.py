@@ -187,6 +187,18 @@ class GrowableGroup(WorkerGroup, Protocol):
         ...
 
 
+@runtime_checkable
+class SpareGroup(GrowableGroup, Protocol):
+    """A growable group that keeps hot spares (``ScalingConfig.spares``): joining workers
+    with ids at or above the world size that wait, warmed up, until a ``resize`` makes them
+    members (``assignment[spare_id] = rank``); spares left out of a resize stay spares.
+    ``discard`` stops them."""
+
+    def add_spares(self, count: int) -> list[int]:
+        """Start ``count`` spares; returns their ids (``OSError``: could not start)."""
+        ...
+
+
 class Launcher(Protocol):
     def start(self, spec: WorkerSpec) -> WorkerGroup: ...
 
@@ -270,9 +282,13 @@ class ChannelGroup:
         missing = [old for old in assignment if old not in self._conns]
         if missing:
             raise OSError(f"ranks {missing} have no channel connection")
+        # Hot spares not promoted stay spares, under their ids (above every rank).
+        waiting = set(getattr(self, "_spares", ())) - set(assignment)
         kept = {new: members[old] for old, new in assignment.items()}
+        kept.update({s: members[s] for s in waiting if s in members})
         conns = {new: self._conns[old] for old, new in assignment.items()}
-        left = [w for r, w in members.items() if r not in assignment]
+        conns.update({s: self._conns[s] for s in waiting if s in self._conns})
+        left = [w for r, w in members.items() if r not in assignment and r not in waiting]
         return kept, conns, left
 
     def _pop_joiners(self, ranks: list[int], members: dict[int, Any]) -> list[Any]:

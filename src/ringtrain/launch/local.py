@@ -38,9 +38,9 @@ from ringtrain.cluster.env import loopback_environment, worker_environment
 from ringtrain.cluster.worker_env import cpu_worker_devices
 from ringtrain.launch import shared_pool
 from ringtrain.launch.base import STACK_DUMP_SIGNAL, ChannelGroup, WorkerSpec, start_store
+from ringtrain.launch.output import forward as _forward
 from ringtrain.launch.pool import PooledProcess, PoolUnavailable, WorkerPool
 from ringtrain.launch.reaper import Reaper, remove_worker_temp_dir, wait_unreaped
-from ringtrain.monitor.console_io import write_whole
 from ringtrain.wire.channel import DriverListener, Event, Exited, new_authkey
 
 logger = logging.getLogger("ringtrain")
@@ -179,6 +179,8 @@ class LocalWorkerGroup(ChannelGroup):
         self._retired: list[WorkerProcess] = []  # lost in an elastic resize
         self._rank_of: dict[int, int] = {}  # pid -> current rank (renumbered by resize)
         self._joining: set[int] = set()  # ranks started by grow, not members yet
+        self._spares: set[int] = set()  # hot spares among them (ids >= the world size)
+        self._next_spare = spec.world_size  # the next spare's id
         self._quiet: set[int] = set()  # pids stopped as joiners left out: no Exited event
         self._stopped = False
         self._lock = threading.Lock()
@@ -335,7 +337,8 @@ class LocalWorkerGroup(ChannelGroup):
             self._retired += left
             self._procs, self._conns = procs, conns
             self._rank_of = {p.pid: r for r, p in procs.items()}
-            self._joining.clear()
+            self._spares -= set(assignment)  # promoted
+            self._joining = set(self._spares)  # a grow's joiners are members or left out
             self.world_size = len(assignment)
             alive = [p for p in left if p.poll() is None]
             self._quiet.update(p.pid for p in alive)
@@ -362,7 +365,7 @@ class LocalWorkerGroup(ChannelGroup):
             raise ValueError("grow: the run is not elastic (WorkerSpec.config.elastic is None)")
         with self._lock:
             expected = list(range(self.world_size, self.world_size + len(ranks)))
-            if list(ranks) != expected or self._joining or self._stopped:
+            if list(ranks) != expected or self._joining - self._spares or self._stopped:
                 raise ValueError(
                     f"grow: ranks {list(ranks)} do not follow the {self.world_size} members "
                     f"(expected {expected}; joining now: {sorted(self._joining)})"
@@ -376,10 +379,40 @@ class LocalWorkerGroup(ChannelGroup):
             raise
         return list(ranks)
 
-    def discard(self, ranks: list[int]) -> None:
-        """Stop joining workers that were never made members (SIGKILL) and forget them; their
-        Exited events may still arrive. Idempotent; members and unknown ranks are ignored."""
+    def add_spares(self, count: int) -> list[int]:
+        """Start ``count`` hot spares (``ScalingConfig.spares``): joining workers with fresh ids
+        (at or above the run's world size, never reused) that say Hello and ``JoinReady`` with
+        their id and wait, warmed up, until a :meth:`resize` makes them members; the others
+        stay spares across resizes.
+
+        Returns:
+            the ids started.
+
+        Raises:
+            OSError: if a process cannot be started (those of this call are stopped again).
+            ValueError: if the run does not resize in place (``WorkerSpec.config.elastic``).
+        """
+        if not self.spec.elastic:
+            raise ValueError("add_spares: the run is not elastic (WorkerSpec.config.elastic)")
         with self._lock:
+            ids = list(range(self._next_spare, self._next_spare + count))
+            self._next_spare += count
+            self._joining.update(ids)
+            self._spares.update(ids)
+        try:
+            for spare in ids:
+                self._start_worker(spare, spare + 1, self._base_env)
+        except BaseException:
+            self.discard(ids)
+            raise
+        return ids
+
+    def discard(self, ranks: list[int]) -> None:
+        """Stop joining workers (a grow's, or spares) that were never made members (SIGKILL)
+        and forget them; their Exited events may still arrive. Idempotent; members and unknown
+        ranks are ignored."""
+        with self._lock:
+            self._spares -= set(ranks)
             gone: list[WorkerProcess] = self._pop_joiners(ranks, self._procs)
             self._retired += gone
             self._quiet.update(proc.pid for proc in gone)
@@ -437,64 +470,3 @@ class LocalWorkerGroup(ChannelGroup):
 def _signal_group(proc: WorkerProcess, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-
-
-_OUTPUT_LOCK = threading.Lock()
-"""Held while one forwarded line or traceback block is written: two ranks' tracebacks never
-interleave line by line."""
-
-_TRACEBACK_START = "Traceback (most recent call last):"
-_TRACEBACK_MAX_LINES = 1000
-
-
-def _ends_traceback(line: str) -> bool:
-    """The ``ExcType: message`` line that closes a traceback block (not indented, not a
-    chained-exception separator, not blank)."""
-    text = line.rstrip("\r\n")
-    return (
-        bool(text)
-        and not text[0].isspace()
-        and not text.startswith(
-            (_TRACEBACK_START, "During handling of the above exception", "The above exception")
-        )
-    )
-
-
-def _forward(rank: int | str, pipe: IO[bytes], stream_name: str) -> None:
-    """Copy a worker's output line by line to the driver's stream, prefixed with its rank
-    (``(rank N)``; a name instead of a rank: ``(store)``).
-
-    A traceback the worker prints is copied as one block once its last line (``Type: message``)
-    is in, so that it never interleaves with another rank's output; a block the worker could
-    not finish (it was stopped mid-print) is copied at end of output with a note saying so."""
-    prefix = f"(rank {rank}) " if isinstance(rank, int) else f"({rank}) "
-    block: list[str] = []
-
-    def write(lines: list[str]) -> None:
-        stream = sys.stdout if stream_name == "stdout" else sys.stderr
-        with _OUTPUT_LOCK:
-            try:  # whole: a traceback block is often longer than one 2048-byte tty write
-                write_whole(stream, "".join(prefix + line for line in lines))
-                stream.flush()
-            except (ValueError, OSError):
-                pass  # the driver's stream was closed (interpreter shutting down)
-
-    try:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            if not line.endswith("\n"):
-                line += "\n"
-            if block:
-                block.append(line)
-                if _ends_traceback(line) or len(block) >= _TRACEBACK_MAX_LINES:
-                    write(block)
-                    block = []
-            elif line.startswith(_TRACEBACK_START):
-                block = [line]
-            else:
-                write([line])
-        if block:
-            write([*block, "... (traceback cut short: the worker was stopped)\n"])
-    finally:
-        with contextlib.suppress(OSError):
-            pipe.close()

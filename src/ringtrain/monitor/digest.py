@@ -20,6 +20,7 @@ from ringtrain.rundir.schema import (
     ResizeFallbackEvent,
     RunEndEvent,
     RunStartEvent,
+    SpareEvent,
     parse_event,
 )
 
@@ -60,6 +61,7 @@ class EventDigest:
     resizes: list[ResizeInfo] = field(default_factory=list)
     world_sizes: list[WorldSizeChange] = field(default_factory=list)
     corruption: list[str] = field(default_factory=list)
+    spares: list[str] = field(default_factory=list)
     skipped: int = 0
 
     def add(self, ev: EventRecord) -> None:
@@ -90,6 +92,10 @@ class EventDigest:
                 self.resizes.append(ResizeInfo(kind="fallback", time=t, cause=ev.reason or ""))
             case ReplicaMismatchEvent():
                 self.corruption.append(corruption_line(ev))
+            case SpareEvent():
+                line = spare_line(ev)
+                if line is not None:
+                    self.spares.append(line)
             case RunEndEvent():
                 self.end_status = ev.status.upper() if ev.status is not None else None
                 self.end_duration_s = ev.duration_s
@@ -108,6 +114,7 @@ class EventDigest:
                 steps_rolled_back=ev.steps_rolled_back,
                 failure_time=ev.failure_time,
                 resume_s=ev.resume_s,
+                spare_ranks=list(ev.spare_ranks) if ev.spare_ranks else None,
             )
         )
         if ev.new_world_size is None:
@@ -119,6 +126,17 @@ class EventDigest:
             last = self.world_sizes[-1].time
             since = since if last is None else max(since, last)
         self.world_sizes.append(WorldSizeChange(since, ev.new_world_size, "resize"))
+
+
+def spare_line(ev: SpareEvent) -> str | None:
+    """One line for a hot spare's ``spare`` event that changed something (``promoted``:
+    ``spare 3 took rank 1``; ``lost``: ``spare 4 lost: ...``); ``None`` for ``started`` and
+    ``ready``."""
+    if ev.action == "promoted":
+        return f"spare {ev.spare} took rank {ev.rank}"
+    if ev.action == "lost":
+        return f"spare {ev.spare} lost: {ev.reason or 'unknown reason'}"
+    return None
 
 
 def corruption_line(ev: ReplicaMismatchEvent) -> str:

@@ -132,6 +132,8 @@ class ResizeInfo:
         failure_time: When the worker died (Unix time in seconds), or None.
         resume_s: Seconds from the failure to the first completed step after the resize; None
             when none completed (or unknown).
+        spare_ranks: The ranks hot spares took in this resize (``ScalingConfig.spares``), or
+            None when none did.
     """
 
     kind: str
@@ -144,6 +146,7 @@ class ResizeInfo:
     steps_rolled_back: int | None = None
     failure_time: float | None = None
     resume_s: float | None = None
+    spare_ranks: list[int] | None = None
 
 
 @dataclass
@@ -181,6 +184,8 @@ class RunDetails:
         world_sizes: The world size over time: one entry per group start and per resize.
         corruption: Silent data corruption: one line per ``replica_mismatch`` event, in file
             order (docs/fault-tolerance.md, "Silent data corruption").
+        spares: Hot spares (``ScalingConfig.spares``): one line per spare that took a rank or
+            was lost before it served, in file order.
         skipped_event_lines: Lines of ``events.jsonl`` that could not be parsed (usually a last
             line still being written) and were ignored.
     """
@@ -195,4 +200,5 @@ class RunDetails:
     resizes: list[ResizeInfo] = field(default_factory=list)
     world_sizes: list[WorldSizeChange] = field(default_factory=list)
     corruption: list[str] = field(default_factory=list)
+    spares: list[str] = field(default_factory=list)
     skipped_event_lines: int = 0

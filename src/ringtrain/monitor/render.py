@@ -232,6 +232,7 @@ def render_run(
         _render_rank_table(details, console, max_columns=max_columns)
     _render_checkpoints(details, console)
     _render_resizes(details, console)
+    _render_spares(details, console)
     _render_corruption(details, console)
     _render_failures(details, console)
 
@@ -244,6 +245,10 @@ def _workers_text(details: RunDetails) -> str:
     limits = worker_range(details.config)
     if limits is not None:
         notes.append(f"elastic {limits[0]}-{limits[1]}")
+    scaling = as_dict((details.config or {}).get("scaling_config")) or {}
+    spares = scaling.get("spares")
+    if isinstance(spares, int) and spares > 0:
+        notes.append(f"+{spares} hot spare{'s' if spares != 1 else ''}")
     sizes = [c.world_size for c in details.world_sizes]
     steps = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]
     if len(steps) > 1:
@@ -344,6 +349,16 @@ def _render_checkpoints(details: RunDetails, console: Console) -> None:
     console.print(table)
 
 
+def _render_spares(details: RunDetails, console: Console) -> None:
+    """The hot spares that took a rank or were lost (``ScalingConfig.spares``)."""
+    if not details.spares:
+        return
+    console.print()
+    console.print(Text(f"Spares ({len(details.spares)})", style="bold"))
+    for line in details.spares:
+        console.print(Text(f"  {line}"))
+
+
 def _render_corruption(details: RunDetails, console: Console) -> None:
     """What the replica checks found (nothing printed when they found nothing)."""
     if not details.corruption:
@@ -376,6 +391,8 @@ def _render_resizes(details: RunDetails, console: Console) -> None:
             old = "?" if r.old_world_size is None else str(r.old_world_size)
             new = "?" if r.new_world_size is None else str(r.new_world_size)
             change = Text(f"{old} -> {new} workers")
+            if r.spare_ranks:
+                change.append(f" (spare took rank {', '.join(map(str, r.spare_ranks))})")
         resumed = "-" if r.resume_s is None else f"{r.resume_s:.2f} s"
         if r.steps_rolled_back is None:
             rolled = "-"

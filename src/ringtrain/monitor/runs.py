@@ -334,5 +334,6 @@ def load_run(run_dir: str) -> RunDetails:
         resizes=list(digest.resizes),
         world_sizes=list(digest.world_sizes),
         corruption=list(digest.corruption),
+        spares=list(digest.spares),
         skipped_event_lines=digest.skipped,
     )

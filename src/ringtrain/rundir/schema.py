@@ -54,6 +54,7 @@ __all__ = [
     "ResumeEvent",
     "RunEndEvent",
     "RunStartEvent",
+    "SpareEvent",
     "StopRequestedEvent",
     "StragglerClearedEvent",
     "StragglerEvent",
@@ -294,7 +295,8 @@ class ResizeEvent(EventRecord):
     ``new_world_size`` because of ``cause``; ``generation``, ``snapshot_step`` resumed from,
     ``steps_rolled_back``, ``failure_time`` (Unix time of the death, or when the grow's
     workers were started), ``resume_s`` (to the first completed step; None if none), and for a
-    grow ``paused_s`` (seconds the members were out of the train function)."""
+    grow ``paused_s`` (seconds the members were out of the train function); ``spare_ranks``: the
+    ranks hot spares took (``ScalingConfig.spares``; absent when none did)."""
 
     KIND: ClassVar[str] = "resize"
     old_world_size: int | None = None
@@ -306,6 +308,7 @@ class ResizeEvent(EventRecord):
     failure_time: float | None = None
     resume_s: float | None = None
     paused_s: float | None = field(default=None, metadata={"omit_none": True})
+    spare_ranks: list[int] | None = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -335,6 +338,23 @@ class GrowFailedEvent(EventRecord):
     reason: str | None = None
     ranks: list[int] = field(default_factory=list)
     retry_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareEvent(EventRecord):
+    """Hot spares (``ScalingConfig.spares``): spare ``spare`` (its id, >= the world size) was
+    ``"started"`` (process ``pid``), became ``"ready"`` (imported, warmed up, connected;
+    ``ready_s`` after its start), ``"promoted"`` (took rank ``rank``) or was ``"lost"`` before
+    it served (``reason``; the next one starts after ``retry_s`` seconds)."""
+
+    KIND: ClassVar[str] = "spare"
+    action: str | None = None
+    spare: int | None = None
+    rank: int | None = field(default=None, metadata={"omit_none": True})
+    pid: int | None = field(default=None, metadata={"omit_none": True})
+    ready_s: float | None = field(default=None, metadata={"omit_none": True})
+    reason: str | None = field(default=None, metadata={"omit_none": True})
+    retry_s: float | None = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -422,6 +442,7 @@ EVENT_TYPES: dict[str, type[EventRecord]] = {
         GrowStartEvent,
         GrowFailedEvent,
         ResizeFallbackEvent,
+        SpareEvent,
         TransitionEvent,
         StopRequestedEvent,
         PreemptionEvent,

@@ -92,7 +92,8 @@ class WorkerConfig:
             on: seconds between step-timing windows (``None``: timing off).
         comm_timing: ``MonitorConfig.comm_timing``: ``"auto"``, ``"hook"`` or ``"wait"``.
         max_steps: stop cleanly after this many steps (``ringtrain bench``; ``None``: no limit).
-        elastic: the elastic settings, ``None`` for a run of a fixed size.
+        elastic: the elastic settings, ``None`` for a run of a fixed size without hot spares
+            (``ScalingConfig.spares`` needs the in-place runtime: ``min = max = num_workers``).
         elastic_batch_policy: ``ScalingConfig.elastic_batch_policy`` (elastic runs).
         mesh: the resolved ``ScalingConfig.parallel`` (``get_context().mesh`` is built from it;
             ``prepare_model`` then shards and applies TP over it); ``None`` without a
@@ -199,12 +200,12 @@ def build_worker_config(
     failure = run_config.failure_config
     monitor = run_config.monitor_config
     elastic = None
-    if scaling_config.elastic:
+    if scaling_config.in_place:  # num_workers=(min, max), or spares: resize/replace in place
         elastic = ElasticSettings(
             scaling_config.min_workers,
             scaling_config.max_workers,
             failure.snapshot_interval_steps,
-            grow=scaling_config.elastic_grow_after_s is not None,
+            grow=scaling_config.elastic and scaling_config.elastic_grow_after_s is not None,
         )
     timeout = failure.worker_timeout_s
     return WorkerConfig(

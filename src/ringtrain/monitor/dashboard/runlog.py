@@ -49,6 +49,7 @@ from ringtrain.rundir.schema import (
     ResumeEvent,
     RunEndEvent,
     RunStartEvent,
+    SpareEvent,
     StragglerClearedEvent,
     StragglerEvent,
     TimingEvent,
@@ -71,6 +72,7 @@ TIMELINE_TYPES: frozenset[type[EventRecord]] = frozenset(
         StragglerClearedEvent,
         ResizeEvent,
         ResizeFallbackEvent,
+        SpareEvent,
         ReplicaMismatchEvent,
         RunEndEvent,
     }

@@ -673,6 +673,10 @@
         (isNum(e.steps_rolled_back)
           ? `, ${e.steps_rolled_back} step${e.steps_rolled_back === 1 ? "" : "s"} rolled back` : "");
       case "resize_fallback": return `restart from the disk checkpoint: ${e.reason || ""}`;
+      case "spare": return e.action === "promoted" ? `hot spare ${e.spare} took rank ${e.rank}`
+        : e.action === "lost" ? `hot spare lost: ${e.reason || ""}`
+        : e.action === "ready" ? `hot spare ${e.spare} ready` + (isNum(e.ready_s) ? ` after ${e.ready_s.toFixed(2)} s` : "")
+        : `hot spare ${e.spare} started` + (e.pid != null ? ` (pid ${e.pid})` : "");
       case "preemption": return `notice from ${e.source || "?"}: ${e.reason || ""}` +
         (isNum(e.grace_s) ? ` (${e.grace_s} s to save)` : "");
       case "preemption_saved": return `every worker saved at step ${e.step ?? "?"}` +
