@@ -42,6 +42,8 @@ def bed() -> Iterator[NetBed]:
 def ray_bed() -> Iterator[RayBed]:
     """Three hosts, h1-h3 (10.77.0.1-3), one Ray node each with 2 CPUs (a 3-worker SPREAD job
     has one worker per host, and a host's worth of spare capacity for a restart without it);
-    the Ray head on h1. Ray's own defaults otherwise, as a user's cluster has them."""
-    with NetBed(hosts=3) as made, RayBed(made, cpus=2) as ray_bed:
+    the Ray head on h1. Ray 2.60's token authentication is on, as on a cluster whose nodes
+    have ``~/.ray/auth_token`` (a ``HOME`` of the bed's own: the machine's is not touched);
+    Ray's defaults otherwise, as a user's cluster has them."""
+    with NetBed(hosts=3) as made, RayBed(made, cpus=2, token_auth=True) as ray_bed:
         yield ray_bed

@@ -5,7 +5,9 @@ placement_strategy="SPREAD")``), with no ``GLOO_SOCKET_IFNAME`` anywhere: each h
 resolves to 127.0.1.1, the trap that made gloo advertise loopback to the other hosts. It must
 end bit-identical to the same job on local processes, one worker per host, and every listener
 of the run (driver channel, rendezvous store, gloo) bound to its host's address, never the
-wildcard (read from each host's own ``/proc/PID/net/tcp``)."""
+wildcard (read from each host's own ``/proc/PID/net/tcp``). The cluster has Ray 2.60's token
+authentication on (a ``~/.ray/auth_token`` on every host): the CLI finds it with ``auto``, and the
+Python API reaches it by its explicit address, for which Ray does not enable the token itself."""
 
 from __future__ import annotations
 
@@ -141,7 +143,9 @@ import ringtrain as rt
 import hosts_workload
 result = rt.Trainer(
     hosts_workload.train_fn,
-    rt.ScalingConfig(num_workers=3, backend="ray", placement_strategy="SPREAD"),
+    rt.ScalingConfig(
+        num_workers=3, backend="ray", placement_strategy="SPREAD", ray_address={address!r}
+    ),
     rt.RunConfig(name="api", storage_path={runs!r}, progress="off"),
     train_loop_config={{"steps": {steps}, "out": {out!r}}},
 ).fit()
@@ -149,10 +153,14 @@ print(result.status)
 """
 
 
-def test_the_python_api_with_spread_runs_one_worker_per_host(ray_bed, tmp_path, tmp_path_factory):
+def test_the_python_api_with_spread_and_an_explicit_token_authenticated_address(
+    ray_bed, tmp_path, tmp_path_factory
+):
     h1 = ray_bed.bed.hosts[0]
     out = tmp_path / "api.pt"
-    script = _API_DRIVER.format(runs=str(tmp_path / "runs"), steps=STEPS, out=str(out))
+    script = _API_DRIVER.format(
+        runs=str(tmp_path / "runs"), steps=STEPS, out=str(out), address=ray_bed.address
+    )
     done = ray_bed.run(
         h1, [sys.executable, "-c", textwrap.dedent(script)], env=_env(), check=False, timeout=600
     )

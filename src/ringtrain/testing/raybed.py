@@ -40,6 +40,10 @@ class RayBed:
         system_config: Ray's ``--system-config`` for the head (e.g. faster node-death
             detection: ``{"health_check_period_ms": 500, "health_check_failure_threshold": 4}``).
         start_timeout_s: how long each ``ray start`` may take.
+        token_auth: turn on Ray's token authentication (Ray 2.60): a ``~/.ray/auth_token`` on
+            every host (a ``HOME`` of the bed's own; the machine's is not touched), which the
+            head finds by itself, and ``RAY_AUTH_MODE=token`` for ``ray start --address`` on
+            the other hosts, as Ray's documentation asks. Drivers get the ``HOME`` only.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class RayBed:
         env: Mapping[str, str] | None = None,
         system_config: Mapping[str, Any] | None = None,
         start_timeout_s: float = 180.0,
+        token_auth: bool = False,
     ) -> None:
         self.bed = bed
         self.cpus = cpus
@@ -59,6 +64,9 @@ class RayBed:
         self.root = f"/tmp/{bed.bridge}"
         self.head = bed.hosts[0]
         self.address = f"{self.head.address}:{HEAD_PORT}"
+        self.token_auth = token_auth
+        if token_auth:
+            self.extra_env["HOME"] = os.path.join(self.root, "home")
 
     def __enter__(self) -> RayBed:
         return self.start()
@@ -86,6 +94,13 @@ class RayBed:
         """
         for host in self.bed.hosts:
             os.makedirs(os.path.join(self.root, host.name), exist_ok=True)
+        if self.token_auth:
+            import secrets
+
+            token = os.path.join(self.extra_env["HOME"], ".ray", "auth_token")
+            os.makedirs(os.path.dirname(token), exist_ok=True)
+            with open(token, "w") as f:
+                f.write(secrets.token_hex(16))
         try:
             for host in self.bed.hosts:
                 self._start_node(host)
@@ -120,8 +135,9 @@ class RayBed:
                 cmd += ["--system-config", json.dumps(self.system_config)]
         else:
             cmd = ["ray", "start", "--address", self.address, *common]
+        env = {"RAY_AUTH_MODE": "token"} if self.token_auth and host is not self.head else {}
         for attempt in range(1, START_ATTEMPTS + 1):
-            done = self.run(host, cmd, check=False, timeout=self.start_timeout_s)
+            done = self.run(host, cmd, env=env, check=False, timeout=self.start_timeout_s)
             if done.returncode == 0:
                 return
             if attempt == START_ATTEMPTS:
