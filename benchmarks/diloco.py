@@ -33,6 +33,9 @@ Usage (as root; the figures in docs/benchmarks.md)::
     python benchmarks/diloco.py --steps 200 --sync-every 10 --fragments 4 --delay 1 \
         --eval-every 20 --extra 1.25 --runs diloco,streaming --baseline /tmp/dl41full \
         --out-dir /tmp/dl41h10 --figure docs/diloco-slow-links-h10.svg
+    python benchmarks/diloco.py --steps 200 --sync-every 50 --eval-every 25 \
+        --runs diloco,diloco-cut --cut-after 50 --cut-for-s 30 --baseline /tmp/dl41full \
+        --out-dir /tmp/dl41cut
     python benchmarks/diloco.py --steps 20 --sync-every 10 --runs ddp,diloco   # a quick look
 """
 
@@ -47,6 +50,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -73,7 +77,29 @@ RUNS: dict[str, list[str]] = {
         "int8",
     ],
 }
-"""The runs (``--runs`` picks some); ``{fragments}``/``{delay}`` are ``--fragments``/``--delay``."""
+RUNS["diloco-cut"] = RUNS["diloco"]
+"""The runs (``--runs`` picks some); ``{fragments}``/``{delay}`` are ``--fragments``/``--delay``.
+``diloco-cut`` is ``diloco`` with the last host's link cut (:func:`cut_link`)."""
+
+
+def cut_link(bed: NetBed, out: Path, after_step: int, for_s: float, log: dict[str, Any]) -> None:
+    """Once the last host's rank has recorded step ``after_step``, cut its link for ``for_s``
+    seconds, then heal it; ``log`` gets the step and the seconds the cut lasted."""
+    host = bed.hosts[-1]
+    rows = Path(f"{out}.{len(bed.hosts) - 1}.jsonl")
+    while True:
+        if rows.exists():
+            seen = [json.loads(line) for line in rows.read_text().splitlines() if line]
+            if seen and seen[-1]["step"] >= after_step:
+                break
+        time.sleep(0.2)
+    began = time.monotonic()
+    bed.cut(host)
+    try:
+        time.sleep(for_s)
+    finally:
+        bed.heal(host)
+    log.update(cut_at_step=seen[-1]["step"], cut_s=time.monotonic() - began, host=host.name)
 
 
 def launch(bed: NetBed, name: str, argv: list[str], out: Path, port: int, timeout_s: float) -> None:
@@ -153,6 +179,11 @@ def summarize(per_rank: dict[str, list[list[dict[str, Any]]]], steps: int) -> di
             "val_loss": at[0]["val_loss"],
             "train_s": max(a["train_s"] for a in at),
             "wire_bytes_per_step": sum(a["tx_bytes"] for a in at) / len(at) / steps,
+            # with evaluation: a stall in an evaluation's all-reduce (a cut link) counts here
+            "wall_s": max(
+                a["train_s"] + sum(row["eval_s"] for row in r if row["step"] <= steps)
+                for a, r in zip(at, ranks, strict=True)
+            ),
         }
         if "peak_bytes" in at[0]:
             fig["peak_bytes"] = max(a["peak_bytes"] for a in at)
@@ -245,6 +276,8 @@ def main() -> None:
     p.add_argument("--out-dir", default=None, help="default: a new temporary directory")
     p.add_argument("--figure", default=None, help="an .svg or .png to write")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
+    p.add_argument("--cut-after", type=int, default=50, help="diloco-cut: cut after this step")
+    p.add_argument("--cut-for-s", type=float, default=30.0, help="diloco-cut: for this long")
     p.add_argument(
         "--baseline",
         default=None,
@@ -263,7 +296,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     every = args.eval_every or args.sync_every
     extra = math.ceil(args.steps * args.extra / args.sync_every) * args.sync_every
-    per_rank = {}
+    per_rank, cuts = {}, {}
     # A SIGTERM (or a timeout's kill of the whole job) still tears the bed down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("benchmarks/diloco.py: terminated"))
     # self_resolves="address": each host's name resolves to its bed address, as on a machine
@@ -273,17 +306,31 @@ def main() -> None:
         for i, name in enumerate(names):
             argv = [a.format(fragments=args.fragments, delay=args.delay) for a in RUNS[name]]
             steps = extra if name in ("diloco", "streaming") else args.steps
+            if name == "diloco-cut":
+                steps = extra if "diloco" not in names else args.steps
             argv += ["--steps", str(steps), "--horizon", str(args.steps)]
             argv += ["--eval-every", str(every), "--sync-every", str(args.sync_every)]
             out = out_dir / name
             began = time.monotonic()
+            cut: dict[str, Any] = {}
+            if name == "diloco-cut":
+                threading.Thread(
+                    target=cut_link,
+                    args=(bed, out, args.cut_after, args.cut_for_s, cut),
+                    daemon=True,
+                ).start()
             launch(bed, name, argv, out, 29500 + i, args.timeout_s)
+            if cut:
+                cuts[name] = cut
             print(f"{name}: {time.monotonic() - began:.0f} s", flush=True)
             per_rank[name] = load(out, args.hosts)
     if args.baseline and "ddp" not in per_rank:
         per_rank = {"ddp": load(Path(args.baseline) / "ddp", args.hosts), **per_rank}
     summary = summarize(per_rank, args.steps)
     summary["args"] = vars(args)
+    summary["cuts"] = cuts
+    if cuts:
+        print(f"cuts: {cuts}")
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
     print(table(summary))
     print(f"results: {out_dir / 'results.json'}")
