@@ -38,6 +38,7 @@ this backend is used (``pip install 'ringtrain[ray]'``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,24 @@ __all__ = [
     "assign_ranks",
     "explain_unplaceable",
     "import_ray",
+    "token_auth_as_for_auto",
 ]
+
+
+def token_auth_as_for_auto() -> None:
+    """Ray 2.60 turns token authentication on by itself when a driver finds the cluster with
+    ``address="auto"`` and a token exists (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH``), but not for an explicit ``HOST:PORT``: the driver then connects
+    without its token, and a cluster with token authentication answers with ``InvalidAuthToken``
+    until ``ray.init`` fails. Do for an explicit address what Ray does for ``"auto"``;
+    ``RAY_AUTH_MODE`` set by the user wins. On a Ray without token authentication, nothing."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 class RayLauncher:
@@ -134,6 +152,9 @@ class RayLauncher:
             self._actor_class = remote_worker_class(ray)
         if ray.is_initialized():
             return
+        explicit = self.address or os.environ.get("RAY_ADDRESS") or "auto"
+        if explicit != "auto":
+            token_auth_as_for_auto()
         ray.init(address=self.address, log_to_driver=False)
         node = getattr(getattr(ray, "_private", None), "worker", None)
         node = getattr(node, "_global_node", None)

@@ -1,5 +1,6 @@
 """The Ray backend's small shared pieces: importing Ray with an install hint
-(:func:`import_ray`), its errors (:class:`PlacementError`, :class:`StorageNotSharedError`), the
+(:func:`import_ray`), its errors (:class:`PlacementError`, :class:`StorageNotSharedError`,
+:class:`NetworkConfigError`), the
 book-keeping of one worker actor (:class:`GroupWorker`) and the actors' timeouts. Used by
 :mod:`ringtrain.launch.ray_group`, :mod:`~ringtrain.launch.ray_elastic` and
 :mod:`~ringtrain.launch.ray`.
@@ -38,6 +39,12 @@ class PlacementError(RuntimeError):
 
 class StorageNotSharedError(ValueError):
     """The run directory is a path that some worker node cannot see."""
+
+
+class NetworkConfigError(RuntimeError):
+    """The cluster's network cannot carry the worker group: a worker whose gloo would advertise
+    a loopback address to other hosts, or that cannot reach the rendezvous or the driver (the
+    message names the rank, its host, its interface and the address)."""
 
 
 @dataclass(eq=False)

@@ -34,6 +34,7 @@ from ringtrain.launch.ray_actors import (
     _url_to_path,
     import_ray,
 )
+from ringtrain.launch.ray_checks import blind_workers, check_network, network_plans
 from ringtrain.launch.ray_placement import (
     NodeResources,
     Slot,
@@ -192,34 +193,8 @@ class RayWorkerGroup(ChannelGroup):
             self._members[slot.rank] = worker
 
     def _blind(self, workers: list[GroupWorker]) -> list[GroupWorker]:
-        """The workers (on nodes other than the driver's) that cannot see a local run
-        directory (a shared filesystem mounted at the same path is needed): checked with a
-        marker file the driver writes. An fsspec URL is reached the same way by every node."""
-        import fsspec
-
-        from ringtrain.checkpoint.storage import is_local_fs
-
-        fs, path = fsspec.core.url_to_fs(self.spec.run_dir)
-        if not is_local_fs(fs):
-            return []
-        here = self.ray.get_runtime_context().get_node_id()
-        remote: dict[str, GroupWorker] = {}
-        for w in workers:
-            if w.info["node_id"] != here:
-                remote.setdefault(w.info["node_id"], w)
-        if not remote:
-            return []  # every worker runs on the driver's node
-        os.makedirs(path, exist_ok=True)
-        marker = os.path.join(path, f".ringtrain-shared-{secrets.token_hex(4)}")
-        with open(marker, "w") as f:
-            f.write("visible from every node?\n")
-        try:
-            seen = self.ray.get([w.actor.path_exists.remote(marker) for w in remote.values()])
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(marker)
-        blind_nodes = {n for n, ok in zip(remote, seen, strict=True) if not ok}
-        return [w for w in workers if w.info["node_id"] in blind_nodes]
+        """The workers that cannot see a local run directory (:func:`blind_workers`)."""
+        return blind_workers(self.ray, self.spec.run_dir, workers)
 
     def _check_storage(self, workers: list[GroupWorker]) -> None:
         blind = self._blind(workers)
@@ -270,7 +245,16 @@ class RayWorkerGroup(ChannelGroup):
         return env
 
     def _launch(self, pairs: list[tuple[GroupWorker, dict[str, str]]]) -> None:
-        """Start each worker's process in its actor and watch it."""
+        """Check that each worker can communicate (:mod:`~ringtrain.launch.ray_checks`), then
+        start its process in its actor, on the interface its actor chose, and watch it."""
+        assert self._listener is not None
+        plans = network_plans(
+            self.ray, pairs, self._master, self._listener.address, ACTOR_START_TIMEOUT_S
+        )
+        with self._lock:
+            hosts = len({w.info["node_id"] for w in self._members.values()})
+        check_network([w for w, _ in pairs], plans, hosts)
+        pairs = [(w, {**plan["env"], **env}) for (w, env), plan in zip(pairs, plans, strict=True)]
         refs = [
             w.actor.start.remote(self._cmd, env, [p for p in sys.path if p], os.getcwd())
             for w, env in pairs

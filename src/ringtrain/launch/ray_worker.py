@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -46,6 +47,7 @@ class RayWorker:
             "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
+            "hostname": socket.gethostname(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")
             or ",".join(str(i) for i in ray.get_gpu_ids()),
         }
@@ -86,6 +88,51 @@ class RayWorker:
 
         threading.Thread(target=serve, name="ringtrain-store", daemon=True).start()
         return port
+
+    def net_plan(
+        self, master: tuple[str, int], driver_addr: str, env: dict[str, str], timeout_s: float
+    ) -> dict[str, Any]:
+        """How this worker will communicate, asked on its node before it starts: the interface
+        gloo will use (``GLOO_SOCKET_IFNAME`` of ``env`` or of this node's environment, else the
+        one that routes to ``master``), the variables to set for it (``env``), whether it is a
+        loopback address (``loopback``, ``advertised``, ``why``), and what it cannot reach
+        from there within ``timeout_s`` (``unreachable``: the rendezvous store ``master``, the
+        driver's channel ``driver_addr``, ``"host:port"``)."""
+        from ringtrain.cluster.netif import (
+            choose_interface,
+            interface_environment,
+            probe,
+            resolve,
+        )
+
+        environ = {**os.environ, **env}
+        choice = choose_interface(master[0], environ)
+        plan: dict[str, Any] = {
+            "hostname": socket.gethostname(),
+            "interface": choice.describe(),
+            "source": choice.source,
+            "env": interface_environment(choice, environ),
+            "loopback": choice.loopback,
+            "advertised": choice.address,
+            "why": f"GLOO_SOCKET_IFNAME={choice.ifname}",
+        }
+        if choice.ifname is None:  # gloo falls back to the address the host name resolves to
+            name = socket.gethostname()
+            addresses = resolve(name)
+            plan["advertised"] = addresses[0] if addresses else None
+            plan["loopback"] = bool(addresses) and addresses[0].startswith(("127.", "::1"))
+            plan["why"] = f"the host name {name!r} resolves to it"
+        driver_host, _, driver_port = driver_addr.rpartition(":")
+        unreachable = []
+        for what, host, port in (
+            ("the rendezvous store", master[0], int(master[1])),
+            ("the driver", driver_host.strip("[]"), int(driver_port)),
+        ):
+            why = probe(choice.address, host, port, timeout_s)
+            if why is not None:
+                unreachable.append(f"{what} at {host}:{port} ({why})")
+        plan["unreachable"] = unreachable
+        return plan
 
     def path_exists(self, path: str) -> bool:
         return os.path.exists(path)

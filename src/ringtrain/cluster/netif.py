@@ -1,0 +1,182 @@
+"""Which network interface a worker's communication uses: the one that routes to the
+rendezvous address.
+
+gloo (and NCCL's bootstrap, and TensorPipe) listen on, and advertise to their peers, the address
+of ``GLOO_SOCKET_IFNAME`` (``NCCL_SOCKET_IFNAME``, ``TP_SOCKET_IFNAME``); without it, gloo takes
+the address the machine's host name resolves to. On many machines that is a loopback address
+(Debian and Ubuntu write ``127.0.1.1 HOSTNAME`` into ``/etc/hosts``; containers often map the
+name to ``127.0.0.1``), which gloo then advertises to the other hosts: every connection fails
+with ``Connection refused, remote=[127.0.1.1]``. The interface that routes to ``MASTER_ADDR``
+is the one the peers can reach (they reach the rendezvous the same way), so a worker on several
+hosts uses that one unless told otherwise (:func:`choose_interface`).
+
+Standard library only; the kernel is asked with a UDP ``connect`` (no packet is sent) and
+``SIOCGIFADDR`` / ``/proc/net/if_inet6`` (Linux). Elsewhere the choice is left to gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+import struct
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ringtrain.cluster.worker_env import LOOPBACK_IFNAME_VARS
+
+SIOCGIFADDR = 0x8915  # linux/sockios.h
+
+
+@dataclass(frozen=True)
+class InterfaceChoice:
+    """What a worker's communication libraries will listen on and advertise.
+
+    Attributes:
+        ifname: the interface, e.g. ``"eth0"`` (``None``: it could not be found; gloo then
+            falls back to its host-name rule).
+        address: the interface's address that routes to the rendezvous (``None`` if unknown).
+        source: ``"user"`` (``GLOO_SOCKET_IFNAME`` was set), ``"route"`` (chosen by the route
+            to ``master_addr``) or ``"unknown"``.
+        master_addr: the rendezvous address it was chosen for.
+    """
+
+    ifname: str | None
+    address: str | None
+    source: str
+    master_addr: str
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the chosen interface is a loopback interface (only this host reaches it)."""
+        if self.address is not None:
+            with contextlib.suppress(ValueError):
+                return ipaddress.ip_address(self.address).is_loopback
+        return bool(self.ifname) and str(self.ifname).startswith("lo")
+
+    def describe(self) -> str:
+        """``"eth0 (10.77.0.2)"``, ``"lo (127.0.0.1, GLOO_SOCKET_IFNAME)"``."""
+        said = "GLOO_SOCKET_IFNAME" if self.source == "user" else None
+        parts = [p for p in (self.address, said) if p]
+        inner = f" ({', '.join(parts)})" if parts else ""
+        return f"{self.ifname or '?'}{inner}"
+
+
+def resolve(host: str) -> list[str]:
+    """The addresses ``host`` resolves to here (an address resolves to itself); ``[]`` when it
+    does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def route_source(address: str) -> str | None:
+    """The local address the kernel would send from to reach ``address`` (a UDP ``connect``
+    sends nothing), or ``None`` when there is no route."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    except ValueError:
+        return None
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((address, 9))
+        except OSError:
+            return None
+        return str(sock.getsockname()[0])
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """Interface name -> its addresses (IPv4 by ``SIOCGIFADDR``, IPv6 from
+    ``/proc/net/if_inet6``); ``{}`` where that cannot be asked (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return {}
+    import fcntl
+
+    out: dict[str, list[str]] = {}
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(
+                    sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                )
+            except OSError:
+                continue  # no IPv4 address
+            out.setdefault(name, []).append(socket.inet_ntoa(packed[20:24]))
+    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as f:
+        for line in f:
+            cols = line.split()
+            if len(cols) >= 6:
+                addr = str(ipaddress.ip_address(bytes.fromhex(cols[0])))
+                out.setdefault(cols[5], []).append(addr)
+    return out
+
+
+def interface_of(address: str) -> str | None:
+    """The interface that holds ``address``, or ``None``."""
+    for name, addresses in interface_addresses().items():
+        if address in addresses:
+            return name
+    return None
+
+
+def choose_interface(master_addr: str, environ: Mapping[str, str]) -> InterfaceChoice:
+    """The interface a worker should communicate on to reach the rendezvous at
+    ``master_addr``: ``GLOO_SOCKET_IFNAME`` of ``environ`` when set (the user's choice wins),
+    else the interface holding the local address that routes to ``master_addr``."""
+    user = environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if user:
+        addresses = interface_addresses().get(user, [])
+        return InterfaceChoice(user, addresses[0] if addresses else None, "user", master_addr)
+    for address in resolve(master_addr):
+        source = route_source(address)
+        if source is None:
+            continue
+        return InterfaceChoice(interface_of(source), source, "route", master_addr)
+    return InterfaceChoice(None, None, "unknown", master_addr)
+
+
+def probe(source: str | None, host: str, port: int, timeout_s: float) -> str | None:
+    """Try a TCP connection to ``host:port`` from the local address ``source`` (any when
+    ``None``); ``None`` when it connects, else why not (``"timed out after 5 s"``,
+    ``"connection refused"``, ...). The connection is closed at once."""
+    for address in resolve(host) or [host]:
+        try:
+            v6 = ipaddress.ip_address(address).version == 6
+        except ValueError:
+            return f"{host} does not resolve"
+        family = socket.AF_INET6 if v6 else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            try:
+                if source is not None:
+                    sock.bind((source, 0))
+                sock.connect((address, port))
+                return None
+            except TimeoutError:
+                return f"timed out after {timeout_s:g} s"
+            except OSError as exc:
+                return exc.strerror or str(exc)
+    return f"{host} does not resolve"
+
+
+def interface_environment(choice: InterfaceChoice, environ: Mapping[str, str]) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME``, ``TP_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` set to the chosen
+    interface, each only where ``environ`` does not set it already (a user's value wins)."""
+    if choice.ifname is None or choice.source != "route":
+        return {}
+    return {var: choice.ifname for var in LOOPBACK_IFNAME_VARS if not environ.get(var)}
+
+
+__all__ = [
+    "InterfaceChoice",
+    "choose_interface",
+    "interface_addresses",
+    "interface_environment",
+    "interface_of",
+    "probe",
+    "resolve",
+    "route_source",
+]

@@ -1,0 +1,49 @@
+"""The multi-host tier: hosts made of network namespaces on a private bridge
+(:mod:`ringtrain.testing.netbed`), with one Ray node each where a test needs Ray
+(:mod:`ringtrain.testing.raybed`). It needs root (CI runs as root); elsewhere every test skips
+and says why. Each bed is torn down when its test ends, and a bed left by a killed run is swept
+by the next one (:func:`ringtrain.testing.netbed.sweep`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ringtrain.testing.netbed import NetBed, unavailable
+from ringtrain.testing.raybed import RayBed
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+
+_WHY = unavailable()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _WHY is None:
+        return
+    skip = pytest.mark.skip(reason=f"the multi-host tier cannot run here: {_WHY}")
+    for item in items:
+        if _HERE in item.path.parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def bed() -> Iterator[NetBed]:
+    """Two hosts, h1 (10.77.0.1) and h2 (10.77.0.2), no Ray."""
+    with NetBed(hosts=2) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def ray_bed() -> Iterator[RayBed]:
+    """Three hosts, h1-h3 (10.77.0.1-3), one Ray node each with 2 CPUs (a 3-worker SPREAD job
+    has one worker per host, and a host's worth of spare capacity for a restart without it);
+    the Ray head on h1. Ray 2.60's token authentication is on, as on a cluster whose nodes
+    have ``~/.ray/auth_token`` (a ``HOME`` of the bed's own: the machine's is not touched);
+    Ray's defaults otherwise, as a user's cluster has them."""
+    with NetBed(hosts=3) as made, RayBed(made, cpus=2, token_auth=True) as ray_bed:
+        yield ray_bed

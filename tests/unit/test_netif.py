@@ -1,0 +1,86 @@
+"""Which interface a worker's gloo uses (cluster/netif.py), and what the Ray group refuses
+before it starts workers that could not communicate (launch/ray_checks.py): pure logic, plus the
+kernel's answers about this machine's own loopback (a socket, no process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain.cluster.netif import (
+    InterfaceChoice,
+    choose_interface,
+    interface_environment,
+    interface_of,
+    route_source,
+)
+from ringtrain.launch.ray_actors import GroupWorker, NetworkConfigError
+from ringtrain.launch.ray_checks import check_network
+
+
+def test_the_route_to_loopback_is_the_loopback_interface():
+    assert route_source("127.0.0.1") == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"
+    choice = choose_interface("127.0.0.1", {})
+    assert (choice.ifname, choice.address, choice.source) == ("lo", "127.0.0.1", "route")
+    assert choice.loopback
+
+
+def test_a_users_interface_wins_and_its_variables_are_left_alone():
+    choice = choose_interface("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth7"})
+    assert (choice.ifname, choice.source) == ("eth7", "user")
+    assert interface_environment(choice, {"GLOO_SOCKET_IFNAME": "eth7"}) == {}
+
+
+def test_a_routed_choice_sets_every_variable_the_user_did_not():
+    choice = InterfaceChoice("eth0", "10.77.0.2", "route", "10.77.0.1")
+    env = interface_environment(choice, {"NCCL_SOCKET_IFNAME": "ib0"})
+    assert env == {"GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0"}
+    assert not choice.loopback
+    assert choice.describe() == "eth0 (10.77.0.2)"
+
+
+def test_an_unresolvable_rendezvous_leaves_the_choice_to_gloo():
+    choice = choose_interface("no-such-host.invalid", {})
+    assert choice.source == "unknown" and choice.ifname is None
+    assert interface_environment(choice, {}) == {}
+
+
+def _worker(rank: int, ip: str) -> GroupWorker:
+    return GroupWorker(actor=None, bundle=rank, name=f"w{rank}", info={"ip": ip}, rank=rank)
+
+
+def _plan(**kw):
+    plan = {"hostname": "h2", "interface": "eth0 (10.77.0.2)", "loopback": False, "unreachable": []}
+    plan.update(kw)
+    return plan
+
+
+def test_a_group_whose_gloo_would_advertise_loopback_across_hosts_is_refused_naming_it():
+    workers = [_worker(0, "10.77.0.1"), _worker(1, "10.77.0.2")]
+    plans = [
+        _plan(hostname="h1"),
+        _plan(
+            interface="lo (127.0.0.1, GLOO_SOCKET_IFNAME)",
+            loopback=True,
+            advertised="127.0.0.1",
+            why="GLOO_SOCKET_IFNAME=lo",
+            source="user",
+        ),
+    ]
+    with pytest.raises(NetworkConfigError) as err:
+        check_network(workers, plans, hosts=2)
+    message = str(err.value)
+    assert "rank 1 on host h2 (10.77.0.2)" in message
+    assert "loopback address 127.0.0.1 (GLOO_SOCKET_IFNAME=lo)" in message
+    assert "unset GLOO_SOCKET_IFNAME" in message
+    check_network(workers, plans, hosts=1)  # one host: loopback reaches every peer
+
+
+def test_a_worker_that_cannot_reach_the_rendezvous_is_named_with_its_interface():
+    plans = [_plan(unreachable=["the rendezvous store at 10.77.0.1:4242 (timed out after 5 s)"])]
+    with pytest.raises(NetworkConfigError) as err:
+        check_network([_worker(2, "10.77.0.3")], plans, hosts=3)
+    assert (
+        "rank 2 on host h2 (10.77.0.3) cannot reach the rendezvous store at 10.77.0.1:4242 "
+        "(timed out after 5 s) from interface eth0 (10.77.0.2)"
+    ) in str(err.value)
