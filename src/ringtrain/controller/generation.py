@@ -46,7 +46,14 @@ class Generation:
         self.drained_since: float | None = None  # when every worker had exited (monotonic)
         self.read_out: set[int] = set()  # ranks whose channel was read to its end
         self.hosts: dict[int, str] = {}  # rank -> host name (its Hello)
+        self.pids: dict[int, int] = {}  # rank -> process id on its host (its Hello)
         self.mismatch: IntegrityMismatch | None = None  # a replica check's, if one failed
+
+    def worker_id(self, rank: int) -> str | None:
+        """``"HOST:PID"`` of ``rank``'s process, as its Hello said (``None`` before it)."""
+        if rank not in self.hosts or rank not in self.pids:
+            return None
+        return f"{self.hosts[rank]}:{self.pids[rank]}"
 
     @property
     def started_at(self) -> float:
