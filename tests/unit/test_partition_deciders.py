@@ -17,7 +17,7 @@ from ringtrain.controller import events
 from ringtrain.controller.effects import DumpStacks, FenceOff
 from ringtrain.controller.generation import Generation
 from ringtrain.controller.health import Health
-from ringtrain.wire.channel import Heartbeat, Hello, HostSilent
+from ringtrain.wire.channel import CheckpointDone, Heartbeat, Hello, HostSilent, Report
 
 
 def _cut_gen(silent_s: float) -> Generation:
@@ -121,3 +121,28 @@ def test_a_guarded_publication_drops_strays_and_refuses_a_file_that_differs(tmp_
     ]
     (tmp_path / "run" / "checkpoint_000003.tmp" / "model.pt").write_bytes(b"overwritten")
     assert manager.settle_staging(3, files) == "model.pt differs from what its rank wrote"
+
+
+def test_an_unreachable_ranks_pending_write_does_not_hold_the_restart():
+    # Every rank reported round 0 with a background write; ranks 0 and 1 finished theirs, and
+    # rank 2 was then cut off: its write will never be reported, so the restart does not wait
+    # checkpoint_grace_s (120 s by default) for it.
+    gen = Generation(0, 3)
+    for rank in range(3):
+        report = Report(rank, 0, time.time(), {"step": 2}, checkpoint_pending=True)
+        events.handle(gen, report, generation=0, grow=None)
+    for rank in (0, 1):
+        events.handle(gen, CheckpointDone(rank, 0, {}), generation=0, grow=None)
+    gen.health.started_at -= 100
+    now = time.monotonic()
+    for rank in range(3):
+        events.handle(gen, Hello(rank=rank, pid=40 + rank, hostname=f"h{rank + 1}"),
+                      generation=0, grow=None)  # fmt: skip
+        gen.health.seen(rank, now if rank != 2 else now - 11)
+        gen.health.progressed(rank, now - 11)
+    events.handle(gen, HostSilent(2, time.time(), "10.77.0.3", time.time() - 10),
+                  generation=0, grow=None)  # fmt: skip
+    assert gen.rounds.writes_in_flight(set())  # rank 2 owes its write
+    events.hang(gen, 10.0)
+    assert gen.failures[2].kind == "unreachable"
+    assert gen.drained(failure_grace_s=0.0, checkpoint_grace_s=3600.0)

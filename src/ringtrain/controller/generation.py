@@ -96,7 +96,8 @@ class Generation:
             return True
         assert self.first_failure_at is not None
         since = time.monotonic() - self.first_failure_at
-        hung = {r for r, f in self.failures.items() if f.kind == "hang"}
+        # A hung rank's write, or a cut-off one's, will never be reported: not waited for.
+        hung = {r for r, f in self.failures.items() if f.kind in ("hang", "unreachable")}
         if self.rounds.writes_in_flight(hung | set(self.exited)):
             return since >= checkpoint_grace_s
         return self.all_failed_or_exited or since > failure_grace_s

@@ -74,8 +74,8 @@ class Rounds:
         return reports, expected, outcomes
 
     def writes_in_flight(self, gone: set[int] | dict[int, Any]) -> bool:
-        """Whether a rank not in ``gone`` (exited, or failed as hung) owes a background write
-        of a round that can still be published (every report of it is in)."""
+        """Whether a rank not in ``gone`` (exited, or failed as hung or unreachable) owes a
+        background write of a round that can still be published (every report of it is in)."""
         for round_, (_reports, expected) in self.writing.items():
             done = self.outcomes.get(round_, {})
             missing = [r for r in expected if r not in done]
