@@ -37,9 +37,13 @@ from ringtrain.launch.ray_actors import (
 from ringtrain.launch.ray_checks import blind_workers, check_network, network_plans
 from ringtrain.launch.ray_hosts import HostWatch
 from ringtrain.launch.ray_placement import Slot, assign_ranks, place_group
+from ringtrain.wire import handshake
 from ringtrain.wire.channel import DriverListener, Event, Exited, WorkerError, new_authkey
 
 logger = logging.getLogger("ringtrain")
+
+CUT_OFF_GRACE_S = 0.5
+"""The SIGTERM-to-SIGKILL grace of a group stopped while one of its hosts does not answer."""
 
 
 class RayWorkerGroup(ChannelGroup):
@@ -427,18 +431,23 @@ class RayWorkerGroup(ChannelGroup):
             return {r: w.actor for r, w in self._members.items()}
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop the group: SIGTERM then SIGKILL to each worker process (through its actor),
-        kill the actors, remove the placement group. Workers whose host does not answer (a
-        partition) are not waited for: their actors are killed without waiting (Ray delivers it
-        if the host comes back), and their watcher threads are left to end by themselves."""
+        """Stop the group: SIGTERM then SIGKILL after ``grace_s`` seconds to each worker process
+        (through its actor), kill the actors, remove the placement group. Workers whose host
+        does not answer (a partition) are not waited for: their actors are killed without
+        waiting (Ray delivers it if the host comes back), and their watcher threads are left to
+        end by themselves. With such a host in the group the others get at most
+        :data:`CUT_OFF_GRACE_S`: they are stuck in a collective with it and can finish nothing
+        (the controller waited for their checkpoint writes before stopping the group)."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
             workers = list(self._workers)
-        self._watch.stop()
+        self._watch.stop(wait=False)
         silent = self._watch.silent_nodes()
         reachable = [w for w in workers if w.info.get("node_id") not in silent]
+        if len(reachable) < len(workers):
+            grace_s = min(grace_s, CUT_OFF_GRACE_S)
         ray = self.ray
         started = [w for w in reachable if w.pid is not None]
         if started:
@@ -456,8 +465,7 @@ class RayWorkerGroup(ChannelGroup):
         if self._listener is not None:
             self._listener.close()
         for conn in list(self._conns.values()):
-            with contextlib.suppress(OSError):
-                conn.close()
+            handshake.abort(conn)  # wakes its reader, even if the worker is cut off
         # The watchers return once their pending poll fails on the killed actor; one whose
         # actor's host does not answer waits for Ray to give up on that node: not joined.
         cut_off = {self._watchers.get(id(w)) for w in workers if w not in reachable}
@@ -469,6 +477,7 @@ class RayWorkerGroup(ChannelGroup):
 
 __all__ = [
     "ACTOR_START_TIMEOUT_S",
+    "CUT_OFF_GRACE_S",
     "ENV_RAY_NODE_ID",
     "POLL_BLOCK_S",
     "RAY_INSTALL_HINT",

@@ -101,9 +101,11 @@ class HostWatch:
         self._thread = threading.Thread(target=self._run, name="ringtrain-host-watch", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """End the watch; with ``wait``, wait (at most one probe's time, plus a second) for its
+        thread, else let it end by itself (a daemon thread: it ends after its current round)."""
         self._stop.set()
-        if self._thread is not None:
+        if wait and self._thread is not None:
             self._thread.join(timeout=self.timeout_s + 1)
 
     def silent_nodes(self) -> set[str]:
