@@ -79,6 +79,8 @@ class Outcome:
         failures: ``(kind, message)`` of every failure event.
         restarts: attempts after the first.
         detect_s: fault -> the first failure event (s; ``None``: none).
+        decided_s: fault -> the failure policy's first decision, written once the lost
+            group is torn down (s).
         recover_s: fault -> the first report of the attempt that replaced the lost one (s).
         orphans: ringtrain processes still on the hosts once the run ended and the link healed.
         split_brain: writes the cut-off worker made after the controller declared it lost
@@ -94,6 +96,7 @@ class Outcome:
     failures: list[tuple[str, str]] = field(default_factory=list)
     restarts: int = 0
     detect_s: float | None = None
+    decided_s: float | None = None
     recover_s: float | None = None
     orphans: list[str] = field(default_factory=list)
     split_brain: list[str] = field(default_factory=list)
@@ -184,11 +187,16 @@ def run_with_fault(
     save_on_error: float = 30.0,
     name: str = "fault",
 ) -> Outcome:
-    """Run the job on ``ray_bed`` with ``fault`` (one of :data:`FAULTS`) and say what came of
-    it (:class:`Outcome`). ``victim``: ``"h2"`` or ``"h3"`` (``None``: h3, or h2 if no worker
-    landed on h3). Times in seconds; ``limit_s`` bounds the run (past it: a hang)."""
-    if fault not in FAULTS:
-        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+    """Run the job on ``ray_bed`` with ``fault`` (one of :data:`FAULTS`, or several joined by
+    ``+``, injected one after the other) and say what came of it (:class:`Outcome`).
+    ``victim``: ``"h2"`` or ``"h3"`` (``None``: h3, or h2 if no worker landed on h3). Times
+    in seconds; ``limit_s`` bounds the run (past it: a hang).
+
+    Raises:
+        ValueError: an unknown fault.
+    """
+    if not set(fault.split("+")) <= set(FAULTS):
+        raise ValueError(f"fault must be one of {FAULTS} or several joined by '+', got {fault!r}")
     bed = ray_bed.bed
     h1 = bed.hosts[0]
     runs, out = workdir / "runs", workdir / f"{name}.pt"
@@ -224,7 +232,8 @@ def run_with_fault(
         if chosen is not None and driver.poll() is None:
             host = bed.host(chosen)
             fault_at = time.time()
-            _inject(ray_bed, host, fault, flap_s, brownout_s)
+            for one in fault.split("+"):  # one after the other
+                _inject(ray_bed, host, one, flap_s, brownout_s)
         try:
             driver.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
@@ -247,8 +256,8 @@ def run_with_fault(
     _measure(outcome, _events(run), fault_at)
     outcome.split_brain = _split_brain(ray_bed, workdir, run, name, host)
     outcome.orphans = _orphans(bed)
-    if host is not None and fault in ("host_loss", "partition"):
-        _revive(ray_bed, host)
+    if host is not None and {"host_loss", "partition"} & set(fault.split("+")):
+        revive(ray_bed, host)
     return outcome
 
 
@@ -277,6 +286,9 @@ def _measure(outcome: Outcome, events: list[dict], fault_at: float | None) -> No
         return
     if failures:
         outcome.detect_s = round(failures[0]["time"] - fault_at, 2)
+    decisions = [e for e in events if e["type"] == "decision"]
+    if decisions:
+        outcome.decided_s = round(decisions[0]["time"] - fault_at, 2)
     after = False
     for e in events:
         replaced = e["type"] == "resize" or (
@@ -322,7 +334,7 @@ def _orphans(bed: Any, wait_s: float = 90.0) -> list[str]:
     return found
 
 
-def _revive(ray_bed: Any, host: Any) -> None:
+def revive(ray_bed: Any, host: Any) -> None:
     """Start the victim's Ray node again for the next run: a lost host's node is gone, and a
     partitioned one is declared dead by Ray once the partition outlasts its health checks (a
     new node replaces it either way)."""
@@ -330,4 +342,14 @@ def _revive(ray_bed: Any, host: Any) -> None:
     ray_bed.wait_for_nodes(len(ray_bed.bed.hosts))
 
 
-__all__ = ["FAULTS", "STEPS", "TIMEOUT_S", "Outcome", "reference", "run_with_fault", "same_bits"]
+__all__ = [
+    "FAULTS",
+    "STEPS",
+    "TIMEOUT_S",
+    "Outcome",
+    "reference",
+    "revive",
+    "run_with_fault",
+    "same_bits",
+    "worker_procs",
+]

@@ -9,7 +9,6 @@ link heals, nothing of the old worker is left on that host."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from faults import worker_procs
 from support import assert_bit_identical, read_events, wait_until
 from test_ray_hosts import STEPS, reference
 
@@ -56,21 +56,8 @@ for name in sorted(os.listdir(run)):
 """
 
 
-def _worker_procs(bed, host) -> list[str]:
-    """ringtrain's processes on ``host``: worker processes and their Ray actors."""
-    found = []
-    for pid in bed.pids(host):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "ringtrain.launch.worker" in cmd or "RayWorker" in cmd:
-            found.append(f"{pid} {cmd[:80]}")
-    return found
-
-
 def test_a_cut_host_is_unreachable_and_the_run_ends_exact_without_split_brain(
-    ray_bed, tmp_path, tmp_path_factory
+    ray_bed, tmp_path, tmp_path_factory, lost_hosts
 ):
     bed = ray_bed.bed
     h1 = bed.hosts[0]
@@ -95,10 +82,10 @@ def test_a_cut_host_is_unreachable_and_the_run_ends_exact_without_split_brain(
             lambda: (runs / "cut" / "checkpoint_000005").exists() or driver.poll() is not None,
             timeout_s=400,
         )
-        placed = dict(re.findall(r"rank (\d) of 3 on (h\d)", "".join(lines)))
-        victim = next((h for h in ("h3", "h2") if h in placed.values()), None)
+        victim = next((h for h in ("h3", "h2") if worker_procs(bed, bed.host(h))), None)
         if victim is not None and driver.poll() is None:
             cut = bed.host(victim)
+            lost_hosts.append(cut)
             bed.cut(cut)
         driver.wait(timeout=600)
         reader.join(timeout=10)
@@ -139,4 +126,4 @@ def test_a_cut_host_is_unreachable_and_the_run_ends_exact_without_split_brain(
     assert not list(run.glob("checkpoint_*.tmp")), list(run.iterdir())
 
     bed.heal(cut)
-    assert wait_until(lambda: _worker_procs(bed, cut) == [], timeout_s=90), _worker_procs(bed, cut)
+    assert wait_until(lambda: worker_procs(bed, cut) == [], timeout_s=90), worker_procs(bed, cut)
