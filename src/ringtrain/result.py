@@ -11,7 +11,7 @@ from ringtrain.checkpoint.checkpoint import Checkpoint
 
 PEER_ERROR = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
-    r"failed to recv|Socket Timeout|NCCL communicator was aborted|"
+    r"failed to recv|Connection timed out|Socket Timeout|NCCL communicator was aborted|"
     r"DistBackendError|DistNetworkError|ProcessGroupGloo|Gloo|remote process exited",
     re.IGNORECASE,
 )

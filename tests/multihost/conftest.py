@@ -38,12 +38,28 @@ def bed() -> Iterator[NetBed]:
         yield made
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_bed() -> Iterator[RayBed]:
     """Three hosts, h1-h3 (10.77.0.1-3), one Ray node each with 2 CPUs (a 3-worker SPREAD job
     has one worker per host, and a host's worth of spare capacity for a restart without it);
     the Ray head on h1. Ray 2.60's token authentication is on, as on a cluster whose nodes
     have ``~/.ray/auth_token`` (a ``HOME`` of the bed's own: the machine's is not touched);
-    Ray's defaults otherwise, as a user's cluster has them."""
+    Ray's defaults otherwise, as a user's cluster has them. One for the session (its start
+    is most of a short test's time): a test that loses a host's node starts it again
+    (``faults.revive``)."""
     with NetBed(hosts=3) as made, RayBed(made, cpus=2, token_auth=True) as ray_bed:
         yield ray_bed
+
+
+@pytest.fixture
+def lost_hosts(ray_bed: RayBed) -> Iterator[list]:
+    """Hosts a test cut off or lost (append them): when it ends, pass or fail, each is healed
+    and its Ray node started again, so that the session's next test has three nodes."""
+    from faults import revive
+
+    hosts: list = []
+    yield hosts
+    for host in hosts:
+        if ray_bed.bed.is_cut(host):
+            ray_bed.bed.heal(host)
+        revive(ray_bed, host)

@@ -66,8 +66,51 @@ def train_fn(config: dict) -> None:
     loader = rt.prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=24, shuffle=True))
     state = rt.TrainState(model=model, optimizer=opt, data_loader=loader)
     state.restore()
-    steps, out = config["steps"], config.get("out")
+    out = config.get("out")
     print(f"rank {ctx.world_rank} of {ctx.world_size} on {socket.gethostname()}", flush=True)
+    try:
+        _loop(config, ctx, model, opt, loader, state)
+    except Exception as exc:
+        if config.get("save_on_error"):
+            _save_on_error(config, ctx, state, exc)
+        raise
+    if ctx.world_rank == 0 and out:
+        torch.save(
+            {
+                "step": state.step,
+                "model": getattr(model, "module", model).state_dict(),
+                "optimizer": opt.state_dict(),
+            },
+            out,
+        )
+
+
+def _save_on_error(config: dict, ctx, state, exc: Exception) -> None:
+    """What many training loops do when a step fails: save a checkpoint, and here, as a
+    determined attacker, keep trying every second for ``config["save_on_error"]`` seconds. On a
+    worker cut off by a partition, every try after the controller declared it lost must be
+    refused (no split brain). The tries go to ``OUT.on_error.HOST.A<attempt>.R<rank>.json``,
+    outside the run directory, rewritten after each."""
+    name = f"{config['out']}.on_error.{socket.gethostname()}.A{ctx.attempt}.R{ctx.world_rank}.json"
+    record = {"host": socket.gethostname(), "error": f"{type(exc).__name__}: {exc}"[:300]}
+    record["tries"] = []
+    deadline = time.monotonic() + float(config["save_on_error"])
+    while time.monotonic() < deadline:
+        started = time.time()
+        try:
+            rt.report({"step": state.step, "on_error": 1}, checkpoint=state)
+            outcome = "saved"
+        except BaseException as err:  # recorded; the caller re-raises the step's error
+            outcome = f"{type(err).__name__}: {err}"[:300]
+        record["tries"].append({"started": started, "outcome": outcome})
+        with open(name + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(name + ".tmp", name)
+        time.sleep(1.0)
+
+
+def _loop(config: dict, ctx, model, opt, loader, state) -> None:
+    steps, out = config["steps"], config.get("out")
     while state.step < steps:
         for xb, yb in loader:
             loss = torch.nn.functional.mse_loss(model(xb), yb)
@@ -85,15 +128,6 @@ def train_fn(config: dict) -> None:
             )
             if state.step >= steps:
                 break
-    if ctx.world_rank == 0 and out:
-        torch.save(
-            {
-                "step": state.step,
-                "model": getattr(model, "module", model).state_dict(),
-                "optimizer": opt.state_dict(),
-            },
-            out,
-        )
 
 
 def _write_listeners(out: str, rank: int) -> None:

@@ -113,3 +113,32 @@ def test_close_gracefully_gives_up_on_a_peer_that_never_closes_and_never_raises(
     assert conn.closed and time.monotonic() - started >= 0.2
     handshake.close_gracefully(conn)  # already closed: nothing happens
     b.close()
+
+
+def test_abort_wakes_a_reader_whose_peer_is_silent():
+    # A worker cut off by a partition sends nothing, not even the end of file: the driver's
+    # reader of its connection stays in recv(), and closing the descriptor does not wake it
+    # (the group's teardown waited 10 s per such reader). abort() ends the socket first.
+    server = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    conn = Connection(accepted.detach())
+    ended = threading.Event()
+
+    def read() -> None:
+        try:
+            conn.recv()
+        except (EOFError, OSError):
+            pass
+        ended.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.2)  # in recv(), as the reader of a silent worker is
+    handshake.abort(conn)
+    try:
+        assert ended.wait(10), "the reader is still blocked after abort()"
+        assert conn.closed
+    finally:
+        peer.close()
+        server.close()

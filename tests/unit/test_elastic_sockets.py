@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.elastic.sockets import GroupSockets, _socket_fds, _tcp_ports
+from ringtrain.cluster.netif import socket_fds as _socket_fds
+from ringtrain.cluster.netif import tcp_ports as _tcp_ports
+from ringtrain.elastic.sockets import GroupSockets
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 

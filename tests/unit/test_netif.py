@@ -4,14 +4,19 @@ kernel's answers about this machine's own loopback (a socket, no process)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from ringtrain.cluster.netif import (
     InterfaceChoice,
     choose_interface,
+    give_up_after,
     interface_environment,
     interface_of,
     route_source,
+    socket_fds,
+    tcp_opened_by,
 )
 from ringtrain.launch.ray_actors import GroupWorker, NetworkConfigError
 from ringtrain.launch.ray_checks import check_network
@@ -84,3 +89,22 @@ def test_a_worker_that_cannot_reach_the_rendezvous_is_named_with_its_interface()
         "rank 2 on host h2 (10.77.0.3) cannot reach the rendezvous store at 10.77.0.1:4242 "
         "(timed out after 5 s) from interface eth0 (10.77.0.2)"
     ) in str(err.value)
+
+
+def test_connections_a_group_opened_give_up_after_the_timeout():
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        client, opened = tcp_opened_by(
+            lambda: socket.create_connection(server.getsockname(), timeout=5)
+        )
+        accepted, _ = server.accept()
+        assert client.fileno() in opened and set(opened.values()) <= set(socket_fds().values())
+        assert give_up_after(opened, 7.5) == 1
+        user_timeout = getattr(socket, "TCP_USER_TIMEOUT", 18)
+        assert client.getsockopt(socket.IPPROTO_TCP, user_timeout) == 7500
+        assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert give_up_after(opened, None) == 0
+        client.close()
+        accepted.close()
+    finally:
+        server.close()

@@ -167,6 +167,33 @@ class CheckpointManager:
             return _local_fs(), os.path.join(self.staging_dir, storage.staging_dirname(round_))
         return self.fs, storage.join(self.fs, self.run_path, storage.staging_dirname(round_))
 
+    def fence_location(self) -> tuple[Any, str]:
+        """``(filesystem, directory)`` where the workers read the run's fence
+        (:mod:`ringtrain.checkpoint.fence`): the directory they write to."""
+        if self.staging_dir is not None:
+            return _local_fs(), self.staging_dir
+        return self.fs, self.run_path
+
+    def settle_staging(self, round_: int, files: dict[str, dict[str, Any]]) -> str | None:
+        """Make round ``round_``'s staging directory hold exactly ``files`` (what the current
+        ranks reported) before it is published, while a worker declared lost may still write:
+        files nobody reported are removed, and every reported file must have the reported size
+        and SHA-256. Returns why the round must not be published (a file that differs), or
+        ``None``."""
+        fs, staging = self.staging_path(round_)
+        for path in fs.find(staging) if fs.exists(staging) else []:
+            rel = str(path)[len(str(staging)) :].strip("/").replace(os.sep, "/")
+            if rel not in files:
+                fs.rm(path)
+        for rel, info in sorted(files.items()):
+            try:
+                found = storage.file_digest(fs, storage.join(fs, staging, rel))
+            except FileNotFoundError:
+                return f"{rel} is missing"
+            if (found.get("size"), found.get("sha256")) != (info.get("size"), info.get("sha256")):
+                return f"{rel} differs from what its rank wrote"
+        return None
+
     def remove_staging(self) -> None:
         """Delete every staging directory (``checkpoint_NNNNNN.tmp``): only call it while no
         worker is writing."""

@@ -6,6 +6,8 @@ import inspect
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ringtrain.cluster.netif import give_up_after, tcp_opened_by
+
 if TYPE_CHECKING:  # env's ctx.mesh imports this module (parallel/mesh.py): no run-time cycle
     from ringtrain.cluster.env import DistributedContext
 
@@ -52,14 +54,24 @@ def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) 
             kwargs["device_id"] = torch.device("cuda", ctx.local_rank)
     else:
         backend = "gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=ctx.world_rank,
-        world_size=ctx.world_size,
-        timeout=timedelta(seconds=timeout_s or collective_timeout_s(ctx.worker_timeout_s)),
-        **kwargs,
-    )
+
+    def create() -> None:
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=ctx.world_rank,
+            world_size=ctx.world_size,
+            timeout=timedelta(seconds=timeout_s or collective_timeout_s(ctx.worker_timeout_s)),
+            **kwargs,
+        )
+
+    if ctx.use_gpu:
+        create()
+    else:
+        # A peer cut off by a partition sends no reset: gloo's connections to it fail after
+        # worker_timeout_s of silence instead of at the collective timeout (cluster/netif.py).
+        _, opened = tcp_opened_by(create)
+        give_up_after(opened, ctx.worker_timeout_s)
     if not ctx.use_gpu:  # gloo
         # Gloo connects every pair in the constructor, and a rank whose own connections are up
         # returns while a peer may still be finishing its end: a train function that runs no

@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import socket
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ringtrain.cluster.worker_env import LOOPBACK_IFNAME_VARS
 
 SIOCGIFADDR = 0x8915  # linux/sockios.h
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -170,13 +173,106 @@ def interface_environment(choice: InterfaceChoice, environ: Mapping[str, str]) -
     return {var: choice.ifname for var in LOOPBACK_IFNAME_VARS if not environ.get(var)}
 
 
+# ------------------------------------------------------------------ a process's own connections
+
+_PROC_FD = "/proc/self/fd"
+_PROC_TCP = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
+_TCP_LISTEN = "0A"  # the state column of a listening socket (include/net/tcp_states.h)
+
+
+def socket_fds() -> dict[int, int]:
+    """``{fd: inode}`` of this process's open sockets; empty where ``/proc`` is missing."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir(_PROC_FD)
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"{_PROC_FD}/{name}")
+        except OSError:
+            continue  # closed meanwhile (or the listing's own descriptor)
+        if target.startswith("socket:["):
+            found[int(name)] = int(target[8:-1])
+    return found
+
+
+def tcp_ports() -> dict[int, tuple[int, int]]:
+    """``{inode: (local port, remote port)}`` of the connected TCP sockets in this network
+    namespace (not the listening ones)."""
+    ports: dict[int, tuple[int, int]] = {}
+    for path in _PROC_TCP:
+        try:
+            with open(path) as table:
+                lines = table.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] != _TCP_LISTEN:
+                local, remote = (int(f.rsplit(":", 1)[1], 16) for f in fields[1:3])
+                ports[int(fields[9])] = (local, remote)
+    return ports
+
+
+def tcp_opened_by(
+    create: Callable[[], T], store_port: int | None = None
+) -> tuple[T, dict[int, int]]:
+    """Call ``create()`` and note the connected TCP sockets it opened in this process
+    (``{fd: inode}``), leaving out connections to or from ``store_port``."""
+    before = socket_fds()
+    result = create()
+    opened = {fd: inode for fd, inode in socket_fds().items() if before.get(fd) != inode}
+    tcp = tcp_ports()
+    return result, {
+        fd: inode for fd, inode in opened.items() if inode in tcp and store_port not in tcp[inode]
+    }
+
+
+def give_up_after(fds: Mapping[int, int], timeout_s: float | None) -> int:
+    """Make each connection of ``fds`` (``{fd: inode}``, still the same socket) fail once its
+    peer has been silent for ``timeout_s`` seconds: ``TCP_USER_TIMEOUT`` (data unacknowledged
+    that long) and TCP keepalive probes (an idle connection whose peer is gone). A peer cut
+    off by a partition sends no reset, so without this a collective waits on it until its own
+    timeout; a frozen peer's kernel still answers, so only a silent network ends it. Linux
+    only; never raises. Returns how many were set."""
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if timeout_s is None or user_timeout is None:
+        return 0
+    current = socket_fds()
+    idle = max(1, int(timeout_s / 4))
+    done = 0
+    for fd, inode in fds.items():
+        if current.get(fd) != inode:
+            continue  # closed meanwhile: the number may be someone else's now
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, user_timeout, max(1000, int(timeout_s * 1000)))
+            done += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # never close the owner's descriptor
+    return done
+
+
 __all__ = [
     "InterfaceChoice",
     "choose_interface",
+    "give_up_after",
     "interface_addresses",
     "interface_environment",
     "interface_of",
     "probe",
     "resolve",
     "route_source",
+    "socket_fds",
+    "tcp_opened_by",
+    "tcp_ports",
 ]

@@ -25,7 +25,9 @@ class FailureConfig:
             latest checkpoint; 0 stops at the first failure, -1 retries forever.
         worker_timeout_s: a worker that shows no progress (no batch from a prepared loader, no
             ``TrainState.step`` change, no report) for this many seconds, or whose process stops
-            answering, is treated as failed (hung). It also bounds every collective (at twice
+            answering, is treated as failed (hung; ``unreachable`` when its host does not
+            answer either, on Ray: a network partition or a lost host, and then its connections
+            give up after this long too). It also bounds every collective (at twice
             this plus 10 s, so the driver names the stuck rank first), so a dead peer never
             blocks the group forever. ``None`` disables hang detection (collectives then time
             out after torch's default 30 minutes).

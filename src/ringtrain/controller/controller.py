@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ringtrain.checkpoint.fence import Fence
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.controller import events, integrity
 from ringtrain.controller.attempt import root_cause
@@ -184,6 +185,7 @@ class Controller(Executor, InPlace, Notices):
         self.excluded = 0  # workers left out after corrupting twice (elastic runs)
         self.said: set[str] = set()  # notes shown once per run (every attempt sends them)
         self.spares = SpareBook(spares) if spares else None  # per group: _start_generation
+        self.fence = Fence(-1)  # which workers may still write (checkpoint/fence.py)
 
     @property
     def state(self) -> RunState:
@@ -423,6 +425,10 @@ class Controller(Executor, InPlace, Notices):
             del self.book.history[stale]
         spec = self._attempt_spec(number)
         gen = Generation(number, spec.world_size)
+        if self.publisher.guarded:  # a worker declared lost may live: fence its attempt off
+            self.set_fence(Fence(number))
+        else:
+            self.fence = Fence(number)
         self.reset_stragglers()
         self.run_dir.write(RunStartEvent(world_size=spec.world_size, attempt=number))
         for rank in range(spec.world_size):

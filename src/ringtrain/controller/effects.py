@@ -52,6 +52,17 @@ class Notify:
 
 
 @dataclass(frozen=True)
+class FenceOff:
+    """Declare worker ``worker`` (``"HOST:PID"``, ``None``: it never said Hello) of attempt
+    ``attempt`` lost in the run's fence (:mod:`ringtrain.checkpoint.fence`), before anything
+    else: it may still run, cut off, and must no longer write; and guard publication from now on
+    (a write it began may still land)."""
+
+    attempt: int
+    worker: str | None
+
+
+@dataclass(frozen=True)
 class Publish:
     """Publish round ``round``'s checkpoint of the current generation once every write of it is
     in (:class:`~ringtrain.controller.rounds.Publisher`)."""
@@ -146,6 +157,7 @@ Effect = (
     | Notify
     | Publish
     | DumpStacks
+    | FenceOff
     | Send
     | Discard
     | DiscardStaging

@@ -17,6 +17,7 @@ from ringtrain.controller.effects import (
     Adopt,
     DumpStacks,
     Effect,
+    FenceOff,
     GrowIdle,
     Notify,
     Publish,
@@ -47,6 +48,7 @@ from ringtrain.wire.channel import (
     Exited,
     Heartbeat,
     Hello,
+    HostSilent,
     IntegrityMismatch,
     IntegrityVerified,
     Interrupted,
@@ -76,7 +78,7 @@ def handle(gen: Generation, event: Event, *, generation: int, grow: Grow | None)
         if grow is not None:
             joiner(grow, event)
         return []
-    if isinstance(rank, int) and not isinstance(event, Exited):
+    if isinstance(rank, int) and not isinstance(event, Exited | HostSilent):  # not the rank's
         now = time.monotonic()
         gen.health.seen(rank, now)
         if isinstance(event, Heartbeat):
@@ -86,7 +88,7 @@ def handle(gen: Generation, event: Event, *, generation: int, grow: Grow | None)
             gen.health.progressed(rank, now)
     if isinstance(event, Report):
         return report(gen, event)
-    if isinstance(event, Hello | IntegrityMismatch | IntegrityVerified | RunSettings):
+    if isinstance(event, Hello | IntegrityMismatch | IntegrityVerified | RunSettings | HostSilent):
         return _told(gen, event)
     if isinstance(event, Interrupted):
         interrupted(gen, event, generation)
@@ -107,12 +109,27 @@ def handle(gen: Generation, event: Event, *, generation: int, grow: Grow | None)
     return []
 
 
+def host_silent(gen: Generation, event: HostSilent) -> list[Effect]:
+    """The launcher: a rank's host stopped answering, or answers again (a flap): a fact for the
+    hang check (:func:`hang`), not a failure by itself."""
+    if event.answered:
+        gen.health.host_silent.pop(event.rank, None)
+    else:
+        gen.health.host_silent[event.rank] = (event.host, event.since)
+    return []
+
+
 def _told(
-    gen: Generation, event: Hello | IntegrityMismatch | IntegrityVerified | RunSettings
+    gen: Generation,
+    event: Hello | IntegrityMismatch | IntegrityVerified | RunSettings | HostSilent,
 ) -> list[Effect]:
-    """A worker said who it is, what a replica check found, or the settings of its script."""
+    """A worker said who it is, what a replica check found, or the settings of its script; or
+    the launcher said its host stopped or resumed answering."""
+    if isinstance(event, HostSilent):
+        return host_silent(gen, event)
     if isinstance(event, Hello):
         gen.hosts[event.rank] = event.hostname
+        gen.pids[event.rank] = event.pid
         return [Show("worker_state", (event.rank, "running"))]
     if isinstance(event, IntegrityMismatch):
         if gen.mismatch is None:  # every rank sends the same one
@@ -277,7 +294,23 @@ def hang(gen: Generation, timeout_s: float | None) -> list[Effect]:
     Health.hung`; ``None``: never), after asking it for its stacks."""
     if timeout_s is None:
         return []
-    found = gen.health.hung(timeout_s, gen.exited, time.monotonic())
+    now = time.monotonic()
+    found = gen.health.hung(timeout_s, gen.exited, now)
+    cut = gen.health.unreachable(timeout_s, gen.exited, now, time.time(), found is not None)
+    if cut is not None:
+        # Its stacks cannot be asked for (nothing reaches its host), and it may still run cut
+        # off: the fence tells it, through storage, that it may no longer write.
+        rank, how = cut
+        failure = WorkerFailure(
+            rank=rank,
+            kind="unreachable",
+            message=f"rank {rank} {how}",
+            attempt=gen.number,
+            round=gen.last_round(rank),
+            time=time.time(),
+            step=gen.last_step(rank),
+        )
+        return [FenceOff(gen.number, gen.worker_id(rank)), *failed(gen, failure)]
     if found is None:
         return []
     rank, how = found

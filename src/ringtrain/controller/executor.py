@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ringtrain.checkpoint import fence
+from ringtrain.checkpoint.fence import Fence
 from ringtrain.checkpoint.manager import CheckpointManager
 from ringtrain.controller import events, integrity
 from ringtrain.controller.effects import (
@@ -21,6 +23,7 @@ from ringtrain.controller.effects import (
     DiscardStaging,
     DumpStacks,
     Effect,
+    FenceOff,
     GrowIdle,
     Notify,
     Publish,
@@ -55,6 +58,7 @@ class Executor:
     # The controller's state the effects change (Controller.__init__ sets it).
     run_dir: RunDirectory
     progress: ProgressReporter
+    fence: Fence
     checkpoints: CheckpointManager
     publisher: Publisher
     stragglers: StragglerDetector | None
@@ -85,6 +89,8 @@ class Executor:
             elif isinstance(effect, Publish | Timed):
                 assert gen is not None
                 self._apply_group(effect, gen)
+            elif isinstance(effect, FenceOff):
+                self.fence_off(effect)
             else:
                 self._apply_run(effect)
 
@@ -123,6 +129,24 @@ class Executor:
             self._verified(effect.event)
         elif isinstance(effect, Adopt):
             self._adopt(effect.event)
+
+    def fence_off(self, effect: FenceOff) -> None:
+        """Name the lost worker in the run's fence, and guard publication from now on: a worker
+        cut off may still run, and a write it began may still land
+        (:mod:`ringtrain.checkpoint.fence`)."""
+        lost = (*self.fence.lost, effect.worker) if effect.worker else self.fence.lost
+        self.set_fence(Fence(effect.attempt, lost))
+        self.publisher.guarded = True
+
+    def set_fence(self, new: Fence) -> None:
+        """Write ``new`` where the workers write (best effort: storage that fails here fails
+        the run's own writes too, and says so there)."""
+        self.fence = new
+        fs, root = self.checkpoints.fence_location()
+        try:
+            fence.write(fs, root, new)
+        except OSError as exc:
+            logger.warning("could not write the run's fence %s: %s", new, exc)
 
     def _adopt(self, event: RunSettings) -> None:
         """A script's own RunConfig (``ringtrain run SCRIPT`` whose script calls

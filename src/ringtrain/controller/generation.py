@@ -46,7 +46,14 @@ class Generation:
         self.drained_since: float | None = None  # when every worker had exited (monotonic)
         self.read_out: set[int] = set()  # ranks whose channel was read to its end
         self.hosts: dict[int, str] = {}  # rank -> host name (its Hello)
+        self.pids: dict[int, int] = {}  # rank -> process id on its host (its Hello)
         self.mismatch: IntegrityMismatch | None = None  # a replica check's, if one failed
+
+    def worker_id(self, rank: int) -> str | None:
+        """``"HOST:PID"`` of ``rank``'s process, as its Hello said (``None`` before it)."""
+        if rank not in self.hosts or rank not in self.pids:
+            return None
+        return f"{self.hosts[rank]}:{self.pids[rank]}"
 
     @property
     def started_at(self) -> float:
@@ -89,7 +96,8 @@ class Generation:
             return True
         assert self.first_failure_at is not None
         since = time.monotonic() - self.first_failure_at
-        hung = {r for r, f in self.failures.items() if f.kind == "hang"}
+        # A hung rank's write, or a cut-off one's, will never be reported: not waited for.
+        hung = {r for r, f in self.failures.items() if f.kind in ("hang", "unreachable")}
         if self.rounds.writes_in_flight(hung | set(self.exited)):
             return since >= checkpoint_grace_s
         return self.all_failed_or_exited or since > failure_grace_s

@@ -31,6 +31,8 @@ class Health:
         self.check_interval_s = check_interval_s
         self._next_check = 0.0
         self.resized_at: float | None = None
+        # rank -> (host, since: Unix time): its host stops answering (the launcher's HostSilent)
+        self.host_silent: dict[int, tuple[str, float]] = {}
 
     def resized(self, now: float) -> None:
         """This generation was re-formed from live processes (an elastic resize or grow, at
@@ -56,6 +58,27 @@ class Health:
         if beat.step is not None:
             self.last_step[rank] = beat.step
         self.progress_count[rank] = beat.progress_count
+
+    def unreachable(
+        self, timeout_s: float, exited: dict[int, int], now: float, wall: float, stalled: bool
+    ) -> tuple[int, str] | None:
+        """A rank cut off from the driver, and how, or None: its host does not answer (the
+        launcher's ``HostSilent``: a partition or a lost host, where a frozen process's host
+        still answers) and it has been unheard for longer than ``timeout_s`` seconds, or, when
+        the group is ``stalled`` (:meth:`hung` found a rank stuck beyond the timeout), for half
+        of it (a live rank heartbeats five times per timeout): the partition is why the others
+        wait. ``now``: monotonic seconds; ``wall``: Unix time (the launcher's ``since``)."""
+        limit = timeout_s / 2 if stalled else timeout_s
+        for rank, (host, since) in sorted(self.host_silent.items()):
+            heard = self.last_seen.get(rank, self.started_at)
+            if rank not in exited and now - heard > limit:
+                return rank, (
+                    f"on host {host} is unreachable: nothing heard from it for "
+                    f"{now - heard:.1f} s and its host has not answered for "
+                    f"{max(0.0, wall - since):.1f} s (a network partition or a lost host), "
+                    f"beyond worker_timeout_s={timeout_s:g}"
+                )
+        return None
 
     def hung(self, timeout_s: float, exited: dict[int, int], now: float) -> tuple[int, str] | None:
         """The rank stuck longer than ``timeout_s`` seconds, and how, or None.

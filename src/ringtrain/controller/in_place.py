@@ -304,6 +304,13 @@ class InPlace:
         pending); the world size, the rendezvous generation and the straggler flags follow."""
         new = Generation(gen.number, plan.world_size)
         new.health.resized(time.monotonic())  # a member stuck re-forming it is a hang
+        for old, rank in plan.assignment.items():  # who each survivor is, under its new rank
+            if old in gen.hosts:
+                new.hosts[rank] = gen.hosts[old]
+            if old in gen.pids:
+                new.pids[rank] = gen.pids[old]
+            if old in gen.health.host_silent:
+                new.health.host_silent[rank] = gen.health.host_silent[old]
         new.resize = dict(plan.info)
         self.rendezvous.generation = plan.generation
         self.world_size = plan.world_size

@@ -74,8 +74,8 @@ class Rounds:
         return reports, expected, outcomes
 
     def writes_in_flight(self, gone: set[int] | dict[int, Any]) -> bool:
-        """Whether a rank not in ``gone`` (exited, or failed as hung) owes a background write
-        of a round that can still be published (every report of it is in)."""
+        """Whether a rank not in ``gone`` (exited, or failed as hung or unreachable) owes a
+        background write of a round that can still be published (every report of it is in)."""
         for round_, (_reports, expected) in self.writing.items():
             done = self.outcomes.get(round_, {})
             missing = [r for r in expected if r not in done]
@@ -108,6 +108,10 @@ class Publisher:
         self.checkpoints = checkpoints
         # A file name two ranks wrote is said once per run (with the fix), not every round.
         self.said_shared: set[str] = set()
+        # A worker declared lost may still run, cut off (checkpoint/fence.py): from then on a
+        # round is published only once its staging directory holds exactly what the ranks
+        # reported (CheckpointManager.settle_staging).
+        self.guarded = False
 
     def try_publish(self, rounds: Rounds, round_: int) -> list[Effect]:
         """Publish round ``round_``'s checkpoint once all its reports are in and every rank that
@@ -132,6 +136,14 @@ class Publisher:
         for r in sorted(reports):  # a score attribute only some rank reported still counts
             for k, v in reports[r].metrics.items():
                 score_metrics.setdefault(k, v)
+        if self.guarded:
+            stray = self.checkpoints.settle_staging(round_, files)
+            if stray is not None:
+                message = (
+                    f"checkpoint of round {round_} was not saved ({stray}: a write of a worker "
+                    "declared lost); training continues"
+                )
+                return effects + self._not_saved(round_, message, [stray])
         try:
             tracked = self.checkpoints.publish(round_, files, score_metrics)
         except ValueError as bad:  # a file name no manifest may hold (a backslash, say)

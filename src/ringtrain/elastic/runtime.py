@@ -99,6 +99,9 @@ class ElasticRuntime(WorkerPlugin):
                 self.session.hooks.on_group_formed, store_port=ctx.master_port
             )
             self.group_sockets.fds.update(sockets.fds)
+        # A peer cut off by a partition sends no reset: its connections fail after
+        # worker_timeout_s of silence, and the survivors re-form without it.
+        self.group_sockets.give_up_after(ctx.worker_timeout_s)
 
     def _build_mesh(self, ctx: DistributedContext) -> None:
         """On a device mesh (``ScalingConfig.parallel``), build this generation's ``ctx.mesh``

@@ -22,11 +22,12 @@ the collective timeout as before.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 from collections.abc import Callable
 from typing import TypeVar
+
+from ringtrain.cluster.netif import give_up_after, socket_fds, tcp_opened_by
 
 T = TypeVar("T")
 
@@ -34,7 +35,7 @@ T = TypeVar("T")
 # secondary failures).
 PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
-    r"failed to recv|remote process exited|DistNetworkError|DistBackendError",
+    r"failed to recv|Connection timed out|remote process exited|DistNetworkError|DistBackendError",
     re.IGNORECASE,
 )
 
@@ -49,49 +50,6 @@ def is_peer_lost(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
-
-
-_PROC_FD = "/proc/self/fd"
-_PROC_TCP = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
-
-
-def _socket_fds() -> dict[int, int]:
-    """``{fd: inode}`` of this process's open sockets; empty where ``/proc`` is missing."""
-    found: dict[int, int] = {}
-    try:
-        names = os.listdir(_PROC_FD)
-    except OSError:
-        return found
-    for name in names:
-        try:
-            target = os.readlink(f"{_PROC_FD}/{name}")
-        except OSError:
-            continue  # closed meanwhile (or the listing's own descriptor)
-        if target.startswith("socket:["):
-            found[int(name)] = int(target[8:-1])
-    return found
-
-
-_TCP_LISTEN = "0A"  # the state column of a listening socket (include/net/tcp_states.h)
-
-
-def _tcp_ports() -> dict[int, tuple[int, int]]:
-    """``{inode: (local port, remote port)}`` of the connected TCP sockets in this network
-    namespace (not the listening ones: shutting down gloo's listener makes its accept loop
-    terminate the process)."""
-    ports: dict[int, tuple[int, int]] = {}
-    for path in _PROC_TCP:
-        try:
-            with open(path) as table:
-                lines = table.readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[3] != _TCP_LISTEN:
-                local, remote = (int(f.rsplit(":", 1)[1], 16) for f in fields[1:3])
-                ports[int(fields[9])] = (local, remote)
-    return ports
 
 
 class GroupSockets:
@@ -118,16 +76,14 @@ class GroupSockets:
         Returns:
             ``(create's result, GroupSockets)``.
         """
-        before = _socket_fds()
-        result = create()
-        opened = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
-        tcp = _tcp_ports()
-        keep = {
-            fd: inode
-            for fd, inode in opened.items()
-            if inode in tcp and store_port not in tcp[inode]
-        }
+        result, keep = tcp_opened_by(create, store_port)
         return result, cls(keep)
+
+    def give_up_after(self, timeout_s: float | None) -> int:
+        """Make every noted connection fail once its peer has been silent for ``timeout_s``
+        (:func:`ringtrain.cluster.netif.give_up_after`): a survivor of a partition then sees
+        its lost peer's connections fail, and the group re-forms without it."""
+        return give_up_after(self.fds, timeout_s)
 
     def shutdown(self) -> int:
         """End every noted connection that is still the same socket (``shutdown(SHUT_RDWR)``; the
@@ -136,7 +92,7 @@ class GroupSockets:
         Returns:
             how many sockets were shut down.
         """
-        current = _socket_fds()
+        current = socket_fds()
         count = 0
         for fd, inode in self.fds.items():
             if current.get(fd) != inode:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringtrain.launch.ray_placement import Slot
+from ringtrain.launch.ray_placement import PlacementError, Slot
 
 RAY_INSTALL_HINT = "pip install 'ringtrain[ray]'"
 ENV_RAY_NODE_ID = "RINGTRAIN_RAY_NODE_ID"  # informational: the Ray node a worker runs on
@@ -31,10 +31,6 @@ def import_ray() -> Any:
             f"ScalingConfig(backend='ray') needs Ray, which is not installed: {RAY_INSTALL_HINT}"
         ) from exc
     return ray
-
-
-class PlacementError(RuntimeError):
-    """The cluster did not grant the workers' placement group in time."""
 
 
 class StorageNotSharedError(ValueError):
@@ -78,3 +74,16 @@ def _url_to_path(url: str) -> tuple[Any, str]:
 
     fs, path = fsspec.core.url_to_fs(url)
     return fs, str(path)
+
+
+__all__ = [
+    "ACTOR_START_TIMEOUT_S",
+    "ENV_RAY_NODE_ID",
+    "POLL_BLOCK_S",
+    "RAY_INSTALL_HINT",
+    "GroupWorker",
+    "NetworkConfigError",
+    "PlacementError",
+    "StorageNotSharedError",
+    "import_ray",
+]

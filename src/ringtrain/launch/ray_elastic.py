@@ -84,12 +84,15 @@ class ElasticRayWorkerGroup(RayWorkerGroup):
         self._retire(left)
 
     def _retire(self, workers: list[GroupWorker]) -> None:
-        """Stop the worker processes of ``workers`` (SIGKILL) and kill their actors."""
+        """Stop the worker processes of ``workers`` (SIGKILL) and kill their actors; those on a
+        host that does not answer are not waited for (their actors are killed when it comes
+        back)."""
         if not workers:
             return
         ray = self.ray
         refs = []
-        for worker in workers:
+        silent = self._watch.silent_nodes()
+        for worker in [w for w in workers if w.info.get("node_id") not in silent]:
             with contextlib.suppress(Exception):
                 refs.append(worker.actor.terminate.remote(0.0))
         with contextlib.suppress(Exception):

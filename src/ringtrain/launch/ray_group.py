@@ -35,16 +35,15 @@ from ringtrain.launch.ray_actors import (
     import_ray,
 )
 from ringtrain.launch.ray_checks import blind_workers, check_network, network_plans
-from ringtrain.launch.ray_placement import (
-    NodeResources,
-    Slot,
-    assign_ranks,
-    explain_unplaceable,
-    format_resources,
-)
+from ringtrain.launch.ray_hosts import HostWatch
+from ringtrain.launch.ray_placement import Slot, assign_ranks, place_group
+from ringtrain.wire import handshake
 from ringtrain.wire.channel import DriverListener, Event, Exited, WorkerError, new_authkey
 
 logger = logging.getLogger("ringtrain")
+
+CUT_OFF_GRACE_S = 0.5
+"""The SIGTERM-to-SIGKILL grace of a group stopped while one of its hosts does not answer."""
 
 
 class RayWorkerGroup(ChannelGroup):
@@ -105,6 +104,9 @@ class RayWorkerGroup(ChannelGroup):
             self._cmd += ["--script", spec.script, *spec.script_args]
         self._stopped = False
         self._lock = threading.Lock()
+        self._raylets: dict[str, tuple[str, int]] = {}  # node id -> raylet (host, port)
+        self._watch = HostWatch(self._watched_nodes, self._events.put)
+        self._watchers: dict[int, threading.Thread] = {}  # id(worker) -> its watcher thread
         try:
             self._pg = self._place(strategy, placement_timeout_s)
             self._start_actors()
@@ -128,25 +130,22 @@ class RayWorkerGroup(ChannelGroup):
 
     # ------------------------------------------------------------------ set-up
     def _place(self, strategy: str, timeout_s: float) -> Any:
-        from ray.util.placement_group import placement_group
+        pg, self._raylets = place_group(
+            self.ray, self.bundle, self.world_size, strategy, timeout_s, self._keep_pg
+        )
+        return pg
 
-        pg = placement_group([dict(self.bundle)] * self.world_size, strategy=strategy)
-        self._pg = pg
-        if pg.wait(timeout_seconds=timeout_s):  # asks the GCS; runs no task
-            return pg
-        nodes = [
-            NodeResources(n.get("NodeManagerAddress", "?"), dict(n.get("Resources") or {}))
-            for n in self.ray.nodes()
-            if n.get("Alive")
-        ]
-        why = explain_unplaceable(
-            self.bundle, self.world_size, strategy, nodes, self.ray.available_resources()
-        )
-        raise PlacementError(
-            f"Ray did not grant the placement group of {self.world_size} workers with "
-            f"{format_resources(self.bundle)} each (placement_strategy={strategy!r}) within "
-            f"placement_timeout_s={timeout_s:g}: {why}"
-        )
+    def _keep_pg(self, pg: Any) -> None:
+        self._pg = pg  # removed by stop() even if the placement then fails
+
+    def _watched_nodes(self) -> dict[str, tuple[str, int, list[int]]]:
+        """What :class:`~ringtrain.launch.ray_hosts.HostWatch` probes: node id -> (raylet host,
+        port, the ranks there)."""
+        out: dict[str, tuple[str, int, list[int]]] = {}
+        for node, ranks in self.node_ranks(joining=True).items():
+            if node in self._raylets:
+                out[node] = (*self._raylets[node], ranks)
+        return out
 
     def _new_worker(self, index: int, name: str) -> GroupWorker:
         """Create the actor of bundle ``index`` (it starts asynchronously)."""
@@ -262,7 +261,7 @@ class RayWorkerGroup(ChannelGroup):
         pids = self.ray.get(refs, timeout=ACTOR_START_TIMEOUT_S)
         for (worker, _env), pid in zip(pairs, pids, strict=True):
             worker.pid = pid
-            self._spawn(self._watch, worker)
+            self._watchers[id(worker)] = self._spawn(self._follow, worker)
 
     def _start_workers(self) -> None:
         ray = self.ray
@@ -298,16 +297,18 @@ class RayWorkerGroup(ChannelGroup):
             )
             pairs.append((w, env))
         self._launch(pairs)
+        self._watch.start()
 
     # ------------------------------------------------------------------ threads
-    def _spawn(self, target: Any, *args: Any) -> None:
+    def _spawn(self, target: Any, *args: Any) -> threading.Thread:
         t = threading.Thread(
             target=target, args=args, daemon=True, name=f"ringtrain-ray-{target.__name__}"
         )
         t.start()
         self._threads.append(t)
+        return t
 
-    def _watch(self, worker: GroupWorker) -> None:
+    def _follow(self, worker: GroupWorker) -> None:
         """Forward one worker's output with its (current) rank prefix; turn its exit, or its
         actor's death, into events of its current rank, unless it has left the group."""
         ray = self.ray
@@ -395,25 +396,32 @@ class RayWorkerGroup(ChannelGroup):
         """Ask the actors of ``ranks`` to signal their worker processes for their stacks
         (:meth:`RayWorker.dump_stacks <ringtrain.launch.ray_worker.RayWorker.dump_stacks>`,
         on whatever node they run), and wait (at most 10 s) until each has handed the output
-        to its watcher, which prints it with the rank's prefix. Best effort, never raises."""
+        to its watcher, which prints it with the rank's prefix. Ranks whose host does not answer
+        are not asked. Best effort, never raises."""
+        silent = self._watch.silent_nodes()
         with self._lock:
-            actors = [self._members[r].actor for r in ranks if r in self._members]
+            actors = [
+                self._members[r].actor
+                for r in ranks
+                if r in self._members and self._members[r].info.get("node_id") not in silent
+            ]
         if not actors:
             return
         with contextlib.suppress(Exception):
             refs = [a.dump_stacks.remote() for a in actors]
             self.ray.wait(refs, num_returns=len(refs), timeout=10)
 
-    def node_ranks(self) -> dict[str, list[int]]:
+    def node_ranks(self, joining: bool = False) -> dict[str, list[int]]:
         """Ray node id (hex) -> the ranks of the current members running there (empty once the
-        group is stopped): what a node drain takes away (:mod:`ringtrain.launch.ray_drain`)."""
+        group is stopped): what a node drain takes away (:mod:`ringtrain.launch.ray_drain`);
+        with ``joining``, joining workers too."""
         with self._lock:
             if self._stopped:
                 return {}
             out: dict[str, list[int]] = {}
             for rank, worker in sorted(self._members.items()):
                 node = worker.info.get("node_id")
-                if node and rank not in self._joining:
+                if node and (joining or rank not in self._joining):
                     out.setdefault(str(node), []).append(rank)
             return out
 
@@ -423,13 +431,25 @@ class RayWorkerGroup(ChannelGroup):
             return {r: w.actor for r, w in self._members.items()}
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """Stop the group: SIGTERM then SIGKILL after ``grace_s`` seconds to each worker process
+        (through its actor), kill the actors, remove the placement group. Workers whose host
+        does not answer (a partition) are not waited for: their actors are killed without
+        waiting (Ray delivers it if the host comes back), and their watcher threads are left to
+        end by themselves. With such a host in the group the others get at most
+        :data:`CUT_OFF_GRACE_S`: they are stuck in a collective with it and can finish nothing
+        (the controller waited for their checkpoint writes before stopping the group)."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
             workers = list(self._workers)
+        self._watch.stop(wait=False)
+        silent = self._watch.silent_nodes()
+        reachable = [w for w in workers if w.info.get("node_id") not in silent]
+        if len(reachable) < len(workers):
+            grace_s = min(grace_s, CUT_OFF_GRACE_S)
         ray = self.ray
-        started = [w for w in workers if w.pid is not None]
+        started = [w for w in reachable if w.pid is not None]
         if started:
             refs = [w.actor.terminate.remote(grace_s) for w in started]
             with contextlib.suppress(Exception):
@@ -445,16 +465,19 @@ class RayWorkerGroup(ChannelGroup):
         if self._listener is not None:
             self._listener.close()
         for conn in list(self._conns.values()):
-            with contextlib.suppress(OSError):
-                conn.close()
-        # The watchers return once their pending poll fails on the killed actor.
+            handshake.abort(conn)  # wakes its reader, even if the worker is cut off
+        # The watchers return once their pending poll fails on the killed actor; one whose
+        # actor's host does not answer waits for Ray to give up on that node: not joined.
+        cut_off = {self._watchers.get(id(w)) for w in workers if w not in reachable}
         for t in self._threads:
-            t.join(timeout=10)
+            if t not in cut_off:
+                t.join(timeout=10)
         self._store = None
 
 
 __all__ = [
     "ACTOR_START_TIMEOUT_S",
+    "CUT_OFF_GRACE_S",
     "ENV_RAY_NODE_ID",
     "POLL_BLOCK_S",
     "RAY_INSTALL_HINT",

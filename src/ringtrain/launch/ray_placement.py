@@ -1,11 +1,24 @@
-"""Placement logic of the Ray backend, free of Ray: rank numbering from where the actors landed,
-and the explanation of a placement group the cluster cannot grant."""
+"""Placement of the Ray backend: the group's placement group, which leaves out the nodes whose
+host does not answer (:func:`place_group`, the one function here that talks to Ray, through the
+``ray`` module it is given), rank numbering from where the actors landed, and the explanation of
+a placement group the cluster cannot grant."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from ringtrain.launch.ray_hosts import OK, probe_many
+
+
+class PlacementError(RuntimeError):
+    """The cluster did not grant the workers' placement group in time."""
+
+
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label every Ray node carries with its id (what a bundle label selector can exclude)."""
 
 
 @dataclass(frozen=True)
@@ -135,3 +148,64 @@ def explain_unplaceable(
             f"the cluster has the resources, but they are in use by other jobs (free now: {free})"
         )
     return "; ".join(reasons)
+
+
+def raylets(ray: Any) -> dict[str, tuple[str, int]]:
+    """Node id -> ``(host, raylet port)`` of the nodes alive in Ray's view."""
+    return {
+        str(n["NodeID"]): (str(n["NodeManagerAddress"]), int(n["NodeManagerPort"]))
+        for n in ray.nodes()
+        if n.get("Alive") and n.get("NodeManagerAddress") and n.get("NodeManagerPort")
+    }
+
+
+def place_group(
+    ray: Any,
+    bundle: Mapping[str, float],
+    count: int,
+    strategy: str,
+    timeout_s: float,
+    created: Callable[[Any], None] = lambda pg: None,
+) -> tuple[Any, dict[str, tuple[str, int]]]:
+    """Create the placement group of ``count`` bundles of ``bundle`` and wait for it.
+
+    Nodes whose host does not answer now (probed: :func:`~ringtrain.launch.ray_hosts.
+    probe_many`) are left out with a bundle label selector: Ray keeps a partitioned or lost
+    node alive in its view for up to a minute, and a bundle placed there would never start.
+
+    Args:
+        created: called with the placement group as soon as it exists (its owner removes it
+            even if the wait then fails).
+
+    Returns:
+        The placement group, and the raylets of the alive nodes (node id -> ``(host, port)``).
+
+    Raises:
+        PlacementError: not granted within ``timeout_s``, naming what is missing and the
+            nodes left out.
+    """
+    from ray.util.placement_group import placement_group
+
+    nodes = raylets(ray)
+    status = probe_many(nodes.values())
+    avoid = sorted(node for node, where in nodes.items() if status.get(where) != OK)
+    bundles = [dict(bundle)] * count
+    selector = [{NODE_ID_LABEL: f"!in({','.join(avoid)})"}] * count if avoid else None
+    pg = placement_group(bundles, strategy=strategy, bundle_label_selector=selector)
+    created(pg)
+    if pg.wait(timeout_seconds=timeout_s):  # asks the GCS; runs no task
+        return pg, nodes
+    known = [
+        NodeResources(n.get("NodeManagerAddress", "?"), dict(n.get("Resources") or {}))
+        for n in ray.nodes()
+        if n.get("Alive") and str(n.get("NodeID")) not in avoid
+    ]
+    why = explain_unplaceable(bundle, count, strategy, known, ray.available_resources())
+    if avoid:
+        hosts = ", ".join(sorted(nodes[n][0] for n in avoid))
+        why += f"; left out: node(s) {hosts}, whose host does not answer"
+    raise PlacementError(
+        f"Ray did not grant the placement group of {count} workers with "
+        f"{format_resources(bundle)} each (placement_strategy={strategy!r}) within "
+        f"placement_timeout_s={timeout_s:g}: {why}"
+    )

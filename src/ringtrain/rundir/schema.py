@@ -183,7 +183,8 @@ class StragglerClearedEvent(EventRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class FailureEvent(EventRecord):
-    """A worker failed: ``kind`` (``exception`` / ``signal`` / ``exit`` / ``hang``), ``message``,
+    """A worker failed: ``kind`` (``exception`` / ``signal`` / ``exit`` / ``hang`` /
+    ``unreachable``: unheard and its host silent, a partition or a lost host), ``message``,
     ``traceback`` (or None), ``attempt``, ``follow_on`` (a peer's error caused by another
     rank's failure, counted apart)."""
 

@@ -285,6 +285,19 @@ class Exited:
     returncode: int
 
 
+@dataclass(frozen=True)
+class HostSilent:
+    """The launcher: the host of ``rank`` stopped answering at the network level (``since``,
+    Unix time, the first probe left unanswered: a partition or a lost host), or, with
+    ``answered``, answers again (a link that flapped)."""
+
+    rank: int
+    time: float
+    host: str
+    since: float
+    answered: bool = False
+
+
 Event = (
     Hello
     | Report
@@ -294,6 +307,7 @@ Event = (
     | WorkerError
     | Done
     | Exited
+    | HostSilent
     | Interrupted
     | Resumed
     | JoinReady

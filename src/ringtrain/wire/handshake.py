@@ -124,6 +124,21 @@ def close_gracefully(conn: Connection, timeout_s: float = 5.0) -> None:
             conn.close()
 
 
+def abort(conn: Connection) -> None:
+    """Close a channel connection at once, and wake the thread blocked reading it: its socket
+    is ended both ways first (closing a descriptor does not wake a blocked ``recv``, and a peer
+    cut off by a network partition never sends the end of file that would). What was in
+    flight is lost. Never raises :class:`OSError`."""
+    with contextlib.suppress(OSError, ValueError):
+        sock = socket.socket(fileno=conn.fileno())
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.detach()  # the connection still owns the descriptor
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
 def _digest(key: bytes, side: bytes, s_nonce: bytes, c_nonce: bytes) -> bytes:
     return hmac.new(key, side + s_nonce + c_nonce, hashlib.sha256).digest()
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import inspect
 import logging
 import numbers
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -330,6 +332,7 @@ def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
     error = None
     pending = False
     if checkpoint is not None:
+        _check_fence(session)
         if isinstance(checkpoint, Checkpoint):
             files, error = _write_checkpoint(session, round_, directory=checkpoint)
         elif isinstance(checkpoint, SavesCheckpoint):
@@ -359,6 +362,20 @@ def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
         session.reports.append(message)
 
 
+def _check_fence(session: Session) -> None:
+    """Raise :class:`~ringtrain.checkpoint.fence.WorkerFenced` if the driver declared this worker
+    lost (a partition cut it off) or its attempt has ended: its checkpoint must not land among
+    the files of the group that replaced it (checkpoint/fence.py). Asked before every checkpoint
+    this rank writes, not before plain reports (those travel over the channel, which the driver
+    closed)."""
+    target = session.run_storage()
+    if target is None or session.channel is None:
+        return
+    from ringtrain.checkpoint import fence
+
+    fence.check(target[0], target[1], session.context.attempt)
+
+
 def _staging_dir(session: Session, round_: int) -> tuple[Any, str] | None:
     target = session.run_storage()
     if target is None:
@@ -384,6 +401,7 @@ def _write_checkpoint(
         return {}, None
     fs, dest = target
     try:
+        _check_fence(session)  # again: a background write starts later than its report
         if directory is not None:
             with directory.as_directory() as local_dir:
                 files = retry(
@@ -426,7 +444,14 @@ def _save_state(
     rank = session.context.world_rank
 
     def job() -> None:
-        files, error = _write_checkpoint(session, round_, writers=writers)
+        from ringtrain.checkpoint.fence import WorkerFenced
+
+        try:
+            files, error = _write_checkpoint(session, round_, writers=writers)
+        except WorkerFenced as fenced:  # declared lost: it stops as a killed worker would
+            sys.stderr.write(f"ringtrain: rank {rank}: {fenced}; exiting\n")
+            sys.stderr.flush()
+            os._exit(1)
         try:
             channel.send(CheckpointDone(rank=rank, round=round_, files=files, error=error))
         except (OSError, ValueError):
