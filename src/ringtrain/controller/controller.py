@@ -14,12 +14,10 @@ Elastic runs (``ScalingConfig(num_workers=(min, max))``) go through ``Resizing``
 when a preemption notice names some ranks; a notice for the whole run enters ``Preempting``.
 
 The controller is the only object that executes decisions and owns the run's mutable state. The
-deciders it asks take facts and return values: what a worker event means
-(:mod:`~ringtrain.controller.events`), resize and grow plans (:mod:`~ringtrain.controller.elastic`,
-:mod:`~ringtrain.controller.leaving`), preemption (:mod:`~ringtrain.controller.preempting`), restart
-or raise (:mod:`~ringtrain.controller.policy`), round publication
-(:mod:`~ringtrain.controller.rounds`), liveness (:mod:`~ringtrain.controller.health`); their
-effects (:mod:`~ringtrain.controller.effects`) are executed by :meth:`Controller.apply`. The class
+deciders it asks take facts and return values (``events``: what a worker event means;
+``elastic``, ``leaving``: resize and grow plans; ``preempting``; ``policy``: restart or raise;
+``rounds``: publication; ``health``: liveness; ``integrity``; ``spares``); their effects
+(:mod:`~ringtrain.controller.effects`) are executed by :meth:`Controller.apply`. The class
 is written in four files: this one (the loop, starting, running, restarting), ``executor.py``
 (executing effects), ``in_place.py`` (the elastic states) and ``notices.py`` (preemption).
 
