@@ -65,7 +65,6 @@ MATRIX = {
         True,
         [[0, 1, "step", 7], [1, 3, "exchange", 3], [2, 0, "epoch_start", 2]],
     ),
-    "w3_streaming_bf16": (3, STREAMING_BF16, False, False, [[0, 2, "step", 13]]),
     "w4_islands": (4, PLAIN, True, True, [[0, 3, "step", 6], [1, 0, "exchange", 1]]),
 }
 

@@ -52,8 +52,10 @@ def _mismatches(result) -> list[dict]:
     return [e for e in read_events(result.path) if e["type"] == "replica_mismatch"]
 
 
-@pytest.mark.parametrize("workers", [2, 3, 4])
-@pytest.mark.parametrize("where", ["param", "optimizer"])
+@pytest.mark.parametrize(
+    ("workers", "where"),
+    [(2, "param"), (3, "param"), (4, "param"), (3, "optimizer")],  # the state is one fingerprint
+)
 def test_a_flipped_bit_is_caught_named_and_rolled_back_to_an_exact_end(
     tmp_path, tmp_path_factory, workers, where
 ):
