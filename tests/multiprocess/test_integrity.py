@@ -32,8 +32,7 @@ def _run(tmp_path, name, workers, inject=None, **config):
         storage_path=tmp_path / "runs",
         name=name,
         train_loop_config={"inject": inject, "out": str(out)},
-        replica_check_every=CHECK_EVERY,
-        **config,
+        **{"replica_check_every": CHECK_EVERY, **config},
     )
     return result, out
 
@@ -156,17 +155,16 @@ REPLAY_EVERY = 2
 
 
 def _replay_run(tmp_path, name, workers, inject=None, **config):
-    out = tmp_path / f"{name}.pt"
-    result = run_job(
-        integrity_workloads.sdc_fn,
+    """The replay check alone (no replica check)."""
+    return _run(
+        tmp_path,
+        name,
         workers,
-        storage_path=tmp_path / "runs",
-        name=name,
-        train_loop_config={"inject": inject, "out": str(out)},
+        inject,
+        replica_check_every=0,
         replay_check_every=REPLAY_EVERY,
         **config,
     )
-    return result, out
 
 
 @pytest.mark.parametrize("workers", [2, 3, 4])
