@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -323,3 +323,72 @@ def assert_matches_reference(
     assert full.keys() == ref_params.keys()  # the stages keep the model's parameter names
     for key, want in ref_params.items():
         torch.testing.assert_close(full[key], want, rtol=0, atol=tol, msg=f"{name}: {key}")
+
+
+def run_torchrun_style(
+    argv: list[str],
+    world_size: int,
+    *,
+    timeout_s: float,
+    pythonpath: Sequence[str] = (),
+    tries: int = 3,
+) -> list[str]:
+    """Run ``argv`` as ``world_size`` processes with torchrun's environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` on loopback; no ``RINGTRAIN_`` variables) and
+    return each rank's stdout, in rank order. Each process must exit 0 within ``timeout_s``
+    seconds (a hang is the failure, not slowness; the others are killed).
+
+    The store's port is probed free and then bound by rank 0 a moment later, so another process
+    of a busy machine can take it in between (``EADDRINUSE``): then the ranks are started again
+    on a fresh port, up to ``tries`` times, as torchrun's own rendezvous retries do.
+    """
+    import socket
+    import subprocess
+    import sys
+
+    for attempt in range(tries):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        procs = []
+        for rank in range(world_size):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("RINGTRAIN_")}
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")]),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        outs: list[str] = []
+        errors: list[str] = []
+        try:
+            deadline = time.monotonic() + timeout_s
+            for p in procs:
+                out, err = p.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+                outs.append(out)
+                errors.append(err if p.returncode else "")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        taken = any("EADDRINUSE" in e for e in errors)
+        if taken and attempt + 1 < tries:
+            continue
+        for rank, err in enumerate(errors):
+            assert not err, f"rank {rank} failed:\n{err[-3000:]}"
+        return outs
+    raise AssertionError("unreachable")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +15,7 @@ import hvd_workloads
 import ringtrain as rt
 import ringtrain.horovod as hvd
 from ringtrain.comm.fusion import fusion_threshold_from_env, plan_buckets
+from support import run_torchrun_style
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,12 +101,6 @@ def test_elastic_commit_survives_a_killed_worker_bit_exactly(tmp_path):
         assert killed.metrics_per_rank[rank]["params"] == clean.metrics_per_rank[rank]["params"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_init_under_torchrun_environment_and_reinit(tmp_path):
     script = tmp_path / "tr.py"
     script.write_text(
@@ -125,36 +118,10 @@ def test_init_under_torchrun_environment_and_reinit(tmp_path):
             """
         )
     )
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RINGTRAIN_")}
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=120)
-        finally:
-            p.kill()
-        assert p.returncode == 0, err
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = [
+        json.loads(out.strip().splitlines()[-1])
+        for out in run_torchrun_style([str(script)], 2, timeout_s=120)
+    ]
     assert [o["rank"] for o in outs] == [0, 1]
     for o in outs:
         assert o["size"] == 2 and o["a"] == 1.0 and o["b"] == [0, 1]

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import ringtrain.horovod as hvd
+from support import run_torchrun_style
 
 SHARES_RUNS = True  # its tests share cached runs: one pytest worker runs them all (conftest)
 
@@ -181,49 +178,11 @@ def test_process_set_object_without_init():
 # ------------------------------------------------------------------ the battery, in real ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_battery(world_size: int) -> list[dict]:
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RINGTRAIN_")}
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(HERE / "hvd_conformance_workloads.py")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            # generous: a hang is what this turns into a failure, not slowness
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return sorted(outs, key=lambda o: o["rank"])
+    script = str(HERE / "hvd_conformance_workloads.py")
+    outs = run_torchrun_style([script], world_size, timeout_s=240, pythonpath=[str(HERE)])
+    ranks = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    return sorted(ranks, key=lambda o: o["rank"])
 
 
 _RESULTS: dict[int, list[dict]] = {}

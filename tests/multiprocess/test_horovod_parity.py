@@ -12,15 +12,12 @@ The whole module of Horovod's is run by ``benchmarks/horovod_test_module.py`` (d
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hvd_parity_workloads import CHECKS
+from support import run_torchrun_style
 
 SHARES_RUNS = True  # its tests share cached runs: one pytest worker runs them all (conftest)
 
@@ -28,48 +25,11 @@ HERE = Path(__file__).resolve().parents[1]
 _RESULTS: dict[int, list[dict]] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(world_size: int) -> list[dict]:
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RINGTRAIN_")}
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(HERE / "hvd_parity_workloads.py")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=180)  # a hang is the failure, not slowness
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return sorted(outs, key=lambda o: o["rank"])
+    script = str(HERE / "hvd_parity_workloads.py")
+    outs = run_torchrun_style([script], world_size, timeout_s=180, pythonpath=[str(HERE)])
+    ranks = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    return sorted(ranks, key=lambda o: o["rank"])
 
 
 def _results(world_size: int) -> list[dict]:
