@@ -154,7 +154,13 @@ def test_a_preemption_notice_hands_the_rank_to_a_spare_before_it_leaves(tmp_path
         3,
         spares=1,
         max_failures=1,
-        loop={"notice_step": 4, "sigterm_ranks": [1], "spares_ready": 1, "kill_ranks": [1]},
+        loop={
+            "notice_step": 4,
+            "sigterm_ranks": [1],
+            "spares_ready": 1,
+            "spares_ready_step": 4,
+            "kill_ranks": [1],
+        },
     )
     assert result.error is None and result.failures == [] and result.preemptions == 1
     (resize,) = _events(result.path, "resize")
