@@ -120,3 +120,53 @@ def destroy_process_group() -> None:
             dist.destroy_process_group()
     except Exception:
         pass
+
+
+def broadcast_state(obj: Any, src: int, group: Any = None) -> Any:
+    """``obj`` of rank ``src`` (a rank of ``group``: the group's own numbering; default: the
+    default group) on every rank of ``group``, without a pickle.
+
+    ``torch.distributed.broadcast_object_list`` unpickles what arrives, and gloo's connections
+    are not authenticated: whoever reaches a rank's socket could make it run code. Here ``src``
+    serialises ``obj`` with ``torch.save`` and the others read it with
+    ``torch.load(weights_only=True)``, the loader of every checkpoint (tensors, numbers,
+    strings, containers; nothing that runs code): anything a ``TrainState`` can save travels.
+    Two broadcasts: the length (int64), then the bytes (uint8). A collective of ``group``.
+
+    Args:
+        obj: what ``src`` sends (ignored on the other ranks).
+        src: the sending rank, in ``group``'s numbering.
+        group: the process group (``None``: the default group).
+
+    Returns:
+        ``obj`` on ``src``; a copy of it, its tensors on the CPU, on every other rank.
+
+    Raises:
+        pickle.UnpicklingError: what arrived holds something ``weights_only`` refuses.
+    """
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = dist.get_rank(group) == src
+    data = b""
+    if mine:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, group_src=src, group=group)
+    if mine:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if payload.numel():
+        dist.broadcast(payload, group_src=src, group=group)
+    if mine:
+        return obj
+    received = io.BytesIO(payload.cpu().numpy().tobytes())
+    return torch.load(received, weights_only=True, map_location="cpu")

@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ringtrain.checkpoint.checkpoint import Checkpoint
+from ringtrain.cluster.distributed import broadcast_state
 from ringtrain.worker.session import get_context
 from ringtrain.worker.state import TrainState
 from ringtrain.worker.state_files import STATE_FILE, capture_rng, rank_file, restore_rng, stage
@@ -140,10 +140,8 @@ def load_shards(state: TrainState, shards: dict[str, Any] | None, from_peer: boo
     from ringtrain.checkpoint.sharded import _options, state_dict_of
 
     if from_peer:
-        box: list[Any] = [shards]
         group = get_context().mesh["dp_replicate"].get_group()
-        dist.broadcast_object_list(box, group_src=0, group=group)
-        shards = box[0]
+        shards = broadcast_state(shards, 0, group)
     if shards is None:
         raise ValueError("elastic: this rank holds no in-memory shards of the FSDP state")
     model, optimizer = _sharded_objects(state)
@@ -204,13 +202,13 @@ def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int
     Raises:
         ValueError: if ``source`` itself has no snapshot.
     """
-    box: list[Any] = [None]
+    sent: dict[str, Any] | None = None
     if rank == source:
         if snapshot is None:
             raise ValueError(f"rank {source} was chosen as the snapshot source but has none")
-        box = [(snapshot.step, snapshot.shared, snapshot.rank)]
-    dist.broadcast_object_list(box, src=source)
-    step, shared, source_rank = box[0]
+        sent = {"step": snapshot.step, "shared": snapshot.shared, "rank": snapshot.rank}
+    box = broadcast_state(sent, source)  # not a pickle: gloo is not authenticated
+    step, shared, source_rank = box["step"], box["shared"], box["rank"]
     if rank == source:
         assert snapshot is not None
         return snapshot

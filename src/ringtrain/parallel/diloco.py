@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.cluster.distributed import broadcast_state
 from ringtrain.cluster.env import DistributedContext
 from ringtrain.config.diloco import DiLoCoConfig
 from ringtrain.parallel.diloco_exchange import Topology, check_outer_dtype
@@ -378,12 +379,12 @@ def share_missing_state(sync: OuterSync) -> None:
     if source == world:
         sync.reset_from_local()
         return
-    shared = [sync.shared_state() if rank == source else None]
-    dist.broadcast_object_list(shared, src=source)
+    # Not a pickle (gloo is not authenticated): torch.save, read with weights_only=True.
+    shared = broadcast_state(sync.shared_state() if rank == source else None, source)
     if not sync.restored:
-        assert shared[0] is not None
-        sync.load_shared_state(shared[0])
-        sync.join(shared[0].get("in_flight"))
+        assert shared is not None
+        sync.load_shared_state(shared)
+        sync.join(shared.get("in_flight"))
         logger.info("rank %d: DiLoCo global state received from rank %d", rank, source)
 
 
