@@ -26,6 +26,7 @@ Usage::
     python benchmarks/elastic_overhead.py                          # 3 + 3 runs of 400 steps
     python benchmarks/elastic_overhead.py --runs 5 --steps 600 --profile
     python benchmarks/elastic_overhead.py --snapshot-interval 10   # a snapshot every 10 steps
+    python benchmarks/elastic_overhead.py --modes plain,elastic,spares  # + a hot spare
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ringtrain as rt
 
-MODES = ("plain", "elastic")
+MODES = ("plain", "elastic", "spares")
+"""``plain``: 2 workers; ``elastic``: ``num_workers=(1, 2)``; ``spares``: 2 workers and one hot
+spare (whose snapshots also gather every rank's RNG states)."""
 
 
 def one_run(mode: str, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
@@ -65,13 +68,15 @@ def one_run(mode: str, args: argparse.Namespace) -> tuple[float, dict[str, float
             _elastic_overhead_worker.train_fn,
             rt.ScalingConfig(
                 num_workers=(1, 2) if elastic else 2,
+                spares=int(mode == "spares"),
                 resources_per_worker={"CPU": 1},
             ),
             rt.RunConfig(
                 name=mode,
                 storage_path=os.path.join(tmp, "runs"),
                 failure_config=rt.FailureConfig(
-                    max_failures=0, snapshot_interval_steps=args.snapshot_interval
+                    max_failures=int(mode == "spares"),
+                    snapshot_interval_steps=args.snapshot_interval,
                 ),
                 checkpoint_config=rt.CheckpointConfig(num_to_keep=2, async_save=True),
                 progress="off",
@@ -108,24 +113,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--snapshot-interval", type=int, default=1, help="elastic runs")
     parser.add_argument("--profile", action="store_true", help="time the step-boundary parts")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--modes", default="plain,elastic", help=f"comma-separated, of {', '.join(MODES)}"
+    )
     args = parser.parse_args(argv)
-    periods: dict[str, list[float]] = {mode: [] for mode in MODES}
-    parts: dict[str, dict[str, list[float]]] = {mode: defaultdict(list) for mode in MODES}
+    modes = tuple(args.modes.split(","))
+    if "plain" not in modes or not set(modes) <= set(MODES):
+        parser.error(f"--modes: 'plain' and others of {', '.join(MODES)}")
+    periods: dict[str, list[float]] = {mode: [] for mode in modes}
+    parts: dict[str, dict[str, list[float]]] = {mode: defaultdict(list) for mode in modes}
     for run in range(args.runs):
-        for mode in MODES if run % 2 == 0 else MODES[::-1]:  # ABBA: no mode always first
+        for mode in modes if run % 2 == 0 else modes[::-1]:  # ABBA: no mode always first
             period, profile = one_run(mode, args)
             periods[mode].append(period)
             for part, ms in profile.items():
                 parts[mode][part].append(ms)
             print(f"run {run + 1} {mode:8s} step period {period * 1000:6.2f} ms", flush=True)
     medians = {mode: statistics.median(values) for mode, values in periods.items()}
-    ratio = medians["elastic"] / medians["plain"]
-    print(
-        f"median step period: plain {medians['plain'] * 1000:.2f} ms, elastic "
-        f"{medians['elastic'] * 1000:.2f} ms; elastic / plain = {ratio:.3f} "
-        f"({(ratio - 1) * 100:+.1f} %)"
-    )
-    for mode in MODES:
+    ratios = {mode: medians[mode] / medians["plain"] for mode in modes if mode != "plain"}
+    ratio = ratios.get("elastic", next(iter(ratios.values()), 1.0))
+    print(f"median step period: plain {medians['plain'] * 1000:.2f} ms", end="")
+    for mode, r in ratios.items():
+        print(f"; {mode} {medians[mode] * 1000:.2f} ms, x{r:.3f} ({(r - 1) * 100:+.1f} %)", end="")
+    print()
+    for mode in modes:
         for part, values in sorted(parts[mode].items()):
             print(f"  {mode:8s} {part:40s} {statistics.mean(values):7.3f} ms per call")
     if args.json:
@@ -136,6 +147,7 @@ def main(argv: list[str]) -> int:
                     "periods_s": periods,
                     "median_s": medians,
                     "ratio": ratio,
+                    "ratios": ratios,
                     "profile_ms": {m: {p: v for p, v in d.items()} for m, d in parts.items()},
                 },
                 f,

@@ -419,8 +419,9 @@ def elastic_fn(config):
     ``stop_at``: return after that step's report. Rank 0 saves the final parameters to
     ``config["out"]`` (every rank to ``{out}.rank{r}`` with ``save_every_rank``).
     ``unrestored_reentry``: after a resize, build the model with a per-rank seed and skip
-    ``restore()``. ``hang_after_resize``: that (new) rank hangs when the train function is
-    re-entered after a resize, before its first step."""
+    ``restore()``. ``rank_noise``: each rank seeds its own torch stream (100 + rank) and adds
+    noise from it to its inputs (per-rank randomness, as dropout). ``hang_after_resize``: that (new)
+    rank hangs when the train function is re-entered after a resize, before its first step."""
     import json
 
     ctx = rt.get_context()
@@ -438,12 +439,16 @@ def elastic_fn(config):
         DataLoader(IndexedDataset(), batch_size=config.get("batch_size", 4), shuffle=True)
     )
     state = rt.TrainState(model=model, optimizer=optimizer, data_loader=loader)
+    if config.get("rank_noise"):  # per-rank randomness (a stand-in for dropout): own streams
+        torch.manual_seed(100 + ctx.world_rank)
     if not unrestored:
         state.restore()
     log = os.path.join(config["log"], f"{os.getpid()}.jsonl")
     every = config.get("every", 5)
     for epoch in state.epochs(config["epochs"]):
         for x, y, ids in loader:
+            if config.get("rank_noise"):
+                x = x + 0.01 * torch.randn_like(x)
             loss, record = elastic_step(model, optimizer, state, x, y, ids, epoch)
             record["loss"] = loss.item()
             with open(log, "a") as f:

@@ -160,6 +160,7 @@ def test_a_preemption_notice_hands_the_rank_to_a_spare_before_it_leaves(tmp_path
             "spares_ready": 1,
             "spares_ready_step": 4,
             "kill_ranks": [1],
+            "rank_noise": True,
         },
     )
     assert result.error is None and result.failures == [] and result.preemptions == 1
@@ -171,7 +172,7 @@ def test_a_preemption_notice_hands_the_rank_to_a_spare_before_it_leaves(tmp_path
     after = {r["rank"]: r["pid"] for r in records if r["step"] > 5}
     assert after[1] != before[1] and (after[0], after[2]) == (before[0], before[2])
     assert sorted(r["step"] for r in records if r["rank"] == 1) == list(range(1, 21))
-    _, _, reference = _fit(tmp_path, "ref", 3)
+    _, _, reference = _fit(tmp_path, "ref", 3, loop={"rank_noise": True})
     _same_parameters(final, reference)
 
 
@@ -183,8 +184,15 @@ def test_a_seeded_campaign_of_kills_ends_bit_exact_at_full_size(tmp_path, worker
     at = sorted(rng.sample(range(2, steps - 2, 3), 3))  # 3 kills, 3 steps apart at least
     campaign = [[step, rng.randrange(workers)] for step in at]
     note = f"seed {seed}: kills (step, rank) {campaign}"
+    # Per-rank randomness: each rank adds noise from its own stream, which the spare that takes
+    # its place continues (the snapshot's gathered RNG states).
     result, records, final = _fit(
-        tmp_path, "campaign", workers, spares=1, max_failures=3, loop={"campaign": campaign}
+        tmp_path,
+        "campaign",
+        workers,
+        spares=1,
+        max_failures=3,
+        loop={"campaign": campaign, "rank_noise": True},
     )
     assert result.error is None, note
     assert [f.rank for f in result.failures] == [rank for _, rank in campaign], note
@@ -192,5 +200,5 @@ def test_a_seeded_campaign_of_kills_ends_bit_exact_at_full_size(tmp_path, worker
     assert [r["spare_ranks"] for r in resizes] == [[rank] for _, rank in campaign], note
     assert [e["attempt"] for e in _events(result.path, "run_start")] == [0], note
     assert {r["world"] for r in records} == {workers}, note
-    _, _, reference = _fit(tmp_path, "ref", workers)
+    _, _, reference = _fit(tmp_path, "ref", workers, loop={"rank_noise": True})
     _same_parameters(final, reference)

@@ -39,7 +39,7 @@ from ringtrain.wire.worker_config import ElasticSettings
 from ringtrain.worker.hooks import SYNC_TOKEN_ATTR, LoaderSetup, ModelSetup, StepState, WorkerPlugin
 from ringtrain.worker.session import Session
 from ringtrain.worker.state import TrainState
-from ringtrain.worker.state_files import unwrap
+from ringtrain.worker.state_files import capture_rng, unwrap
 
 logger = logging.getLogger("ringtrain")
 
@@ -245,10 +245,16 @@ class ElasticRuntime(WorkerPlugin):
     def _start_grow_agreement(self, ctx: DistributedContext) -> Callable[[], bool]:
         """Start agreeing whether any member has a GrowRequest (an allreduce MAX of the flag,
         asynchronous), so that every member pauses after the same step; call the returned
-        function, at this same step boundary, for the result (it waits for the allreduce).
-        The driver sends a GrowRequest to grow the group back, and to let the ranks of a partial
-        preemption notice leave in place (at any size: so the flag is agreed on at every
-        snapshot boundary, one 4-byte allreduce).
+        function, at this same step boundary, after the snapshot was taken, for the result (it
+        waits for the collective). The driver sends a GrowRequest to grow the group back, and
+        to let the ranks of a partial preemption notice leave in place (at any size: so the
+        flag is agreed on at every snapshot boundary, one 4-byte allreduce).
+
+        With hot spares (``ElasticSettings.carry_rng``) the collective is an all-gather of the
+        flag and this rank's RNG states (:func:`~ringtrain.elastic.snapshot.pack_rng`, 16 KB),
+        and the returned function puts every rank's into the new snapshot's ``peer_rng``: a
+        spare that takes a lost rank's place continues its random streams. One collective at
+        the same sync point, so the gather costs its bytes, not another wait.
 
         Raises (from the returned function):
             RuntimeError: from the collective when a peer is lost (elastic handling follows).
@@ -258,14 +264,29 @@ class ElasticRuntime(WorkerPlugin):
         if ctx.world_size <= 1:
             return lambda: flag
         device = ctx.device if ctx.use_gpu else torch.device("cpu")
-        box = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-        work = dist.all_reduce(box, op=dist.ReduceOp.MAX, async_op=True)
+        if not self.settings.carry_rng:
+            box = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+            work = dist.all_reduce(box, op=dist.ReduceOp.MAX, async_op=True)
 
-        def agreed() -> bool:
-            work.wait()
-            return bool(box.item())
+            def agreed() -> bool:
+                work.wait()
+                return bool(box.item())
 
-        return agreed
+            return agreed
+        # The snapshot taken next captures the same streams: nothing draws in between.
+        words = snapshots.pack_rng(capture_rng())
+        mine = torch.cat([torch.tensor([int(flag)], dtype=torch.int64), words]).to(device)
+        parts = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+        gathered = dist.all_gather(parts, mine, async_op=True)
+
+        def agreed_and_gathered() -> bool:
+            gathered.wait()
+            table = {r: p[1:].cpu() for r, p in enumerate(parts)}
+            if self.snapshot is not None:
+                self.snapshot.peer_rng = table
+            return any(bool(p[0].item()) for p in parts)
+
+        return agreed_and_gathered
 
     def _poll_driver(self) -> None:
         """Take the GrowRequests of this generation among the driver messages waiting (read

@@ -14,7 +14,11 @@ survivor keeps its own RNG streams and per-rank state, and a worker that joins l
 shared payload and the data position by broadcast, and fresh RNG streams (:func:`joiner_rng`).
 So no part of a snapshot is sent to a peer while training runs (an earlier version sent the
 per-rank payload to the ring neighbour at every snapshot, which nothing read: 2-6 ms a step on
-``benchmarks/elastic_overhead.py``'s workload).
+``benchmarks/elastic_overhead.py``'s workload). The one exception is a run with hot spares
+(``ScalingConfig.spares``): a spare takes a lost rank's *number*, so it must continue that rank's
+random streams for the run to stay bit-exact; there every snapshot gathers each rank's RNG states
+(:func:`pack_rng`: 16 KB per rank, in the pause agreement's collective) and :func:`broadcast`
+hands the lost rank's to the spare.
 
 FSDP-sharded objects (``prepare_model(parallel_strategy="fsdp")`` on an elastic
 ``ParallelConfig(dp_replicate=-1, dp_shard=G)``: :mod:`ringtrain.config.replica_groups`) are kept as
@@ -58,12 +62,16 @@ class Snapshot:
         shards: this rank's local shards of the FSDP-sharded objects (``{"model": ...,
             "optimizer": ...}``, the DCP state dict with every ``DTensor`` replaced by a copy of
             its local tensor; ``None``: nothing is sharded).
+        peer_rng: every rank's RNG states at ``step`` (rank -> :func:`pack_rng`'s words),
+            gathered with the pause agreement when hot spares may take a lost rank's place
+            (``ElasticSettings.carry_rng``); ``None``: not gathered.
     """
 
     step: int
     shared: dict[str, Any]
     rank: dict[str, Any]
     shards: dict[str, Any] | None = None
+    peer_rng: dict[int, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -207,6 +215,7 @@ def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int
         if snapshot is None:
             raise ValueError(f"rank {source} was chosen as the snapshot source but has none")
         sent = {"step": snapshot.step, "shared": snapshot.shared, "rank": snapshot.rank}
+        sent["peer_rng"] = snapshot.peer_rng
     box = broadcast_state(sent, source)  # not a pickle: gloo is not authenticated
     step, shared, source_rank = box["step"], box["shared"], box["rank"]
     if rank == source:
@@ -216,12 +225,106 @@ def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int
         mine = dict(snapshot.rank)
     else:
         mine = dict(source_rank)
-        mine["rng"] = joiner_rng(source_rank.get("rng"), rank, generation)
+        mine["rng"] = _carried_rng(box.get("peer_rng"), rank, step)
+        if mine["rng"] is None:
+            mine["rng"] = joiner_rng(source_rank.get("rng"), rank, generation)
     mine["data_loader"] = source_rank.get("data_loader")
     mine["step"] = step
     # A member keeps its own FSDP shards (of the same step: the members paused together).
     shards = snapshot.shards if snapshot is not None and snapshot.step == step else None
     return Snapshot(step=int(step), shared=shared, rank=mine, shards=shards)
+
+
+RNG_WORDS = 2048
+"""The int64 words :func:`pack_rng` fills (16 KB): the CPU streams of Python (625 words plus 3),
+NumPy (624 plus 4) and torch (5,056 bytes: 632 words) with a 6-word header, padded."""
+
+
+def pack_rng(rng: dict[str, Any]) -> torch.Tensor:
+    """``rng`` (:func:`~ringtrain.worker.state_files.capture_rng`'s CPU streams) as
+    :data:`RNG_WORDS` int64 words, so that every rank's fit one all-gather without a pickle;
+    all zeros (word 0 is 0: nothing to carry) when it holds more (CUDA streams) or does not
+    fit."""
+    out = torch.zeros(RNG_WORDS, dtype=torch.int64)
+    if set(rng) != {"python", "numpy", "torch"} or not isinstance(rng["torch"], torch.Tensor):
+        return out
+    py, npy, cpu = rng["python"], rng["numpy"], rng["torch"]
+    version, words, gauss = py
+    cpu_bytes = cpu.detach().to(torch.uint8).flatten()
+    pad = (-cpu_bytes.numel()) % 8
+    cpu_words = torch.cat([cpu_bytes, torch.zeros(pad, dtype=torch.uint8)]).view(torch.int64)
+    header = [1, int(version), len(words), int(npy["key"].numel()), cpu_bytes.numel(), 0]
+    tail = [
+        *words,
+        int(gauss is not None),
+        _float_bits(gauss or 0.0),
+        int(npy["pos"]),
+        int(npy["has_gauss"]),
+        _float_bits(float(npy["gauss"])),
+    ]
+    body = torch.cat(
+        [torch.tensor(header + tail, dtype=torch.int64), npy["key"].to(torch.int64), cpu_words]
+    )
+    if body.numel() > RNG_WORDS or npy["bit_generator"] != "MT19937":
+        return out
+    out[: body.numel()] = body
+    return out
+
+
+def unpack_rng(words: torch.Tensor) -> dict[str, Any] | None:
+    """The RNG states :func:`pack_rng` packed into ``words`` (``None``: it carried none).
+
+    Raises:
+        ValueError: ``words`` do not hold :func:`pack_rng`'s layout.
+    """
+    w = words.to(torch.int64).flatten()
+    if w.numel() < 6 or int(w[0]) == 0:
+        return None
+    version, n_py, n_key, n_cpu = (int(v) for v in w[1:5])
+    start = 6 + n_py + 5
+    end = start + n_key + (n_cpu + 7) // 8
+    if int(w[0]) != 1 or min(n_py, n_key, n_cpu) < 0 or end > w.numel():
+        raise ValueError("elastic: the gathered RNG states are not in pack_rng's layout")
+    py = w[6 : 6 + n_py].tolist()
+    has_gauss_py, gauss_py, pos, has_gauss, gauss = w[6 + n_py : start].tolist()
+    cpu = w[start + n_key : end].clone().view(torch.uint8)[:n_cpu]
+    return {
+        "python": (version, tuple(py), _bits_float(gauss_py) if has_gauss_py else None),
+        "numpy": {
+            "bit_generator": "MT19937",
+            "key": w[start : start + n_key].clone(),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "gauss": _bits_float(gauss),
+        },
+        "torch": cpu.clone(),
+    }
+
+
+def _float_bits(value: float) -> int:
+    return int(torch.tensor([value], dtype=torch.float64).view(torch.int64).item())
+
+
+def _bits_float(bits: int) -> float:
+    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64).item())
+
+
+def _carried_rng(table: Any, rank: int, step: int) -> dict[str, Any] | None:
+    """The RNG states rank ``rank`` had at ``step`` (from the table the snapshot gathered:
+    :attr:`Snapshot.peer_rng`), for the worker that takes its place; ``None`` when the table
+    does not hold them (no spares, a rank beyond the old group, a gather cut short by a lost
+    peer, CUDA streams)."""
+    words = table.get(rank) if isinstance(table, dict) else None
+    carried = unpack_rng(words) if isinstance(words, torch.Tensor) else None
+    if carried is None and table is not None:
+        logger.warning(
+            "elastic: rank %d's random streams at step %d were not gathered; the worker taking "
+            "its place starts fresh ones (a run with per-rank randomness is not bit-exact from "
+            "here)",
+            rank,
+            step,
+        )
+    return carried
 
 
 def joiner_rng(source_rng: Any, rank: int, generation: int) -> dict[str, Any]:

@@ -49,6 +49,9 @@ class ElasticSettings:
         joining: set only in a worker started to join a running group: it waits for its
             ``Resize`` instead of starting the process group (the driver's channel group marks
             it in that worker's ``Start``).
+        carry_rng: every rank's RNG states are gathered at each snapshot, so that a worker that
+            takes a lost rank's place (a hot spare: ``ScalingConfig.spares > 0``) continues
+            that rank's random streams (:func:`ringtrain.elastic.snapshot.gather_rng`).
     """
 
     min_workers: int
@@ -56,6 +59,7 @@ class ElasticSettings:
     snapshot_interval_steps: int = 1
     grow: bool = False
     joining: bool = False
+    carry_rng: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_workers <= self.max_workers:
@@ -206,6 +210,7 @@ def build_worker_config(
             scaling_config.max_workers,
             failure.snapshot_interval_steps,
             grow=scaling_config.elastic and scaling_config.elastic_grow_after_s is not None,
+            carry_rng=scaling_config.spares > 0,
         )
     timeout = failure.worker_timeout_s
     return WorkerConfig(
