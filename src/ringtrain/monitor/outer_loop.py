@@ -83,6 +83,47 @@ def _num(window: Mapping[str, Any], key: str) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+class OuterSum:
+    """:class:`OuterFigures` of one rank, summed window by window (:meth:`add`); what the
+    dashboard keeps per rank as a run directory grows."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.nbytes = self.sync_s = self.window_s = 0.0
+        self.exchanges = 0
+        self.outer_steps: int | None = None
+        self.seen = False
+
+    def add(self, window: Mapping[str, Any]) -> None:
+        """Count ``window`` if it has DiLoCo's fields and steps (else nothing)."""
+        n, per_step = _num(window, "steps"), _num(window, "outer_bytes")
+        sync = _num(window, "outer_sync_s")
+        if n is None or n <= 0 or per_step is None or sync is None:
+            return
+        self.seen = True
+        self.steps += int(n)
+        self.nbytes += per_step * n
+        self.sync_s += sync
+        self.window_s += _num(window, "window_s") or 0.0
+        self.exchanges += int(_num(window, "outer_exchanges") or 0)
+        count = _num(window, "outer_steps")
+        self.outer_steps = int(count) if count is not None else self.outer_steps
+
+    def figures(self) -> OuterFigures | None:
+        """The sums so far, or ``None`` when no window counted."""
+        if not self.seen:
+            return None
+        return OuterFigures(
+            outer_steps=self.outer_steps,
+            steps=self.steps,
+            bytes_per_step=self.nbytes / self.steps,
+            sync_s=self.sync_s,
+            sync_s_per_step=self.sync_s / self.steps,
+            sync_frac=self.sync_s / self.window_s if self.window_s > 0 else 0.0,
+            exchanges=self.exchanges,
+        )
+
+
 def summarize_outer(windows: Iterable[Mapping[str, Any]]) -> OuterFigures | None:
     """Sum DiLoCo's figures over one rank's ``windows`` (in the order written); windows
     without them (or without steps) are left out.
@@ -91,34 +132,10 @@ def summarize_outer(windows: Iterable[Mapping[str, Any]]) -> OuterFigures | None
         The rank's :class:`OuterFigures`, or ``None`` when no window has DiLoCo's fields (a run
         that is not DiLoCo, or an older run directory).
     """
-    steps = 0
-    nbytes = sync_s = window_s = 0.0
-    exchanges = 0
-    outer_steps: int | None = None
-    seen = False
-    for w in windows:
-        n, per_step, sync = _num(w, "steps"), _num(w, "outer_bytes"), _num(w, "outer_sync_s")
-        if n is None or n <= 0 or per_step is None or sync is None:
-            continue
-        seen = True
-        steps += int(n)
-        nbytes += per_step * n
-        sync_s += sync
-        window_s += _num(w, "window_s") or 0.0
-        exchanges += int(_num(w, "outer_exchanges") or 0)
-        count = _num(w, "outer_steps")
-        outer_steps = int(count) if count is not None else outer_steps
-    if not seen:
-        return None
-    return OuterFigures(
-        outer_steps=outer_steps,
-        steps=steps,
-        bytes_per_step=nbytes / steps,
-        sync_s=sync_s,
-        sync_s_per_step=sync_s / steps,
-        sync_frac=sync_s / window_s if window_s > 0 else 0.0,
-        exchanges=exchanges,
-    )
+    total = OuterSum()
+    for window in windows:
+        total.add(window)
+    return total.figures()
 
 
 def outer_by_rank(windows: Iterable[Mapping[str, Any]]) -> dict[int, OuterFigures]:
