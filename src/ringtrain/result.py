@@ -167,6 +167,13 @@ class Result:
             without ``result.json``: ``"UNKNOWN"``).
         preemptions: the preemption notices this run handled (never counted in ``failures``
             nor against ``FailureConfig.max_failures``).
+        outer_steps: for a model prepared with ``parallel_strategy="diloco"``, the outer steps
+            applied (rank 0's count, the same on every replica), from the start of the run: a
+            resumed run counts those before the resume too (the count is in the checkpoint).
+            One per fragment exchange (``OuterSync.outer_steps``): ``steps // sync_every``
+            without fragments, about ``fragments`` times that with streaming DiLoCo. ``None``
+            for a run that is not DiLoCo, or that times nothing
+            (``MonitorConfig(timing=False)``: the count travels in the timing windows).
     """
 
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -181,3 +188,4 @@ class Result:
     config: dict[str, Any] | None = None
     status: str = "FINISHED"
     preemptions: int = 0
+    outer_steps: int | None = None

@@ -332,6 +332,53 @@ def test_run_details_metrics_timing_stragglers_timeline(tmp_path: Path) -> None:
     assert d["stragglers"][0]["reason"] == "compute" and d["stragglers"][0]["ratio"] == 2.0
 
 
+def diloco_window(rank: int, i: int) -> dict[str, Any]:
+    """A DiLoCo run's timing window (docs/run-directory.md): H = 5, one sync per 10 steps of
+    40 KB, ``i + 1`` outer steps so far, 4 ms of outer sync per inner step."""
+    w = window(rank, i)
+    return w | {
+        "outer_steps": 2 * (i + 1),
+        "outer_bytes": 8000.0,
+        "outer_sync_s": 0.04,
+        "outer_sync_frac": 0.04 / w["window_s"],
+        "outer_exchanges": 2,
+    }
+
+
+def diloco_run(storage: Path, name: str = "diloco", windows: int = 3) -> Path:
+    """A finished 2-worker DiLoCo run: its report rounds (plain windows, as before the first
+    inner step), then ``windows`` DiLoCo windows per rank; ``result.json`` has the count."""
+    extra = tuple(
+        {"type": "timing", "time": T0 + 30 + i, "rank": rank, "attempt": 0} | diloco_window(rank, i)
+        for i in range(windows)
+        for rank in range(2)
+    )
+    run_dir = make_run(storage, name, rounds=2, extra_events=extra)
+    result = json.loads((run_dir / "result.json").read_text())
+    write_json(run_dir / "result.json", result | {"outer_steps": 2 * windows})
+    return run_dir
+
+
+def test_a_diloco_run_serves_its_outer_loop_per_rank(tmp_path: Path) -> None:
+    diloco_run(tmp_path)
+    make_run(tmp_path, "plain", rounds=2)
+    c = client(tmp_path)
+
+    d = get_json(c, "/api/runs/diloco")
+
+    diloco = d["diloco"]
+    assert diloco["outer_steps"] == 6
+    assert sorted(diloco["ranks"]) == ["0", "1"]
+    zero = diloco["ranks"]["0"]
+    assert zero["steps"] == 30 and zero["outer_steps"] == 6 and zero["exchanges"] == 6
+    assert zero["bytes_per_step"] == pytest.approx(8000.0)  # the plain windows left out
+    assert zero["sync_s"] == pytest.approx(0.12)
+    assert zero["sync_s_per_step"] == pytest.approx(0.004)
+    assert zero["sync_frac"] == pytest.approx(0.004 / 0.0165)
+    assert d["timing"]["items"][-1]["outer_bytes"] == 8000.0  # the windows carry the fields
+    assert get_json(c, "/api/runs/plain")["diloco"] is None
+
+
 def test_events_are_read_incrementally(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path, "grow", status="RUNNING", rounds=2)
     c = client(tmp_path)
@@ -681,6 +728,31 @@ def test_page_lists_runs_and_sorts_trials(tmp_path: Path, page: Page) -> None:
         assert page.text_content("#run-name") == "trial_2"
         assert page.text_content("#run-status") == "FINISHED"
         assert page.get_attribute('[data-metric="loss"] .chart', "data-points") == "4"
+
+
+@needs_browser
+def test_page_shows_a_diloco_runs_outer_loop_and_no_panel_for_others(
+    tmp_path: Path, page: Page
+) -> None:
+    diloco_run(tmp_path)
+    make_run(tmp_path, "plain", rounds=2)
+    with serve(tmp_path) as server:
+        page.goto(server.url + "#run=diloco")
+        page.wait_for_function("() => window.rtDash.outerSteps === 6", timeout=WAIT_MS)
+        assert page.is_visible("#diloco-panel")
+        assert page.text_content("#diloco-outer-steps") == "6 outer steps"
+        cells = page.eval_on_selector_all(
+            '#diloco-table tr[data-rank="1"] td', "tds => tds.map(t => t.textContent)"
+        )
+        assert cells == ["1", "6", "7.8 KiB", "0.1s", "4.00 ms", "24.2%", "6"]
+        assert page.text_content('[data-fact="outer steps"] dd') == "6"
+        screenshot(page, "diloco")
+
+        page.goto(server.url + "#run=plain")
+        page.wait_for_function("() => window.rtDash.run === 'plain'", timeout=WAIT_MS)
+        page.wait_for_function("() => window.rtDash.outerSteps === null", timeout=WAIT_MS)
+        assert not page.is_visible("#diloco-panel")
+        assert page.query_selector('[data-fact="outer steps"]') is None
 
 
 class LiveWriter(threading.Thread):

@@ -54,7 +54,7 @@ def test_a_gpu_run_killed_twice_ends_with_the_parameters_of_an_unbroken_one(tmp_
     ew.assert_final_states_equal(clean, final, f"({case})")
     if config.get("precision") == "16-mixed":  # the loss scale resumed too, not just the weights
         assert final["grad_scaler"] == clean["grad_scaler"], (final["grad_scaler"], clean)
-    # The timing windows carry the CUDA caching allocator's peak (monitor/timing.memory_stats).
+    # The timing windows carry the CUDA caching allocator's peak (monitor/memory.memory_stats).
     with open(tmp_path / "runs" / "clean" / "timing.csv", newline="") as f:
         peaks = [row["gpu_peak_bytes"] for row in csv.DictReader(f)]
     assert peaks and all(p and int(float(p)) > 0 for p in peaks), peaks

@@ -120,13 +120,19 @@ def test_low_precision_outer_gradients_cost_fewer_bytes_and_stay_close(tmp_path)
     the largest fragment."""
     base = {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}
     runs = {}
+    results = {}
     for name, extra in {
         "fp32": {},
         "bf16": {"outer_dtype": "bf16"},
         "int8": {"outer_dtype": "int8"},
         "streaming": {"sync_every": 6, "fragments": 3},
     }.items():
-        runs[name] = dw.run_diloco(tmp_path, name, 2, epochs=EPOCHS, diloco={**base, **extra})[1][0]
+        result, states = dw.run_diloco(tmp_path, name, 2, epochs=EPOCHS, diloco={**base, **extra})
+        runs[name], results[name] = states[0], result
+        _assert_observed(result, states)
+    # Result.outer_steps: steps // sync_every; streaming counts each fragment's exchange
+    assert results["fp32"].outer_steps == 20 // 4
+    assert results["streaming"].outer_steps == 10
     numel = sum(v.numel() for v in runs["fp32"]["model"].values())
     tensors = len(runs["fp32"]["model"])
     # + one element (4, 2 bytes) or one float32 (int8) per exchange: the replica's weight
@@ -142,3 +148,23 @@ def test_low_precision_outer_gradients_cost_fewer_bytes_and_stay_close(tmp_path)
         got = torch.cat([g.reshape(-1) for g in runs[name]["global"]])
         assert (got - reference).norm() / reference.norm() < 1e-2, name
         assert not torch.equal(got, reference), name
+
+
+def _assert_observed(result: rt.Result, states: list[dict]) -> None:
+    """The outer loop as the run directory shows it (issue 41, observability): every rank's
+    timing windows carry the bytes its exchanges sent (per inner step: summed over the windows'
+    steps they are exactly ``SyncStats.bytes_sent``), the seconds spent in outer syncs and
+    the outer-step count, which is ``Result.outer_steps`` and the one in the final state."""
+    from ringtrain.monitor.outer_loop import outer_by_rank
+    from support import read_events
+
+    windows = read_events(result.path, "timing")
+    figures = outer_by_rank(windows)
+    assert sorted(figures) == list(range(len(states)))
+    for rank, state in enumerate(states):
+        got = figures[rank]
+        bytes_sent, _, exchanges = state["stats"]
+        assert got.bytes_per_step > 0 and got.sync_s >= 0 and 0 <= got.sync_frac <= 1, got
+        assert round(got.bytes_per_step * got.steps) == bytes_sent, (rank, got)
+        assert got.exchanges == exchanges and got.outer_steps == state["counters"][1], got
+    assert result.outer_steps == states[0]["counters"][1]

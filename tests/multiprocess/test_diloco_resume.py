@@ -79,6 +79,7 @@ def test_sigkill_resumes_bit_exactly(tmp_path, tmp_path_factory, case):
         (attempt, rank, "signal") for attempt, rank, *_ in kills
     ]
     dw.assert_states_equal(clean, got, f"({case}, kills {kills})")
+    assert result.outer_steps == clean[0]["counters"][1]  # restored counts included
     if diloco.get("sync_delay"):
         resumed = [r for rank in range(workers) for r in dw.resumes(tmp_path / case, rank)]
         assert any(in_flight for _, _, in_flight in resumed), resumed
@@ -150,5 +151,9 @@ def test_a_preemption_notice_stops_at_an_agreed_sync_step_and_resumes_exactly(
     (saved,) = read_events(first.path, "preemption_saved")
     offsets = {rt.DiLoCoConfig(**diloco).offset(f) for f in range(diloco.get("fragments", 1))}
     assert saved["step"] > 5 and saved["step"] % diloco["sync_every"] in offsets, saved
-    _, got = dw.run_diloco(tmp_path, "run", workers, epochs=EPOCHS, diloco=diloco, inner="adamw")
+    resumed, got = dw.run_diloco(
+        tmp_path, "run", workers, epochs=EPOCHS, diloco=diloco, inner="adamw"
+    )
     dw.assert_states_equal(clean, got, f"(preempted at step {saved['step']})")
+    # The resumed run reports the run's outer steps, those before the preemption included.
+    assert resumed.outer_steps == clean[0]["counters"][1], saved

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from ringtrain import cli
 from ringtrain.bench.analysis import (
@@ -27,7 +28,13 @@ from ringtrain.bench.analysis import (
     scaling_points,
 )
 from ringtrain.bench.report import build_report, render_html, write_report
-from ringtrain.bench.runner import amdahl_line, load_timing_windows, parse_workers
+from ringtrain.bench.runner import (
+    _print_summary,
+    amdahl_line,
+    load_timing_windows,
+    outer_line,
+    parse_workers,
+)
 from ringtrain.monitor.timing import StepLimitReached, StepTimer, warmup_steps
 
 # --------------------------------------------------------------------------------------------
@@ -46,9 +53,12 @@ def make_windows(
     comm_bytes: float = 0.0,
     warmup_factor: float = 5.0,
     rank_slowdown: Sequence[float] | None = None,
+    outer_bytes: float | None = None,
 ) -> list[dict[str, Any]]:
     """Windows of ``per_window`` steps for every rank; the first window's steps are
-    ``warmup_factor`` times slower (what a real first step looks like)."""
+    ``warmup_factor`` times slower (what a real first step looks like). ``outer_bytes``: a
+    DiLoCo run's windows, sending that many bytes per inner step (as many times more in the
+    first window) and spending ``other_s`` in outer syncs."""
     parts = dict(parts or {"data_s": 0.002, "compute_s": 0.010, "optimizer_s": 0.001})
     full = {p: float(parts.get(p, 0.0)) for p in PARTS}
     windows = []
@@ -78,6 +88,14 @@ def make_windows(
                     "window_s": n * step,
                 }
             )
+            if outer_bytes is not None:
+                windows[-1] |= {
+                    "outer_steps": done // 5,
+                    "outer_bytes": outer_bytes * scale,
+                    "outer_sync_s": n * w["other_s"],
+                    "outer_sync_frac": w["other_s"] / step,
+                    "outer_exchanges": 1,
+                }
     return windows
 
 
@@ -102,6 +120,38 @@ def test_aggregate_leaves_out_warmup_and_sums_rank_throughput() -> None:
     assert sum(run.parts.values()) == pytest.approx(run.step_s)
     assert run.parts["compute_s"] == pytest.approx(0.010)
     assert run.windows == 2 * 6
+
+
+def test_a_diloco_runs_outer_loop_is_measured_after_the_warmup_and_reported(
+    tmp_path: Any,
+) -> None:
+    parts = {**BASE, "other_s": 0.002}
+    run = timing(2, parts=parts, outer_bytes=3000.0)  # 40 steps, 10 of them warm-up
+    outer = run.outer
+    assert outer is not None
+    assert outer.bytes_per_step == pytest.approx(3000.0)  # the 5x warm-up window left out
+    assert outer.sync_s_per_step == pytest.approx(0.002) and outer.steps == 30
+    assert outer.sync_frac == pytest.approx(0.002 / run.step_s)
+    assert (outer.outer_steps, outer.exchanges) == (8, 6)  # rank 0's count; its windows
+    assert timing(2, parts=parts).outer is None  # not DiLoCo
+    runs = [timing(1, parts=parts, outer_bytes=0.0), run]
+    report = build_report(runs, allreduce_times(30e-6, 3e9, [2]))
+    assert report["runs"][1]["outer"]["bytes_per_step"] == pytest.approx(3000.0)
+    assert json.loads(json.dumps(report))["runs"][0]["outer"]["outer_steps"] == 8
+    line = outer_line(report["runs"][1])
+    assert line == (
+        "DiLoCo at W=2: 3.00 KB sent per inner step, 2.00 ms per inner step in outer syncs "
+        f"({0.002 / run.step_s:.1%} of the step), 8 outer steps"
+    )
+    assert outer_line(timing(2).to_dict()) is None
+    console = Console(record=True, width=200)
+    _print_summary(report, console)
+    assert line in console.export_text()  # what `ringtrain bench` prints
+    page = render_html(report, {})
+    assert "KB sent per inner step" in page and "<td>3.000</td>" in page
+    assert "sent per inner step" not in render_html(
+        build_report([timing(1), timing(2)], allreduce_times(30e-6, 3e9, [2])), {}
+    )
 
 
 def test_aggregate_with_coarse_windows_keeps_what_it_can_and_says_so() -> None:

@@ -144,6 +144,30 @@ def render_html(report: Mapping[str, Any], charts: Mapping[str, bytes]) -> str:
             split_rows,
         )
     )
+    outer_rows = [
+        (
+            r["workers"],
+            f"{r['outer']['bytes_per_step'] / 1e3:.3f}",
+            _ms(r["outer"]["sync_s_per_step"]),
+            f"{r['outer']['sync_frac']:.1%}",
+            r["outer"]["outer_steps"] if r["outer"]["outer_steps"] is not None else "-",
+        )
+        for r in report["runs"]
+        if r.get("outer")
+    ]
+    if outer_rows:
+        parts.append(
+            "<p>DiLoCo's outer loop (mean over ranks, measured steps): the bytes its exchanges "
+            "sent per inner step, and the time the training thread spent in outer syncs per "
+            "inner step (outer gradients, exchanges, the outer step; counted in "
+            "&ldquo;other&rdquo;) and its share of the step.</p>"
+        )
+        parts.append(
+            _table(
+                ("W", "KB sent per inner step", "outer sync (ms per step)", "share", "outer steps"),
+                outer_rows,
+            )
+        )
     amdahl = report["amdahl"]
     parts.append(
         f"<p>Amdahl fit S(W) = 1 / ((1 - p) + p / W): <b>p = {amdahl['p']:.4f}</b> "

@@ -22,10 +22,18 @@ from rich.table import Table
 
 from ringtrain.bench.allreduce import measure_allreduce
 from ringtrain.bench.analysis import PARTS, BenchError, RunTiming, aggregate_windows
+from ringtrain.bench.core import fmt_bytes
 from ringtrain.bench.report import MATPLOTLIB_HINT, build_report, have_matplotlib, write_report
 from ringtrain.monitor.console_io import whole_writes
 
-__all__ = ["BenchConfig", "amdahl_line", "load_timing_windows", "parse_workers", "run_bench"]
+__all__ = [
+    "BenchConfig",
+    "amdahl_line",
+    "load_timing_windows",
+    "outer_line",
+    "parse_workers",
+    "run_bench",
+]
 
 #: Timing window length of the benchmark runs (seconds): short, so that the warm-up steps can be
 #: left out of short runs window by window.
@@ -322,6 +330,24 @@ def amdahl_line(amdahl: dict[str, Any]) -> str:
     )
 
 
+def outer_line(run: dict[str, Any]) -> str | None:
+    """The terminal's line on DiLoCo's outer loop at one W (``None``: the run is not DiLoCo).
+
+    Args:
+        run: one of the report's ``runs`` (``workers``, ``step_s``, ``outer``).
+    """
+    outer = run.get("outer")
+    if not outer:
+        return None
+    count = outer.get("outer_steps")
+    return (
+        f"DiLoCo at W={run['workers']}: {fmt_bytes(outer['bytes_per_step'])} sent per inner "
+        f"step, {outer['sync_s_per_step'] * 1e3:.2f} ms per inner step in outer syncs "
+        f"({outer['sync_frac']:.1%} of the step)"
+        + (f", {count} outer steps" if count is not None else "")
+    )
+
+
 def _print_summary(report: dict[str, Any], console: Console) -> None:
     table = Table(
         title="Scaling (weak: per-worker batch fixed)",
@@ -354,6 +380,10 @@ def _print_summary(report: dict[str, Any], console: Console) -> None:
         "times in ms per step (mean over ranks); comm = communication not hidden behind "
         "backward; compute = forward + backward"
     )
+    for run in report["runs"]:
+        line = outer_line(run)
+        if line is not None:
+            console.print(line)
     console.print(amdahl_line(report["amdahl"]))
     fit = (report.get("allreduce") or {}).get("fit")
     if fit:

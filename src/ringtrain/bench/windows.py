@@ -18,6 +18,7 @@ import numpy as np
 from ringtrain.bench.core import (
     BenchError,
 )
+from ringtrain.monitor.outer_loop import OuterFigures, summarize_outer
 from ringtrain.monitor.timing import PARTS, warmup_steps
 
 
@@ -39,6 +40,10 @@ class RunTiming:
         windows: timing windows used (all ranks).
         samples: samples measured (all ranks).
         notes: caveats about the measurement (e.g. warm-up that could not be left out).
+        outer: for a DiLoCo model (``parallel_strategy="diloco"``), its outer loop over the
+            measured steps, averaged over ranks (:func:`outer_over_ranks`): bytes sent per
+            inner step, seconds of outer sync per inner step and their share of the step time;
+            ``None`` otherwise.
     """
 
     workers: int
@@ -54,6 +59,7 @@ class RunTiming:
     windows: int
     samples: int
     notes: tuple[str, ...] = ()
+    outer: OuterFigures | None = None
 
     def share(self, part: str) -> float:
         """``parts[part] / step_s`` (0 when the step time is 0)."""
@@ -75,7 +81,27 @@ class RunTiming:
             "windows": self.windows,
             "samples": self.samples,
             "notes": list(self.notes),
+            "outer": self.outer.to_dict() if self.outer is not None else None,
         }
+
+
+def outer_over_ranks(per_rank: list[OuterFigures | None]) -> OuterFigures | None:
+    """DiLoCo's outer loop of a run from each rank's figures over its measured windows: the mean
+    over ranks of bytes per inner step, sync seconds (in all and per inner step) and their
+    share of the step time; rank 0's outer-step count and exchanges; the fewest steps. ``None``
+    unless every rank has figures (a run that is not DiLoCo)."""
+    if not per_rank or any(f is None for f in per_rank):
+        return None
+    figures = [f for f in per_rank if f is not None]
+    return OuterFigures(
+        outer_steps=figures[0].outer_steps,
+        steps=min(f.steps for f in figures),
+        bytes_per_step=float(np.mean([f.bytes_per_step for f in figures])),
+        sync_s=float(np.mean([f.sync_s for f in figures])),
+        sync_s_per_step=float(np.mean([f.sync_s_per_step for f in figures])),
+        sync_frac=float(np.mean([f.sync_frac for f in figures])),
+        exchanges=figures[0].exchanges,
+    )
 
 
 def _number(window: Mapping[str, Any], key: str, where: str) -> float:
@@ -148,6 +174,7 @@ def aggregate_windows(
     warmups: list[int] = []
     used_windows = 0
     samples_total = 0
+    rank_outer: list[OuterFigures | None] = []
     for rank in range(workers):
         where = f"W={workers} rank {rank}"
         ends = [int(_number(w, "step", where)) for w in by_rank[rank]]
@@ -191,6 +218,7 @@ def aggregate_windows(
             sum(wt * _number(w, "comm_bytes", where) for wt, w in zip(weights, used, strict=True))
         )
         medians.extend(_number(w, "step_s", where) for w in used)
+        rank_outer.append(summarize_outer(used))
         rank_steps.append(steps)
         warmups.append(total - steps)
         used_windows += len(used)
@@ -213,4 +241,5 @@ def aggregate_windows(
         windows=used_windows,
         samples=samples_total,
         notes=tuple(notes),
+        outer=outer_over_ranks(rank_outer),
     )

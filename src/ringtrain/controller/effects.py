@@ -118,7 +118,8 @@ class RoundDone:
 
 @dataclass(frozen=True)
 class Timed:
-    """``rank`` sent a timing ``window``: the straggler detector's input."""
+    """``rank`` sent a timing ``window``: the straggler detector's input, and rank 0's DiLoCo
+    outer-step count (``Result.outer_steps``)."""
 
     rank: int
     window: dict[str, Any]

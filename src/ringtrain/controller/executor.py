@@ -97,7 +97,11 @@ class Executor:
     def _apply_group(self, effect: Publish | Timed, gen: Generation) -> None:
         if isinstance(effect, Publish):
             self.apply(self.publisher.try_publish(gen.rounds, effect.round))
-        elif self.stragglers is not None:
+            return
+        outer_steps = effect.window.get("outer_steps")
+        if effect.rank == 0 and isinstance(outer_steps, int):
+            self.book.outer_steps = outer_steps  # DiLoCo's count: Result.outer_steps
+        if self.stragglers is not None:
             for change in self.stragglers.update(effect.rank, effect.window):
                 self.apply(events.straggler(change, gen.number))
 

@@ -30,6 +30,8 @@ class RunBook:
         start_time: when the run started (Unix seconds).
         caught: rank -> how often a replica check caught it with corrupted state.
         suspected: rank -> how often it was one of two suspects never told apart.
+        outer_steps: DiLoCo's outer steps so far, from rank 0's latest timing window
+            (``None``: no window carried one).
     """
 
     metrics_per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -40,6 +42,7 @@ class RunBook:
     start_time: float = field(default_factory=time.time)
     caught: Counter[int] = field(default_factory=Counter)
     suspected: Counter[int] = field(default_factory=Counter)
+    outer_steps: int | None = None
 
 
 def build_result(
@@ -61,6 +64,7 @@ def build_result(
         metrics_history=[book.history[r] for r in sorted(book.history)],
         status=status,
         preemptions=preemptions,
+        outer_steps=book.outer_steps,
     )
 
 
@@ -95,6 +99,7 @@ def result_record(
         failures=[f.to_dict() for f in book.failures],
         follow_on_failures=[f.to_dict() for f in book.follow_on_failures],
         preemptions=result.preemptions,
+        outer_steps=result.outer_steps,
     )
 
 

@@ -53,9 +53,14 @@ TIMING_FIELDS = (
     "gpu_allocated_bytes",
     "gpu_peak_bytes",
     "gpu_util",
+    "outer_steps",
+    "outer_bytes",
+    "outer_sync_s",
+    "outer_sync_frac",
 )
 """The fields of a timing window that become TensorBoard / MLflow / W&B scalars (those that are
-``None``, such as the GPU fields of a CPU run, are left out)."""
+``None`` or absent, such as the GPU fields of a CPU run or the ``outer_*`` fields of a run that
+is not DiLoCo, are left out)."""
 
 
 def is_number(value: Any) -> bool:

@@ -44,14 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ringtrain.monitor.memory import memory_stats
+from ringtrain.monitor.outer_loop import outer_fields
 from ringtrain.wire.channel import Timing
 from ringtrain.worker.hooks import ModelSetup, StopTraining, WorkerPlugin
 
@@ -87,6 +87,7 @@ class _Step:
         "grad_last",
         "opt_intervals",
         "opt_open",
+        "outer",
         "samples",
         "start",
     )
@@ -102,6 +103,7 @@ class _Step:
         self.comm_last_done: float | None = None
         self.opt_open: float | None = None
         self.opt_intervals: list[tuple[float, float]] = []
+        self.outer = [0.0, 0, 0]  # DiLoCo's outer loop in this step: seconds, bytes, exchanges
         self.samples = 0
 
 
@@ -129,11 +131,13 @@ class StepTimer:
         self.wait_comm_bytes: int | None = None
         self.optimizer_hooks: tuple[Any, Any] | None = None  # torch's hook handles
         self.steps_total = 0
+        # DiLoCo's outer steps so far on this rank (outer_sync_done); None: no DiLoCo.
+        self.outer_steps: int | None = None
         self._step: _Step | None = None
         self._loader_driven = False
         self._lock = threading.Lock()
         # Closed steps since the last window: (step_s, data, compute, exposed, opt, other,
-        # comm_s, comm_bytes, samples).
+        # comm_s, comm_bytes, samples, outer_s, outer_bytes, outer_exchanges).
         self._closed: list[tuple[float, ...]] = []
 
     # ------------------------------------------------------------------ step boundaries
@@ -199,6 +203,21 @@ class StepTimer:
             if step.comm_last_done is None or t > step.comm_last_done:
                 step.comm_last_done = t
 
+    def outer_sync_done(
+        self, seconds: float, nbytes: int, exchanges: int, outer_steps: int
+    ) -> None:
+        """DiLoCo's outer loop ran after an inner step (:mod:`ringtrain.parallel.diloco`): it took
+        ``seconds`` of the training thread and put ``nbytes`` bytes on the wire in ``exchanges``
+        new exchanges; the rank has applied ``outer_steps`` outer steps in all. Counted in the
+        step in progress (none open: only the count is kept)."""
+        with self._lock:
+            self.outer_steps = outer_steps
+            step = self._step
+            if step is not None:
+                step.outer[0] += seconds
+                step.outer[1] += nbytes
+                step.outer[2] += exchanges
+
     def optimizer_start(self) -> None:
         step = self._step
         if step is None and not self._loader_driven:
@@ -230,6 +249,7 @@ class StepTimer:
             compute = max(0.0, compute_end - step.fwd_first)
         with self._lock:
             comm_s, comm_bytes, last_done = step.comm_s, step.comm_bytes, step.comm_last_done
+            outer = tuple(float(v) for v in step.outer)
         exposed_from = compute_end if compute_end is not None else step.start
         exposed_to = min(last_done, end) if last_done is not None else exposed_from
         if (
@@ -252,7 +272,7 @@ class StepTimer:
             opt += (b - a) - overlap
         other = max(0.0, total - data - compute - exposed - opt)
         record: tuple[float, ...] = (total, data, compute, exposed, opt, other, comm_s)
-        record += (float(comm_bytes), float(step.samples))
+        record += (float(comm_bytes), float(step.samples), *outer)
         with self._lock:
             self._closed.append(record)
             self.steps_total += 1
@@ -267,11 +287,14 @@ class StepTimer:
             ``step_s_mean``, the mean of each part in :data:`PARTS` (seconds per step; they sum to
             ``step_s_mean``), ``comm_s``, ``comm_bytes`` (mean bytes allreduced per step),
             ``busy_s`` (``step_s_mean - comm_exposed_s``), ``samples``, ``samples_per_s``,
-            ``window_s`` and the memory readings of :func:`memory_stats`.
+            ``window_s``, the memory readings of :func:`~ringtrain.monitor.memory.memory_stats`,
+            and for a DiLoCo model the figures of
+            :func:`~ringtrain.monitor.outer_loop.outer_fields`.
         """
         with self._lock:
             records, self._closed = self._closed, []
             steps_total = self.steps_total
+            outer_steps = self.outer_steps
             first = steps_total - len(records) + 1  # the step number of records[0]
             if self.cut_at is not None and first <= self.cut_at < steps_total:
                 keep = self.cut_at - first + 1
@@ -299,44 +322,9 @@ class StepTimer:
         out["samples_per_s"] = samples / window_s if window_s > 0 else 0.0
         out["window_s"] = window_s
         out.update(memory_stats())
+        if outer_steps is not None:
+            out.update(outer_fields(outer_steps, n, window_s, *(sum(c) for c in cols[9:12])))
         return out
-
-
-# ---------------------------------------------------------------------------------- memory
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)  # peak, not current
-
-
-def memory_stats() -> dict[str, Any]:
-    """``rss_bytes`` (resident memory of this process), and on a worker that uses CUDA
-    ``gpu_allocated_bytes``, ``gpu_peak_bytes`` (``torch.cuda`` caching allocator, this device)
-    and ``gpu_util`` (percent, when NVML is available); the GPU fields are ``None`` otherwise."""
-    stats: dict[str, Any] = {
-        "rss_bytes": _rss_bytes(),
-        "gpu_allocated_bytes": None,
-        "gpu_peak_bytes": None,
-        "gpu_util": None,
-    }
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        stats["gpu_allocated_bytes"] = int(torch.cuda.memory_allocated())
-        stats["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated())
-        try:
-            stats["gpu_util"] = float(torch.cuda.utilization())
-        except Exception:  # no NVML (pynvml) on this machine
-            pass
-    return stats
 
 
 # ---------------------------------------------------------------------------------- hooks

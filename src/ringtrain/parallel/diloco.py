@@ -40,7 +40,7 @@ from ringtrain.parallel.diloco_exchange import Topology, check_outer_dtype
 from ringtrain.parallel.diloco_fragments import split_fragments
 from ringtrain.parallel.diloco_outer import OuterSync
 from ringtrain.parallel.strategy import DDPStrategy, WrapContext
-from ringtrain.worker.hooks import StepState, WorkerPlugin
+from ringtrain.worker.hooks import CommObserver, StepState, WorkerPlugin
 from ringtrain.worker.precision import normalize_precision
 from ringtrain.worker.state_files import attach_rank_state, model_rank_state
 
@@ -131,7 +131,7 @@ class DiLoCoStrategy:
         sync = OuterSync(model, self.config, topology, fragments)
         attach_rank_state(wrapped, STATE_NAME, sync)
         elastic = ctx.context.config.elastic
-        _register(sync, joining=elastic is not None and elastic.joining)
+        _register(sync, elastic is not None and elastic.joining, ctx.comm_observer)
         _agree_at_syncs(self.config if self.config.preempt_at_sync else None)
         return wrapped
 
@@ -245,19 +245,20 @@ def _broadcast_module(model: nn.Module) -> None:
                 dist.broadcast(tensor, src=0)
 
 
-def _register(sync: OuterSync, joining: bool) -> None:
+def _register(sync: OuterSync, joining: bool, observer: CommObserver | None = None) -> None:
     """Register the plug-in of ``sync`` on this worker's hooks, replacing the plug-in of an
     earlier ``prepare_model`` (one DiLoCo model per worker: a train function re-entered after an
     elastic resize prepares its model again). ``joining``: this process was started to join a
     running elastic group; it is a joiner until its first restore, unless it prepared a DiLoCo
-    model before (then it is a member re-entering after a later resize)."""
+    model before (then it is a member re-entering after a later resize). ``observer``: the step
+    timer the outer loop reports its cost to (``None``: timing is off)."""
     from ringtrain.worker.session import current_hooks
 
     hooks = current_hooks()
     old = hooks.find(DiLoCoPlugin)
     if old is not None:
         hooks.unregister(old)
-    hooks.register(DiLoCoPlugin(sync, joining=joining and old is None))
+    hooks.register(DiLoCoPlugin(sync, joining=joining and old is None, observer=observer))
 
 
 def _agree_at_syncs(config: DiLoCoConfig | None) -> None:
@@ -297,18 +298,34 @@ class DiLoCoPlugin(WorkerPlugin):
         sync: the rank's :class:`~ringtrain.parallel.diloco_outer.OuterSync`.
         joining: this process joins a running elastic group: the state its first restore loads
             is a member's (the elastic snapshot it received), so it keeps only the global part.
+        observer: the step timer (``ModelSetup.comm_observer``), told after each inner step
+            what the outer loop cost (:meth:`~ringtrain.worker.hooks.CommObserver.
+            outer_sync_done`): its windows carry it to the driver; ``None``: timing is off.
     """
 
-    def __init__(self, sync: OuterSync, joining: bool = False) -> None:
+    def __init__(
+        self, sync: OuterSync, joining: bool = False, observer: CommObserver | None = None
+    ) -> None:
         self.sync = sync
         self.joining = joining
+        self.observer = observer
 
     def on_prepare_optimizer(self, optimizer: object) -> None:
         self.sync.adopt(optimizer)
 
     def on_optimizer_step(self, optimizer: object) -> None:
-        if self.sync.adopt(optimizer):
-            self.sync.after_inner_step()
+        if not self.sync.adopt(optimizer):
+            return
+        stats = self.sync.stats
+        before = (stats.seconds, stats.bytes_sent, stats.exchanges)
+        self.sync.after_inner_step()
+        if self.observer is not None:
+            self.observer.outer_sync_done(
+                stats.seconds - before[0],
+                stats.bytes_sent - before[1],
+                stats.exchanges - before[2],
+                self.sync.outer_steps,
+            )
 
     def on_step(self, state: StepState) -> None:
         """Refuse a loop whose optimizer was not prepared (no outer step would ever run).

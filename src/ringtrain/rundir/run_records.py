@@ -73,4 +73,5 @@ class ResultRecord(Record):
     failures: list[Any] = field(default_factory=list)
     follow_on_failures: list[Any] = field(default_factory=list)
     preemptions: int = 0
+    outer_steps: int | None = field(default=None, metadata={"omit_none": True})
     hostname: str | None = field(default=None, metadata={"omit_none": True})

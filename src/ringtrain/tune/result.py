@@ -181,4 +181,5 @@ def _result_from_dir(sweep: RunDirectory, dir_name: str, config: dict[str, Any])
         config=config,
         status=str(info.get("status") or "UNKNOWN"),
         preemptions=int(info.get("preemptions") or 0),
+        outer_steps=outer if isinstance(outer := info.get("outer_steps"), int) else None,
     )

@@ -102,7 +102,8 @@ class StopTraining(BaseException):
 class CommObserver(Protocol):
     """What a plug-in that times communication offers ``prepare_model`` in
     :attr:`ModelSetup.comm_observer` (the step timer, :class:`ringtrain.monitor.timing.StepTimer`):
-    DDP's wrapping (:func:`ringtrain.comm.ddp.wrap_ddp`) times its gradient allreduce for it.
+    DDP's wrapping (:func:`ringtrain.comm.ddp.wrap_ddp`) times its gradient allreduce for it,
+    and DiLoCo's plug-in reports its outer loop to it.
 
     Attributes:
         comm_timing: ``MonitorConfig.comm_timing``: ``"hook"`` (time each bucket in a DDP
@@ -118,6 +119,15 @@ class CommObserver(Protocol):
     def comm_done(self, started: float, nbytes: int) -> None:
         """One bucket's collective, launched at ``started`` (``time.perf_counter()``) and
         carrying ``nbytes`` bytes, completed."""
+        ...
+
+    def outer_sync_done(
+        self, seconds: float, nbytes: int, exchanges: int, outer_steps: int
+    ) -> None:
+        """DiLoCo's outer loop (:mod:`ringtrain.parallel.diloco`) ran after an inner step:
+        ``seconds`` of the training thread, ``nbytes`` bytes sent in ``exchanges`` exchanges it
+        started; ``outer_steps``: the outer steps this rank has applied in all (a resumed
+        run's included)."""
         ...
 
 

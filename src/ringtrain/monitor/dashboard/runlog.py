@@ -20,6 +20,7 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 from ringtrain.monitor import runs
+from ringtrain.monitor.outer_loop import OuterSum
 from ringtrain.monitor.records import CheckpointInfo, FailureInfo, RunSummary
 from ringtrain.monitor.storage import (
     CHECKPOINT_RE,
@@ -208,6 +209,8 @@ class RunLog:
         self.stragglers: dict[int, dict[str, Any]] = {}
         """Ranks flagged as stragglers now (cleared by ``straggler_cleared``, a new attempt or a
         resize)."""
+        self.outer: dict[int, OuterSum] = {}
+        """DiLoCo's outer loop per rank, summed over its timing windows (empty: not DiLoCo)."""
 
     @property
     def generation(self) -> str:
@@ -261,6 +264,8 @@ class RunLog:
                 attempt = self.attempt if event.attempt is None else event.attempt
                 item = {"time": event.time, "rank": event.rank, "attempt": attempt}
                 self.timing.append(item | _window(event.window))
+                if "outer_bytes" in event.window:
+                    self.outer.setdefault(event.rank, OuterSum()).add(event.window)
             case RunStartEvent():
                 self.attempt = event.attempt if event.attempt is not None else self.attempt + 1
                 self.stragglers.clear()  # a new worker group: earlier flags describe old processes
@@ -373,6 +378,7 @@ class RunLog:
                 for rank, m in sorted(self.digest.rank_metrics.items())
             },
             "skipped_event_lines": self._reader.skipped,
+            "diloco": self._diloco(),
             **lists,
         }
 
@@ -390,6 +396,18 @@ class RunLog:
                 for rank, t in runs.departed_ranks(self.digest.world_sizes).items()
             ],
         }
+
+    def _diloco(self) -> dict[str, Any] | None:
+        """DiLoCo's outer loop (docs/dashboard.md): the run's outer steps (rank 0's latest
+        window's, else ``result.json``'s) and each rank's sums; ``None`` for other runs."""
+        figures = {r: f for r, s in sorted(self.outer.items()) if (f := s.figures()) is not None}
+        if not figures:
+            return None
+        count = figures[0].outer_steps if 0 in figures else None
+        if count is None:
+            count = (self.result or {}).get("outer_steps")
+        ranks = {str(r): clean_json(f.to_dict()) for r, f in figures.items()}
+        return {"outer_steps": count if isinstance(count, int) else None, "ranks": ranks}
 
     def _failures(self) -> list[FailureInfo]:
         return list(self.digest.failures) or runs.result_failures(self.result)

@@ -379,6 +379,7 @@
       ["Rounds", s.rounds ?? "-"],
       ["Attempt", d.attempt],
       ["Checkpoints", s.num_checkpoints],
+      ...(d.diloco ? [["Outer steps", d.diloco.outer_steps ?? "-"]] : []),
       ["Path", d.path],
     ];
     $("run-facts").replaceChildren(...facts.map(([k, v]) =>
@@ -399,6 +400,7 @@
       renderTiming(state);
     }
     renderWorkers(state);
+    renderDiloco(d);
     renderElastic(state);
     renderTimeline(state);
     renderCheckpoints(state);
@@ -414,6 +416,7 @@
       worldSize: s.world_size ?? null,
       resizes: d.resizes.length,
       leftRanks: d.left_ranks.map((x) => x.rank),
+      outerSteps: d.diloco ? d.diloco.outer_steps : null,
     });
   }
 
@@ -734,6 +737,26 @@
     return tEnd;
   }
 
+  // DiLoCo runs: each rank's outer loop (bytes sent per inner step, time in outer syncs).
+  function renderDiloco(d) {
+    const panel = $("diloco-panel");
+    panel.hidden = !d.diloco;
+    if (!d.diloco) return;
+    const n = d.diloco.outer_steps;
+    $("diloco-outer-steps").textContent = isNum(n) ? `${n} outer step${n === 1 ? "" : "s"}` : "";
+    const rows = Object.entries(d.diloco.ranks).map(([r, f]) =>
+      el("tr", { "data-rank": r },
+        el("td", { class: "num", text: r }),
+        el("td", { class: "num", text: fmtNum(f.outer_steps) }),
+        el("td", { class: "num", text: fmtBytes(f.bytes_per_step) }),
+        el("td", { class: "num", text: fmtDuration(f.sync_s) }),
+        el("td", { class: "num", text: fmtMs(f.sync_s_per_step) }),
+        el("td", { class: "num", text: isNum(f.sync_frac) ? (100 * f.sync_frac).toFixed(1) + "%" : "-" }),
+        el("td", { class: "num", text: fmtNum(f.exchanges) }),
+      ));
+    replaceRows($("diloco-table").tBodies[0], rows);
+  }
+
   // Elastic runs: the world size over time (a step chart) and the resizes.
   function renderElastic(state) {
     const d = state.data;
@@ -852,7 +875,7 @@
   // ------------------------------------------------------------------ routing and polling
 
   window.rtDash = { polls: 0, view: null, runs: 0, run: null, status: null, metricRounds: 0,
-    timingWindows: 0, timelineEvents: 0, stragglers: [] };
+    timingWindows: 0, timelineEvents: 0, stragglers: [], outerSteps: null };
 
   function routeName() {
     const m = /^#run=(.+)$/.exec(location.hash);
