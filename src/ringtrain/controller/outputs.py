@@ -109,21 +109,6 @@ _ABORT_REASONS = {
 }
 
 
-def _aborted_because(state: Any) -> str | None:
-    """Why an ``ABORTED`` run ended, for ``ringtrain ls`` (which otherwise says "driver gone",
-    the reason of a run whose driver died without a word)."""
-    reason = getattr(state, "reason", None) if state.kind.value == "ABORTED" else None
-    if not reason:
-        return None
-    return _ABORT_REASONS.get(reason, f"the driver raised {reason}")
-
-
-_ABORT_REASONS = {
-    "KeyboardInterrupt": "interrupted by Ctrl-C",
-    "DriverTerminated": "the driver received SIGTERM",
-}
-
-
 def aborted_because(state: Any) -> str | None:
     """Why an ``ABORTED`` run ended, for ``ringtrain ls`` (which otherwise says "driver gone",
     the reason of a run whose driver died without a word)."""
