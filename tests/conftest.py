@@ -9,7 +9,9 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -272,6 +274,9 @@ _STACKS_BEFORE_TIMEOUT_S = 20.0
 _stack_timers: dict[str, threading.Timer] = {}
 
 
+_hang_notes: dict[str, str] = {}  # nodeid -> where its workers waited (py-spy)
+
+
 def _dump_stacks_of(nodeid: str) -> None:
     pids = dump_worker_stacks()
     sys.stderr.write(
@@ -279,6 +284,45 @@ def _dump_stacks_of(nodeid: str) -> None:
         f"(stack dump) to the ringtrain processes under this one: {pids or 'none'}\n"
     )
     sys.stderr.flush()
+    note = _where_they_wait(pids)
+    if note:
+        _hang_notes[nodeid] = note
+
+
+def _where_they_wait(pids: list[int]) -> str:
+    """One line per process: its main thread's innermost frames, read with py-spy (Ray's
+    dependency; absent: ""). The full dumps are in the captured stderr, which a CI log may cut;
+    this goes into the failure's one-line reason, which the log's summary keeps."""
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    lines = []
+    for pid in pids:
+        try:
+            out = subprocess.run(
+                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=10
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        frames, main = [], False
+        for line in out.splitlines():
+            if line.startswith("Thread "):
+                main = '"MainThread"' in line
+            elif main and line.startswith("    ") and line.strip():
+                frames.append(line.strip())
+        if frames:
+            lines.append(f"  pid {pid}: " + " <- ".join(frames[:8]))
+    return "\n".join(lines)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
+    """A test that timed out gets, in its failure reason, where each of its workers' main
+    threads waited 20 s before (:func:`_where_they_wait`)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    note = _hang_notes.pop(item.nodeid, None) if report.when == "call" else None
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if note and report.failed and crash is not None:
+        crash.message += f"\nwhere the workers' main threads waited (py-spy):\n{note}"
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
