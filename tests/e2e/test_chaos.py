@@ -370,3 +370,21 @@ def test_a_bit_flip_campaign_is_caught_by_the_replica_check_and_ends_exact(tmp_p
     assert run.failures == [] or all(f["kind"] == "exception" for f in run.failures)
     with pytest.raises(ValueError, match="bitflip, which replicas detect"):
         ChaosConfig(faults=("bitflip",), workers=(1,))
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"num_workers": (2, 3)},
+        {"num_workers": 2, "spares": 1},
+        {"num_workers": 2, "backend": "ray"},
+    ],
+)
+def test_a_target_it_cannot_kill_by_pid_is_refused_before_running(scaling):
+    """The campaign compares fixed-size local runs: an elastic run, one with hot spares (a
+    spare takes the killed rank in place) or a Ray run is refused, naming the fix."""
+    import ringtrain as rt
+    from ringtrain.chaos.campaign import run_campaign
+
+    with pytest.raises(ValueError, match=r"spares=0"):
+        run_campaign(lambda config: None, scaling_config=rt.ScalingConfig(**scaling))

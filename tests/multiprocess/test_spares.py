@@ -17,8 +17,8 @@ import torch
 from rich.console import Console
 
 import workloads
-from ringtrain.monitor.render import render_run
-from ringtrain.monitor.runs import load_run
+from ringtrain.monitor.render import render_run, render_runs
+from ringtrain.monitor.runs import list_runs, load_run
 from support import read_events as _events
 from support import read_jsonl_dir as _records
 from support import run_job
@@ -85,8 +85,13 @@ def test_a_spare_takes_the_lost_rank_and_the_run_ends_bit_exact(tmp_path, worker
     # The parameters of an uninterrupted run at the same size.
     _, _, reference = _fit(tmp_path, "ref", workers)
     assert reference["step"] == final["step"] == steps
-    for key, value in reference["model"].items():
-        assert torch.equal(value, final["model"][key]), f"{key} differs"
+    _same_parameters(final, reference)
+    # `ringtrain ls`: the spare beside the world size.
+    listed = {run.name: run for run in list_runs(str(tmp_path / "runs"))}
+    assert (listed["spare"].spares, listed["ref"].spares) == (1, 0)
+    buf = io.StringIO()
+    render_runs(list(listed.values()), Console(file=buf, width=120, color_system=None))
+    assert f" {workers}+1 " in next(line for line in buf.getvalue().splitlines() if "spare" in line)
 
 
 def _same_parameters(final, reference) -> None:

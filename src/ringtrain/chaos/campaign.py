@@ -92,10 +92,12 @@ def run_campaign(
     scaling = scaling_config if scaling_config is not None else rt.ScalingConfig(num_workers=2)
     if not isinstance(scaling, rt.ScalingConfig):
         raise ValueError(f"scaling_config must be a ringtrain.ScalingConfig, got {scaling!r}")
-    if not backend_for(scaling).local_processes or scaling.elastic:  # it kills pids
+    if not backend_for(scaling).local_processes or scaling.in_place:  # it kills pids
         raise ValueError(
-            "ringtrain chaos runs local, fixed-size runs: use ScalingConfig(backend='local', "
-            f"num_workers=W), got backend={scaling.backend!r}, num_workers={scaling.num_workers!r}"
+            "ringtrain chaos runs local, fixed-size runs without hot spares: use "
+            "ScalingConfig(backend='local', num_workers=W, spares=0), got "
+            f"backend={scaling.backend!r}, num_workers={scaling.num_workers!r}, "
+            f"spares={scaling.spares!r}"
         )
     if not callable(train_fn):
         raise ValueError(f"train_fn must be callable, got {type(train_fn).__name__}")

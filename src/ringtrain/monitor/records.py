@@ -37,6 +37,7 @@ class RunSummary:
         num_checkpoints: Number of complete checkpoints (directories with a valid manifest).
         rounds: Number of report rounds completed, or None if unknown.
         error: The run's error message, if it failed.
+        spares: Hot spares the run keeps beside its workers (``ScalingConfig.spares``).
     """
 
     name: str
@@ -49,6 +50,7 @@ class RunSummary:
     num_checkpoints: int = 0
     rounds: int | None = None
     error: str | None = None
+    spares: int = 0
 
 
 @dataclass

@@ -66,7 +66,8 @@ def render_runs(
     to 32 columns of what it has to show, 48 from 100 columns up); the last column shows the
     most useful metrics that fit, a failed run's reason (its error's first line, in red)
     instead, and for a sweep its trial counts (completed, pruned, failed) and best value; its
-    Rounds column counts trials ended / planned. Under 100 columns the start time and
+    Rounds column counts trials ended / planned; the Workers column adds a run's hot spares
+    (``3+1``). Under 100 columns the start time and
     checkpoint count are left out (a default run name ends in its start time; ``show`` has
     both).
 
@@ -94,7 +95,7 @@ def render_runs(
         cells = [
             started(run.start_time),
             format_duration(run.duration_s),
-            "-" if run.world_size is None else str(run.world_size),
+            _world_cell(run.world_size, run.spares),
             "-" if run.rounds is None else str(run.rounds),
             str(run.num_checkpoints),
         ]
@@ -235,6 +236,12 @@ def render_run(
     _render_spares(details, console)
     _render_corruption(details, console)
     _render_failures(details, console)
+
+
+def _world_cell(world_size: int | None, spares: int) -> str:
+    """``ls``'s Workers cell: the world size, and ``+K`` for K hot spares (``3+1``)."""
+    text = "-" if world_size is None else str(world_size)
+    return f"{text}+{spares}" if spares > 0 else text
 
 
 def _workers_text(details: RunDetails) -> str:

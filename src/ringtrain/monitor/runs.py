@@ -208,6 +208,7 @@ def summarize(
         num_checkpoints=num_checkpoints,
         rounds=rounds,
         error=_error_text(res.error),
+        spares=cfg.spares(),
     )
 
 

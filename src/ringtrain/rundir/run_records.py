@@ -45,6 +45,11 @@ class ConfigRecord(Record):
         n = coerce(int, self.scaling_config.get("num_workers"))
         return None if n is MISSING else n
 
+    def spares(self) -> int:
+        """``scaling_config.spares``: hot spares kept ready (0 when absent or not an int)."""
+        n = coerce(int, self.scaling_config.get("spares"))
+        return 0 if n is MISSING or n < 0 else n
+
 
 @dataclass(frozen=True, kw_only=True)
 class ResultRecord(Record):
