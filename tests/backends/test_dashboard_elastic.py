@@ -436,3 +436,38 @@ def test_real_elastic_run_is_read_back(tmp_path: Path) -> None:
     assert d["summary"]["world_size"] == 2
     assert [r["rank"] for r in d["left_ranks"]] == [2]
     assert [(r["old_world_size"], r["new_world_size"]) for r in d["resizes"]] == [(3, 2)]
+
+
+def make_spares_run(storage: Path, name: str = "spares") -> Path:
+    """A run of 3 workers and one hot spare: rank 1 killed, the spare (id 3) took its rank."""
+    run_dir = storage / name
+    run_dir.mkdir(parents=True)
+    scaling = {"num_workers": 3, "spares": 1, "backend": "local"}
+    (run_dir / "config.json").write_text(
+        json.dumps({"name": name, "created": T0, "scaling_config": scaling})
+    )
+    events: list[dict[str, Any]] = [
+        {"type": "run_start", "time": T0, "world_size": 3, "attempt": 0}
+    ]
+    events += [*round_events(0, 3, T0 + 5.0), failure(1, T0 + 8.0)]
+    events += [
+        {"type": "spare", "time": T0 + 8.1, "action": "promoted", "spare": 3, "rank": 1},
+        KILL_1 | {"time": T0 + 8.6, "new_world_size": 3, "spare_ranks": [1], "resume_s": 0.6},
+    ]
+    events += round_events(1, 3, T0 + 12.0)
+    events.append({"type": "run_end", "time": T0 + 15.0, "status": "FINISHED", "duration_s": 15})
+    append_events(run_dir, events)
+    return run_dir
+
+
+@needs_browser
+def test_page_names_the_rank_a_hot_spare_took(tmp_path: Path, page: Page) -> None:
+    make_spares_run(tmp_path)
+    with serve(tmp_path) as server:
+        page.goto(server.url + "#run=spares")
+        page.wait_for_function("() => window.rtDash.resizes === 1", timeout=WAIT_MS)
+        (row,) = cells(page, "#resizes-table tbody tr")
+        assert row[2] == "3 → 3 (spare took rank 1)", row
+        timeline = page.text_content("#timeline-table")
+        assert "3 → 3 workers (spare took rank 1): rank 1 was killed by SIGKILL" in timeline
+        assert "hot spare 3 took rank 1" in timeline

@@ -671,7 +671,7 @@
         (isNum(e.ratio) ? `, ${e.ratio.toFixed(2)}× the median` : "") + (e.message ? ` — ${e.message}` : "");
       case "straggler_cleared": return `rank ${e.rank} is no longer a straggler`;
       case "resize": return `${e.old_world_size ?? "?"} → ${e.new_world_size ?? "?"} workers` +
-        (e.cause ? `: ${e.cause}` : "") +
+        spareNote(e.spare_ranks) + (e.cause ? `: ${e.cause}` : "") +
         (isNum(e.resume_s) ? `; training resumed ${e.resume_s.toFixed(2)} s after the failure` : "") +
         (isNum(e.steps_rolled_back)
           ? `, ${e.steps_rolled_back} step${e.steps_rolled_back === 1 ? "" : "s"} rolled back` : "");
@@ -819,12 +819,18 @@
         el("td", { text: fmtClock(r.time) }),
         el("td", { class: "num", text: isNum(r.time) ? fmtDuration(r.time - t0) : "-" }),
         el("td", { class: "change", text: fallback ? "restart from disk checkpoint"
-          : `${r.old_world_size ?? "?"} → ${r.new_world_size ?? "?"}` }),
+          : `${r.old_world_size ?? "?"} → ${r.new_world_size ?? "?"}` + spareNote(r.spare_ranks) }),
         el("td", { class: "wrap", text: r.cause || "" }),
         el("td", { class: "num", text: isNum(r.resume_s) ? r.resume_s.toFixed(2) + " s" : "-" }),
         el("td", { class: "num", text: fmtNum(r.steps_rolled_back) }),
         el("td", { class: "num", text: fmtNum(r.snapshot_step) }));
     }));
+  }
+
+  // A resize in which hot spares took ranks (ScalingConfig.spares): " (spare took rank 1)".
+  function spareNote(ranks) {
+    if (!Array.isArray(ranks) || !ranks.length) return "";
+    return ` (spare${ranks.length === 1 ? "" : "s"} took rank${ranks.length === 1 ? "" : "s"} ${ranks.join(", ")})`;
   }
 
   function renderCheckpoints(state) {
