@@ -394,7 +394,11 @@ class ElasticRuntime(WorkerPlugin):
         self._init_group(new_ctx, order.store_prefix)
         if order.source_rank is not None:
             self.snapshot = snapshots.broadcast(
-                self.snapshot, order.source_rank, order.rank, order.generation
+                self.snapshot,
+                order.source_rank,
+                order.rank,
+                order.generation,
+                carry_rng=self.settings.carry_rng,
             )
         else:
             self._roll_back_to(order.snapshot_step)

@@ -194,7 +194,13 @@ def _fill(current: Any, saved: Any, where: str) -> Any:
     return saved
 
 
-def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int = 0) -> Snapshot:
+def broadcast(
+    snapshot: Snapshot | None,
+    source: int,
+    rank: int,
+    generation: int = 0,
+    carry_rng: bool = False,
+) -> Snapshot:
     """Make every rank of the (new) default process group hold ``source``'s snapshot: its shared
     payload and its data position (global, re-partitioned over the new world size on restore).
     Each rank keeps its own RNG streams; a rank without a snapshot (a worker that joins) gets
@@ -206,6 +212,8 @@ def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int
         source: the rank whose snapshot everyone takes.
         rank: this rank.
         generation: the group generation being formed (seeds a joiner's RNG streams).
+        carry_rng: the run gathers every rank's RNG states (hot spares): the source says so
+            when its snapshot holds none (a peer was lost mid-gather).
 
     Raises:
         ValueError: if ``source`` itself has no snapshot.
@@ -216,6 +224,13 @@ def broadcast(snapshot: Snapshot | None, source: int, rank: int, generation: int
             raise ValueError(f"rank {source} was chosen as the snapshot source but has none")
         sent = {"step": snapshot.step, "shared": snapshot.shared, "rank": snapshot.rank}
         sent["peer_rng"] = snapshot.peer_rng
+        if carry_rng and snapshot.peer_rng is None:
+            logger.warning(
+                "elastic: the snapshot of step %d holds no gathered random streams (a peer was "
+                "lost while they were gathered); a worker that takes a lost rank's place starts "
+                "fresh ones (a run with per-rank randomness is not bit-exact from here)",
+                snapshot.step,
+            )
     box = broadcast_state(sent, source)  # not a pickle: gloo is not authenticated
     step, shared, source_rank = box["step"], box["shared"], box["rank"]
     if rank == source:
@@ -312,11 +327,11 @@ def _bits_float(bits: int) -> float:
 def _carried_rng(table: Any, rank: int, step: int) -> dict[str, Any] | None:
     """The RNG states rank ``rank`` had at ``step`` (from the table the snapshot gathered:
     :attr:`Snapshot.peer_rng`), for the worker that takes its place; ``None`` when the table
-    does not hold them (no spares, a rank beyond the old group, a gather cut short by a lost
-    peer, CUDA streams)."""
+    does not hold them (no spares, a rank beyond the old group: a grow; a gather cut short by a
+    lost peer, CUDA streams: said in a warning)."""
     words = table.get(rank) if isinstance(table, dict) else None
     carried = unpack_rng(words) if isinstance(words, torch.Tensor) else None
-    if carried is None and table is not None:
+    if carried is None and isinstance(table, dict) and rank in table:  # not a grow's new rank
         logger.warning(
             "elastic: rank %d's random streams at step %d were not gathered; the worker taking "
             "its place starts fresh ones (a run with per-rank randomness is not bit-exact from "
