@@ -51,7 +51,8 @@ class ElasticSettings:
             it in that worker's ``Start``).
         carry_rng: every rank's RNG states are gathered at each snapshot, so that a worker that
             takes a lost rank's place (a hot spare: ``ScalingConfig.spares > 0``) continues
-            that rank's random streams (:func:`ringtrain.elastic.snapshot.gather_rng`).
+            that rank's random streams (gathered with the pause agreement:
+            :func:`ringtrain.elastic.snapshot.pack_rng`).
     """
 
     min_workers: int
