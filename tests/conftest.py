@@ -290,26 +290,36 @@ def _dump_stacks_of(nodeid: str) -> None:
 
 
 def _where_they_wait(pids: list[int]) -> str:
-    """One line per process: its main thread's innermost frames, read with py-spy (Ray's
-    dependency; absent: ""). The full dumps are in the captured stderr, which a CI log may cut;
-    this goes into the failure's one-line reason, which the log's summary keeps."""
+    """One line per process: its main thread's innermost frames, native ones included (a
+    thread waiting for the GIL or a lock shows it), read with py-spy (Ray's dependency; absent:
+    ""). The full Python dumps are in the captured stderr, which a CI log may cut; this goes
+    into the failure's one-line reason, which the log's summary keeps."""
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     lines = []
     for pid in pids:
-        try:
-            out = subprocess.run(
-                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=10
-            ).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        frames, main = [], False
-        for line in out.splitlines():
-            if line.startswith("Thread "):
-                main = '"MainThread"' in line
-            elif main and line.startswith("    ") and line.strip():
-                frames.append(line.strip())
-        if frames:
-            lines.append(f"  pid {pid}: " + " <- ".join(frames[:8]))
+        frames: list[str] = []
+        for native in (["--native"], []):
+            try:
+                out = subprocess.run(
+                    [spy, "dump", *native, "--pid", str(pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
+            except (OSError, subprocess.SubprocessError):
+                break
+            main = False
+            for line in out.splitlines():
+                if line.startswith("Thread "):
+                    main = line.startswith(f"Thread {pid} ") or '"MainThread"' in line
+                elif main and line.startswith("    ") and line.strip():
+                    frames.append(line.strip())
+            if frames:
+                break
+        python = next((i for i, f in enumerate(frames) if ".py:" in f), len(frames))
+        native = frames[:python][:6] + (["..."] if python > 6 else [])
+        if frames:  # the innermost native frames (a lock, the GIL), then the Python ones
+            lines.append(f"  pid {pid}: " + " <- ".join(native + frames[python:][:6]))
     return "\n".join(lines)
 
 
