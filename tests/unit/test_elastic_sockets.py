@@ -108,3 +108,51 @@ def test_shutdown_skips_a_descriptor_that_is_now_another_socket():
     finally:
         a.close()
         b.close()
+
+
+def _drop_in_thread(release) -> bool:
+    """Run ``release`` (which drops the last references to a group) on a thread; whether it
+    returned within 10 s (a gloo group whose collective still runs blocks in its destructor)."""
+    done = threading.Event()
+
+    def run() -> None:
+        release()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(10)
+
+
+def test_a_collective_in_flight_settles_once_the_connections_are_ended():
+    """What ``ElasticRuntime.break_group`` relies on: after the group's connections are shut
+    down, a collective still waiting for a peer ends at once (with an error), and the group can
+    then be destroyed without blocking."""
+    from ringtrain.cluster.distributed import settle
+
+    master = _store()
+    groups, noted = GroupSockets.opened_by(lambda: _two_ranks(master.port), store_port=master.port)
+    work = groups[0].allreduce([torch.ones(4)])  # rank 1 never joins it
+    noted.shutdown()
+    started = time.monotonic()
+    assert settle(work, timeout_s=5.0)
+    assert time.monotonic() - started < 5.0
+    box = {"groups": groups, "work": work}
+    del groups, work
+    assert _drop_in_thread(box.clear), "the group's destructor blocked"
+
+
+def test_a_collective_that_does_not_end_keeps_its_group_alive_instead_of_blocking():
+    """The hazard ``settle`` guards against: with the connections left up, the collective
+    never ends and dropping the group's last reference blocks; ``settle`` gives up after its
+    timeout and keeps the group referenced, so dropping ours does not block."""
+    from ringtrain.cluster import distributed
+
+    master = _store()
+    groups = _two_ranks(master.port)
+    work = groups[0].allreduce([torch.ones(4)])
+    kept = len(distributed._KEPT)
+    assert not distributed.settle(work, groups[0], timeout_s=0.5)
+    assert len(distributed._KEPT) == kept + 1
+    box = {"groups": groups, "work": work}
+    del groups, work
+    assert _drop_in_thread(box.clear), "a kept group's destructor ran"

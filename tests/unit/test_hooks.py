@@ -36,6 +36,9 @@ class Recorder(WorkerPlugin):
     def on_group_formed(self) -> None:
         self.log.append(("on_group_formed", self.tag))
 
+    def on_group_broken(self) -> None:
+        self.log.append(("on_group_broken", self.tag))
+
     def on_epoch(self, epoch: int, num_epochs: int, steps: int | None) -> None:
         self.log.append(("on_epoch", self.tag, epoch, num_epochs, steps))
 
@@ -162,6 +165,7 @@ def _one_call_of_each(registry: HookRegistry) -> dict[str, tuple[Any, ...]]:
         "on_worker_start": (object(),),
         "on_worker_stop": (None,),
         "on_group_formed": (),
+        "on_group_broken": (),
         "on_epoch": (0, 3, 2),
         "on_step": (_Step(7),),
         "on_prepare_optimizer": (object(),),
@@ -291,3 +295,44 @@ def test_call_train_fn_passes_the_config_only_to_a_function_that_takes_one():
     session_mod.call_train_fn(lambda config=None: seen.append(config), None)
     assert seen == [{"lr": 1}, "none", ({},), {}]
     assert hooks_mod.SYNC_TOKEN_ATTR.startswith("_ringtrain")
+
+
+def test_break_group_ends_the_connections_then_lets_plugins_settle_then_destroys(monkeypatch):
+    """``ElasticRuntime.break_group``'s order: the connections end first (so that collectives
+    in flight fail at once), then ``on_group_broken`` (plug-ins settle and drop them), then the
+    group is destroyed; and the preemption agreement drops its flag allreduce and its group."""
+    from ringtrain.elastic import runtime as runtime_mod
+    from ringtrain.worker.preempt import PreemptionPlugin
+
+    order: list[str] = []
+    registry = HookRegistry()
+
+    class Broken(WorkerPlugin):
+        def on_group_broken(self) -> None:
+            order.append("on_group_broken")
+
+    class Sockets:
+        def shutdown(self) -> int:
+            order.append("shutdown")
+            return 2
+
+    class Work:
+        def wait(self, timeout: Any = None) -> bool:
+            order.append("wait")
+            return True
+
+    class Session:
+        hooks = registry
+
+    plugin = PreemptionPlugin.__new__(PreemptionPlugin)
+    plugin._pending = (Work(), torch.zeros(3), "old agreement group")
+    plugin._group, plugin._group_for = "old agreement group", "old world"
+    registry.register(Broken())
+    registry.register(plugin)
+    runtime = runtime_mod.ElasticRuntime.__new__(runtime_mod.ElasticRuntime)
+    runtime.session = Session()  # type: ignore[assignment]
+    runtime.group_sockets = Sockets()  # type: ignore[assignment]
+    monkeypatch.setattr(runtime_mod, "destroy_process_group", lambda: order.append("destroy"))
+    runtime.break_group()
+    assert order == ["shutdown", "on_group_broken", "wait", "destroy"]
+    assert plugin._pending is None and plugin._group is None and plugin._group_for is None

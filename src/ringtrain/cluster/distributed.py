@@ -110,6 +110,35 @@ def new_gloo_group(timeout_s: float | None = None) -> Any:
     return group
 
 
+_KEPT: list[Any] = []
+"""In-flight collectives (and their groups) that did not end when their group was torn down:
+kept referenced for the life of the process (:func:`settle`)."""
+
+
+def settle(work: Any, *keep: Any, timeout_s: float = 5.0) -> bool:
+    """Wait at most ``timeout_s`` seconds for ``work`` (a ``Work`` of a collective still in
+    flight on a group being torn down; its connections already ended, so it normally ends at
+    once, with an error that is ignored here). If it has not ended, ``work`` and ``keep`` (its
+    process group) are kept referenced for the life of the process: a gloo group whose
+    collective still runs blocks, in its destructor, whichever thread drops its last reference,
+    until the collective ends (measured: forever while the peer lives; it hung a worker's
+    training thread at the next step boundary).
+
+    Returns:
+        Whether the collective ended.
+    """
+    if work is None:
+        return True
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+        return True
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower():
+            return True  # it ended, with an error (a peer that left it)
+    _KEPT.append((work, *keep))
+    return False
+
+
 def destroy_process_group() -> None:
     """Destroy the default process group if there is one; never raises (a group broken by a
     dead peer may fail to tear down cleanly, and the caller is exiting or re-forming it)."""

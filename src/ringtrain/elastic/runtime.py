@@ -117,11 +117,21 @@ class ElasticRuntime(WorkerPlugin):
     def break_group(self) -> None:
         """End this rank's connections of the current group before tearing it down, so that
         every peer still blocked in a collective with this rank fails at once instead of waiting
-        for the collective timeout (:mod:`ringtrain.elastic.sockets`), then destroy the group."""
+        for the collective timeout (:mod:`ringtrain.elastic.sockets`); let the plug-ins finish
+        and drop the collectives they have in flight (``on_group_broken``: they end at once
+        now), then destroy the group.
+
+        The order matters: a gloo group destroyed while a collective is still queued on it can
+        block its destructor, which runs wherever its last reference is dropped (a plug-in's
+        pipelined agreement held one into the next generation's first step boundary, where the
+        training thread then hung)."""
         closed = self.group_sockets.shutdown()
         if closed:
             logger.debug("elastic: shut down %d gloo connections", closed)
-        destroy_process_group()
+        try:
+            self.session.hooks.on_group_broken()
+        finally:
+            destroy_process_group()
 
     # ------------------------------------------------------------------ step boundaries
     def on_step(self, state: StepState) -> None:

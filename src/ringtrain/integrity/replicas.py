@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtrain.cluster.distributed import collective_timeout_s, new_gloo_group
+from ringtrain.cluster.distributed import collective_timeout_s, new_gloo_group, settle
 from ringtrain.config.parallel import MESH_DIMS, MeshShape
 from ringtrain.integrity.fingerprint import fingerprint, state_tensors, to_signed
 from ringtrain.parallel.diloco import outer_sync
@@ -156,6 +156,15 @@ class ReplicaCheck(WorkerPlugin):
         """Make the check's gloo group over the new default group (every rank does, now)."""
         if self.session.context.world_size > 1 and dist.is_initialized():
             self._new_group()
+
+    def on_group_broken(self) -> None:
+        """An elastic resize tears the group down: the check in flight is waited for (it ends
+        at once: the connections were ended) and dropped unread, with the check's group (the
+        next one starts on the re-formed group; see ``WorkerPlugin.on_group_broken``)."""
+        pending, self._pending = self._pending, None
+        group, self._group, self._group_for = self._group, None, None
+        if pending is not None:
+            settle(pending[0], group)
 
     def after_wrap(self, setup: ModelSetup) -> None:
         """Refuse a layout without replicas, before the first step."""

@@ -23,6 +23,8 @@ hook                          when (who calls it)
 ``on_worker_stop(error)``     the train function returned (``error=None``) or raised
 ``on_group_formed()``         the default process group was formed (again, after an elastic
                               resize): every rank at once, so a plug-in may make sub-groups
+``on_group_broken()``         elastic runs: the group's connections were just ended, before it
+                              is destroyed: finish (they fail fast now) and drop in-flight work
 ``on_epoch(epoch, n, steps)`` ``TrainState.epochs`` enters ``epoch`` of ``n`` (``steps`` a pass)
 ``on_step(state)``            ``TrainState.step`` was set (after the new value is stored)
 ``on_prepare_optimizer(opt)`` ``prepare_optimizer`` wrapped ``opt`` (before its first step)
@@ -74,6 +76,7 @@ HOOKS = (
     "on_worker_start",
     "on_worker_stop",
     "on_group_formed",
+    "on_group_broken",
     "on_epoch",
     "on_step",
     "on_prepare_optimizer",
@@ -216,6 +219,15 @@ class WorkerPlugin(Protocol):
         a peer is lost."""
         return None
 
+    def on_group_broken(self) -> None:
+        """Elastic runs: this rank is leaving its process group (a pause to resize, or a lost
+        peer), whose connections were just ended; the group is destroyed next. Wait for the
+        collectives a plug-in still has in flight on the group or its sub-groups (they end at
+        once now, with an error if a peer never took part) and drop them and the sub-groups:
+        a process group destroyed with work still queued on it can block its destructor, and
+        with it the training thread, wherever its last reference is dropped."""
+        return None
+
     def on_epoch(self, epoch: int, num_epochs: int, steps: int | None) -> None:
         """``TrainState.epochs`` enters ``epoch`` (0-based) of ``num_epochs``; ``steps``: the
         batches of one pass of the loader (``None``: unknown)."""
@@ -348,6 +360,10 @@ class HookRegistry:
 
     def on_group_formed(self) -> None:
         for call in self._calls["on_group_formed"]:
+            call()
+
+    def on_group_broken(self) -> None:
+        for call in self._calls["on_group_broken"]:
             call()
 
     def on_epoch(self, epoch: int, num_epochs: int, steps: int | None) -> None:

@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.cluster.distributed import collective_timeout_s, new_gloo_group
+from ringtrain.cluster.distributed import collective_timeout_s, new_gloo_group, settle
 from ringtrain.wire.channel import PreemptRequest, PreemptSaved, WorkerNotice
 from ringtrain.worker.hooks import StepState, StopTraining, WorkerPlugin
 from ringtrain.worker.session import Session
@@ -152,6 +152,17 @@ class PreemptionPlugin(WorkerPlugin):
 
         if self.session.context.world_size > 1 and dist.is_initialized():
             self._new_group(step=None)
+
+    def on_group_broken(self) -> None:
+        """The group is being torn down (an elastic resize): finish the flag allreduce in flight
+        (it ends at once: the connections were ended) and drop it and the agreement's group
+        (:func:`~ringtrain.cluster.distributed.settle`; see ``WorkerPlugin.on_group_broken``).
+        Held into the next generation, their last reference dropped at its first step boundary
+        ran the old group's destructor there, which could block the training thread."""
+        pending, self._pending = self._pending, None
+        group, self._group, self._group_for = self._group, None, None
+        if pending is not None and not settle(pending[0], pending[2], group):
+            logger.warning("preemption agreement: a flag allreduce did not end with its group")
 
     def on_step(self, state: StepState) -> None:
         """Agree, with one allreduce, whether any rank must stop (see the module docs).
