@@ -72,6 +72,7 @@ def test_workers_read_the_typed_config_and_no_configuration_variables(tmp_path):
             "snapshot_interval_steps": 4,
             "grow": True,
             "joining": False,
+            "carry_rng": False,  # no hot spares
         }
         assert config["elastic_batch_policy"] == "accumulate"
         assert config["run_dir"] == result.path
