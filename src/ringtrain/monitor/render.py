@@ -252,10 +252,8 @@ def _workers_text(details: RunDetails) -> str:
     limits = worker_range(details.config)
     if limits is not None:
         notes.append(f"elastic {limits[0]}-{limits[1]}")
-    scaling = as_dict((details.config or {}).get("scaling_config")) or {}
-    spares = scaling.get("spares")
-    if isinstance(spares, int) and spares > 0:
-        notes.append(f"+{spares} hot spare{'s' if spares != 1 else ''}")
+    if s.spares > 0:  # read once from config.json (RunSummary.spares)
+        notes.append(f"+{s.spares} hot spare{'s' if s.spares != 1 else ''}")
     sizes = [c.world_size for c in details.world_sizes]
     steps = [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]]
     if len(steps) > 1:
