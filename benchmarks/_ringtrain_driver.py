@@ -3,6 +3,9 @@ train function, started with ``rt.Trainer(...).fit()``::
 
     python benchmarks/_ringtrain_driver.py --steps 200 --out /tmp/rt --storage-path /tmp/runs
 
+``benchmarks/multihost_ddp.py`` runs it with ``--workers 3 --backend ray --address auto
+--placement SPREAD`` on three namespace hosts.
+
 Each rank writes its timings to ``{--out}.rank{RANK}.json``; the driver writes its own time stamps
 to ``{--out}.driver.json``.
 """
@@ -65,11 +68,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", required=True, help="prefix of the per-rank JSON files")
     parser.add_argument("--storage-path", required=True, help="RunConfig.storage_path")
+    parser.add_argument("--workers", type=int, default=2, help="ScalingConfig.num_workers")
+    parser.add_argument("--backend", default="local", help="ScalingConfig.backend")
+    parser.add_argument("--address", default=None, help="ScalingConfig.ray_address (Ray)")
+    parser.add_argument("--placement", default="PACK", help="ScalingConfig.placement_strategy")
     args = parser.parse_args()
+    ray_args: dict[str, Any] = {}
+    if args.backend == "ray":
+        ray_args = {"ray_address": args.address, "placement_strategy": args.placement}
     t_fit_start = time.time()
     result = rt.Trainer(
         train_fn,
-        rt.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        rt.ScalingConfig(
+            num_workers=args.workers,
+            resources_per_worker={"CPU": 1},
+            backend=args.backend,
+            **ray_args,
+        ),
         rt.RunConfig(name="overhead", storage_path=args.storage_path, progress="off"),
         train_loop_config={"steps": args.steps, "out": args.out},
     ).fit()
