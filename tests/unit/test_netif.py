@@ -10,10 +10,12 @@ import pytest
 
 from ringtrain.cluster.netif import (
     InterfaceChoice,
+    check_not_self_rendezvous,
     choose_interface,
     give_up_after,
     interface_environment,
     interface_of,
+    own_addresses,
     route_source,
     socket_fds,
     tcp_opened_by,
@@ -108,3 +110,62 @@ def test_connections_a_group_opened_give_up_after_the_timeout():
         accepted.close()
     finally:
         server.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_own_addresses_are_loopback_and_this_hosts_interfaces():
+    assert own_addresses(["127.0.0.1", "127.0.1.1", "::1"]) == ["127.0.0.1", "127.0.1.1", "::1"]
+    assert own_addresses(["192.0.2.7", "not-an-address"]) == []  # TEST-NET-1: nobody's
+
+
+def test_a_node_that_resolves_the_rendezvous_to_itself_is_refused_naming_it():
+    port = _free_port()  # nothing listens there: node 0 is elsewhere
+    with pytest.raises(NetworkConfigError) as err:
+        check_not_self_rendezvous(
+            "localhost", port, rank=3, node_rank=1, launcher="slurm", wait_s=0.3
+        )
+    msg = str(err.value)
+    assert "rank 3" in msg and "node 1" in msg and "slurm" in msg
+    assert "MASTER_ADDR='localhost'" in msg and "127.0.0.1" in msg and str(port) in msg
+    assert socket.gethostname() in msg
+
+
+def test_node_0_and_a_remote_rendezvous_are_not_checked():
+    port = _free_port()
+    check_not_self_rendezvous("localhost", port, rank=0, node_rank=0, launcher="torchrun")
+    check_not_self_rendezvous("192.0.2.7", port, rank=1, node_rank=1, launcher="torchrun")
+
+
+def test_nodes_sharing_one_machine_with_node_0_serving_here_pass():
+    # torchrun --nnodes 2 --node-rank 1 --master-addr 127.0.0.1: node 0 is on this machine.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        check_not_self_rendezvous(
+            "127.0.0.1", port, rank=1, node_rank=1, launcher="torchrun", wait_s=0.3
+        )
+
+
+def test_init_process_group_refuses_the_trap_before_any_group(monkeypatch):
+    import torch.distributed as dist
+
+    from ringtrain.cluster import netif
+    from ringtrain.cluster.distributed import init_process_group
+    from ringtrain.cluster.env import SlurmEnvironment
+
+    monkeypatch.setattr(netif, "SELF_RENDEZVOUS_WAIT_S", 0.3)
+    environ = {
+        "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+        "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "1", "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(_free_port()),
+    }  # fmt: skip
+    ctx = SlurmEnvironment(environ).context()
+    with pytest.raises(NetworkConfigError, match="rendezvous with itself"):
+        init_process_group(ctx)
+    assert not dist.is_initialized()

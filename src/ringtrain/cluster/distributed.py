@@ -6,12 +6,15 @@ import inspect
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ringtrain.cluster.netif import give_up_after, tcp_opened_by
+from ringtrain.cluster.netif import check_not_self_rendezvous, give_up_after, tcp_opened_by
 
 if TYPE_CHECKING:  # env's ctx.mesh imports this module (parallel/mesh.py): no run-time cycle
     from ringtrain.cluster.env import DistributedContext
 
 DEFAULT_TIMEOUT_S = 1800.0
+EXTERNAL_LAUNCHERS = ("torchrun", "slurm")
+"""``DistributedContext.source`` of the launchers whose ``MASTER_ADDR`` is a name each node
+resolves itself (checked by :func:`~ringtrain.cluster.netif.check_not_self_rendezvous`)."""
 
 
 def collective_timeout_s(worker_timeout_s: float | None) -> float:
@@ -29,18 +32,36 @@ def init_process_group(ctx: DistributedContext, timeout_s: float | None = None) 
     barrier, so that no rank returns before every rank's connections are up. Does nothing for a
     single process.
 
+    Under torchrun or SLURM, a rank on a node other than node 0 whose ``MASTER_ADDR`` resolves
+    to its own host, where nothing serves the rendezvous, is refused first (it would rendezvous
+    with itself; :func:`~ringtrain.cluster.netif.check_not_self_rendezvous`).
+
     Args:
         ctx: the worker's context.
         timeout_s: collective timeout, seconds: a collective waiting longer raises instead of
             blocking forever. Default: twice the run's ``FailureConfig.worker_timeout_s`` plus
             10 s (so that the driver, which watches progress, names the stuck rank before its
             peers' collectives give up and blame each other), else 1800.
+
+    Raises:
+        NetworkConfigError: the self-rendezvous trap above (names the rank, host and address).
+        RuntimeError: a GPU rank whose ``cuda:{local_rank}`` this process cannot see.
     """
     import torch
     import torch.distributed as dist
 
     if ctx.world_size == 1 or dist.is_initialized():
         return
+    if ctx.source in EXTERNAL_LAUNCHERS:
+        # ringtrain's own launchers put rank 0 at an address they chose; torchrun and SLURM hand
+        # over a name each node resolves itself.
+        check_not_self_rendezvous(
+            ctx.master_addr,
+            ctx.master_port,
+            rank=ctx.world_rank,
+            node_rank=ctx.node_rank,
+            launcher=ctx.source,
+        )
     kwargs: dict[str, Any] = {}
     if ctx.use_gpu:
         if torch.cuda.device_count() <= ctx.local_rank:

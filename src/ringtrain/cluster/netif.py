@@ -22,6 +22,7 @@ import os
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -29,7 +30,16 @@ from typing import TypeVar
 from ringtrain.cluster.worker_env import LOOPBACK_IFNAME_VARS
 
 SIOCGIFADDR = 0x8915  # linux/sockios.h
+SELF_RENDEZVOUS_WAIT_S = 5.0
+"""How long :func:`check_not_self_rendezvous` waits for a rendezvous served on this host."""
 T = TypeVar("T")
+
+
+class NetworkConfigError(RuntimeError):
+    """The cluster's network cannot carry the worker group: a worker whose gloo would advertise
+    a loopback address to other hosts, that cannot reach the rendezvous or the driver, or that
+    resolves the rendezvous name to its own host (the message names the rank, its host, its
+    interface or the name and the address)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,78 @@ def choose_interface(master_addr: str, environ: Mapping[str, str]) -> InterfaceC
             continue
         return InterfaceChoice(interface_of(source), source, "route", master_addr)
     return InterfaceChoice(None, None, "unknown", master_addr)
+
+
+def own_addresses(addresses: list[str]) -> list[str]:
+    """Those of ``addresses`` that belong to this host: loopback addresses and the addresses of
+    its interfaces."""
+    local = {a for addrs in interface_addresses().values() for a in addrs}
+    own = []
+    for address in addresses:
+        try:
+            loopback = ipaddress.ip_address(address).is_loopback
+        except ValueError:
+            continue
+        if loopback or address in local:
+            own.append(address)
+    return own
+
+
+def check_not_self_rendezvous(
+    master_addr: str,
+    port: int,
+    *,
+    rank: int,
+    node_rank: int,
+    launcher: str,
+    wait_s: float | None = None,
+) -> None:
+    """Refuse a rank on a node other than rank 0's whose ``MASTER_ADDR`` resolves to its own
+    host while nothing there serves the rendezvous: it would wait for a store that nobody starts
+    on this host (or, under torchrun's elastic ``--nnodes 1:N``, train alone) instead of meeting
+    node 0. The trap of multi-node torchrun and SLURM set-ups where a host maps the rendezvous
+    name to itself (``127.0.0.1 master`` in an image's ``/etc/hosts``, a name that every host
+    resolves to itself), which otherwise shows as a hang until the rendezvous timeout.
+
+    A job whose "nodes" share one machine (``torchrun --nnodes 2 --node-rank 1
+    --master-addr 127.0.0.1`` to try a multi-node set-up locally) is not refused: its node 0
+    serves the rendezvous on this host, which a TCP connection to ``MASTER_ADDR:MASTER_PORT``
+    finds (tried for up to ``wait_s`` seconds, as node 0 may start a moment later).
+
+    Args:
+        master_addr: the rendezvous name or address (``MASTER_ADDR``).
+        port: the rendezvous port (``MASTER_PORT``).
+        rank: this process's global rank (for the message).
+        node_rank: this process's node; node 0 hosts the rendezvous, so it is not checked.
+        launcher: what set the variables (``"torchrun"``, ``"slurm"``), for the message.
+        wait_s: how long a local rendezvous may take to appear, seconds (default
+            :data:`SELF_RENDEZVOUS_WAIT_S`).
+
+    Raises:
+        NetworkConfigError: naming the rank, this host, the name, the addresses it resolves to
+            here, and the fix.
+    """
+    if node_rank == 0:
+        return
+    own = own_addresses(resolve(master_addr))
+    if not own:
+        return
+    deadline = time.monotonic() + (SELF_RENDEZVOUS_WAIT_S if wait_s is None else wait_s)
+    while True:
+        if any(probe(None, address, port, 1.0) is None for address in own):
+            return  # node 0 is on this host
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    host = socket.gethostname()
+    raise NetworkConfigError(
+        f"rank {rank} on host {host} (node {node_rank}, started by {launcher}): the rendezvous "
+        f"address MASTER_ADDR={master_addr!r} resolves to {', '.join(own)} here, an address of "
+        f"this host itself, where nothing serves the rendezvous on port {port}: this node would "
+        f"rendezvous with itself instead of with node 0. Make {master_addr!r} resolve to node "
+        "0's address on every node (/etc/hosts or DNS), or give MASTER_ADDR (torchrun: "
+        "--master-addr or --rdzv-endpoint) node 0's address"
+    )
 
 
 def probe(source: str | None, host: str, port: int, timeout_s: float) -> str | None:
@@ -264,11 +346,14 @@ def give_up_after(fds: Mapping[int, int], timeout_s: float | None) -> int:
 
 __all__ = [
     "InterfaceChoice",
+    "NetworkConfigError",
+    "check_not_self_rendezvous",
     "choose_interface",
     "give_up_after",
     "interface_addresses",
     "interface_environment",
     "interface_of",
+    "own_addresses",
     "probe",
     "resolve",
     "route_source",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringtrain.cluster.netif import NetworkConfigError
 from ringtrain.launch.ray_placement import PlacementError, Slot
 
 RAY_INSTALL_HINT = "pip install 'ringtrain[ray]'"
@@ -35,12 +36,6 @@ def import_ray() -> Any:
 
 class StorageNotSharedError(ValueError):
     """The run directory is a path that some worker node cannot see."""
-
-
-class NetworkConfigError(RuntimeError):
-    """The cluster's network cannot carry the worker group: a worker whose gloo would advertise
-    a loopback address to other hosts, or that cannot reach the rendezvous or the driver (the
-    message names the rank, its host, its interface and the address)."""
 
 
 @dataclass(eq=False)

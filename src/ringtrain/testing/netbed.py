@@ -216,6 +216,12 @@ class NetBed:
         lines += [f"{addr} {name}" for name, addr in self.extra_hosts.get(host.name, {}).items()]
         return "\n".join(lines) + "\n"
 
+    def set_hosts(self, host: Host, names: Mapping[str, str]) -> None:
+        """Map more names on ``host`` from now on, e.g. ``{"master": "127.0.0.1"}``."""
+        self.extra_hosts.setdefault(host.name, {}).update(names)
+        with open(os.path.join(ETC_NETNS, host.netns, "hosts"), "w") as f:
+            f.write(self.hosts_file(host))
+
     def down(self) -> None:
         """Kill every process on the bed's hosts and remove its namespaces, links, bridge and
         files. Idempotent; never raises for what is already gone."""
