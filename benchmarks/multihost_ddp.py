@@ -38,6 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from ringtrain.testing.netbed import NetBed, unavailable
+from ringtrain.testing.raybed import RayBed
+
 HERE = Path(__file__).resolve().parent
 WARMUP_STEPS = 10
 
@@ -49,10 +52,10 @@ def _median_step(prefix: Path) -> float:
 
 
 def _torchrun(
-    bed: object, script: str, args: list[str], port: int, timeout_s: float, tmp: Path
+    bed: NetBed, script: str, args: list[str], port: int, timeout_s: float, tmp: Path
 ) -> None:
     """``script`` under torchrun, one process per host of ``bed``; raises if one fails."""
-    hosts = bed.hosts  # type: ignore[attr-defined]
+    hosts = bed.hosts
     procs = []
     for i, host in enumerate(hosts):
         env = dict(os.environ)
@@ -80,7 +83,7 @@ def _torchrun(
             *args,
         ]
         procs.append(
-            bed.popen(host, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # type: ignore[attr-defined]
+            bed.popen(host, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         )
     deadline = time.monotonic() + timeout_s
     failed = []
@@ -96,8 +99,8 @@ def _torchrun(
         raise RuntimeError("torchrun failed:\n" + "\n".join(failed))
 
 
-def _ringtrain(ray_bed: object, steps: int, out: Path, timeout_s: float) -> None:
-    bed = ray_bed.bed  # type: ignore[attr-defined]
+def _ringtrain(ray_bed: RayBed, steps: int, out: Path, timeout_s: float) -> None:
+    bed = ray_bed.bed
     cmd = [
         sys.executable,
         str(HERE / "_ringtrain_driver.py"),
@@ -116,7 +119,7 @@ def _ringtrain(ray_bed: object, steps: int, out: Path, timeout_s: float) -> None
         "--placement",
         "SPREAD",
     ]
-    done = ray_bed.run(  # type: ignore[attr-defined]
+    done = ray_bed.run(
         bed.hosts[0],
         cmd,
         env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)},
@@ -139,9 +142,6 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-
-    from ringtrain.testing.netbed import NetBed, unavailable
-    from ringtrain.testing.raybed import RayBed
 
     why = unavailable()
     if why is not None:

@@ -177,10 +177,11 @@ def check_not_self_rendezvous(
 ) -> None:
     """Refuse a rank on a node other than rank 0's whose ``MASTER_ADDR`` resolves to its own
     host while nothing there serves the rendezvous: it would wait for a store that nobody starts
-    on this host (or, under torchrun's elastic ``--nnodes 1:N``, train alone) instead of meeting
-    node 0. The trap of multi-node torchrun and SLURM set-ups where a host maps the rendezvous
-    name to itself (``127.0.0.1 master`` in an image's ``/etc/hosts``, a name that every host
-    resolves to itself), which otherwise shows as a hang until the rendezvous timeout.
+    on this host instead of meeting node 0. (Nodes that each made themselves node 0, torchrun's
+    c10d rendezvous at ``localhost`` with ``--nnodes 1:N``, look like one-node jobs from inside
+    and are not caught.) The trap of multi-node torchrun and SLURM set-ups where a host maps the
+    rendezvous name to itself (``127.0.0.1 master`` in an image's ``/etc/hosts``, a name that every
+    host resolves to itself), which otherwise shows as a hang until the rendezvous timeout.
 
     A job whose "nodes" share one machine (``torchrun --nnodes 2 --node-rank 1
     --master-addr 127.0.0.1`` to try a multi-node set-up locally) is not refused: its node 0
