@@ -152,6 +152,9 @@ class RingtrainDeepSpeedStrategy(DeepSpeedStrategy):
     are ``DeepSpeedStrategy``'s.
     """
 
+    # Lightning's ParallelStrategy property, typed here (mypy does not follow lightning).
+    parallel_devices: list[torch.device] | None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
