@@ -7,7 +7,9 @@ session's shared warm pool started each zygote:
 It runs the command with this file loaded as a pytest plugin (``-p suite_timeline``; the
 benchmarks folder goes first on ``PYTHONPATH``), which appends one JSON line per test to
 ``--out``/``timeline_<worker>.jsonl`` (node id, pytest-xdist worker, start and end, the worker's
-own CPU seconds and those of the children it waited for), and, after each test that made
+own CPU seconds and those of the children it waited for; as root, with cgroup v1's ``cpuacct``,
+the CPU seconds of every process the pytest worker started, Ray's included, in a cgroup of its
+own), and, after each test that made
 ``tests/conftest.py``'s shared ``rt.warm_pool`` start a zygote, how many and why
 (``WarmPool.reasons``). Then it prints:
 
@@ -15,6 +17,7 @@ own CPU seconds and those of the children it waited for), and, after each test t
   worker that ends early means the groups are unbalanced);
 * per file: tests and wall seconds, the ``--top`` files;
 * the ``--top`` tests by wall seconds, with the running share of the whole;
+* with the cgroup: the ``--top`` files and tests by CPU seconds;
 * the shared pool's zygote starts, with their reasons.
 
 Complements ``benchmarks/suite_cpu.py`` (CPU seconds by kind of process, under process accounting).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -42,7 +46,9 @@ _last = {"started": 0, "reasons": 0}
 # ------------------------------------------------------------------ the pytest plugin
 
 
-def _record(item: Any, t0: float, t1: float, c0: Any, c1: Any) -> None:
+def _record(
+    item: Any, t0: float, t1: float, c0: Any, c1: Any, g0: float | None, g1: float | None
+) -> None:
     out = os.environ.get(_OUT_ENV)
     if not out:
         return
@@ -56,6 +62,8 @@ def _record(item: Any, t0: float, t1: float, c0: Any, c1: Any) -> None:
         "child_cpu_s": (c1.children_user - c0.children_user)
         + (c1.children_system - c0.children_system),
     }
+    if g0 is not None and g1 is not None:
+        rec["cgroup_cpu_s"] = round(g1 - g0, 3)
     try:
         from ringtrain.launch import shared_pool
 
@@ -71,12 +79,51 @@ def _record(item: Any, t0: float, t1: float, c0: Any, c1: Any) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
+_CPUACCT = "/sys/fs/cgroup/cpuacct"  # cgroup v1's CPU accounting (where it is mounted)
+_cgroup: dict[str, str | None] = {"dir": None}
+
+
+def _cgroup_cpu_s() -> float | None:
+    """CPU seconds used so far by this pytest worker and every process it started, its Ray
+    nodes and their actors included (all in its own cgroup), or None without one."""
+    d = _cgroup["dir"]
+    if d is None:
+        return None
+    with open(os.path.join(d, "cpuacct.usage")) as f:
+        return int(f.read()) / 1e9
+
+
+def pytest_configure(config: Any) -> None:
+    """Moves this pytest process into a CPU-accounting cgroup of its own (root, cgroup v1's
+    cpuacct), so that each test's record has its CPU seconds, whichever process spent them."""
+    if not os.environ.get(_OUT_ENV) or not os.access(_CPUACCT, os.W_OK):
+        return
+    d = os.path.join(_CPUACCT, f"ringtrain_timeline_{os.getpid()}")
+    try:
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    except OSError:
+        return
+    _cgroup["dir"] = d
+
+
+def pytest_unconfigure(config: Any) -> None:
+    d, _cgroup["dir"] = _cgroup["dir"], None
+    if d is None:
+        return
+    with contextlib.suppress(OSError):
+        with open(os.path.join(_CPUACCT, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(d)  # fails while a process this run started is still in it: left for the OS
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
     """Times each test's whole protocol (setup, call, teardown)."""
-    t0, c0 = time.time(), os.times()
+    t0, c0, g0 = time.time(), os.times(), _cgroup_cpu_s()
     yield
-    _record(item, t0, time.time(), c0, os.times())
+    _record(item, t0, time.time(), c0, os.times(), g0, _cgroup_cpu_s())
 
 
 # ------------------------------------------------------------------ the summary
@@ -111,6 +158,18 @@ def summarise(records: list[dict[str, Any]], top: int) -> str:
         secs = r["t1"] - r["t0"]
         running += secs
         lines.append(f"{secs:7.1f} {100 * running / total:4.0f}%  {r['id']}")
+    cpu = [r for r in records if "cgroup_cpu_s" in r]
+    if cpu:
+        total_cpu = sum(r["cgroup_cpu_s"] for r in cpu)
+        cpu_by_file: dict[str, float] = collections.defaultdict(float)
+        for r in cpu:
+            cpu_by_file[r["id"].split("::")[0]] += r["cgroup_cpu_s"]
+        lines.append(f"\nfiles by CPU seconds, every process of the test (of {total_cpu:.0f}):")
+        for name, secs in sorted(cpu_by_file.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"{secs:8.1f} {count[name]:4d}  {name}")
+        lines.append("\ntests by CPU seconds (wall seconds):")
+        for r in sorted(cpu, key=lambda r: -r["cgroup_cpu_s"])[:top]:
+            lines.append(f"{r['cgroup_cpu_s']:7.1f} ({r['t1'] - r['t0']:6.1f})  {r['id']}")
     starts = [r for r in records if r.get("zygotes_started")]
     lines.append(f"\nshared warm pool: {sum(r['zygotes_started'] for r in starts)} zygote starts")
     for r in starts:
