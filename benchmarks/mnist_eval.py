@@ -9,7 +9,7 @@ example's driver, its zygote and the workers the zygote forked and reaped) and t
 accuracy it printed, which must be the same in both (the same model, the same count). Reported:
 medians over ``--repeats`` rounds and this tree's / the baseline's ratios.
 
-    python benchmarks/mnist_eval.py                  # baseline: cdb021b, 3 rounds, 10 epochs
+    python benchmarks/mnist_eval.py                  # baseline: cdb021b, 3 rounds, 5 epochs
     python benchmarks/mnist_eval.py --epochs 3 --repeats 5
 """
 
@@ -58,7 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="cdb021b", help="commit of the baseline example")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (each runs both)")
-    parser.add_argument("--epochs", type=int, default=10, help="the example's --epochs")
+    parser.add_argument("--epochs", type=int, default=5, help="the example's --epochs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "mnist_baseline.py")
