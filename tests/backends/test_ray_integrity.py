@@ -18,14 +18,14 @@ ray = pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
 
-def _run(tmp_path, name, inject, **checks):
+def _run(tmp_path, name, inject, backend="ray", **checks):
     out = tmp_path / f"{name}.pt"
     result = run_job(
         integrity_workloads.sdc_fn,
         3,
         storage_path=tmp_path / "runs",
         name=name,
-        backend="ray",
+        backend=backend,
         train_loop_config={"inject": inject, "out": str(out)},
         **checks,
     )
@@ -37,7 +37,10 @@ def _mismatches(result) -> list[dict]:
 
 
 def test_the_replica_check_on_ray_actors_catches_names_and_rolls_back_exactly(cluster, tmp_path):
-    clean, clean_out = _run(tmp_path, "clean", None, replica_check_every=3)
+    # The clean reference on local processes (the backends are bit-identical: test_ray.py). A
+    # false alarm on Ray would show in the flipped run: its checks at steps 3 and 6 come
+    # before the flip, and the first mismatch must be step 9's.
+    clean, clean_out = _run(tmp_path, "clean", None, backend="local", replica_check_every=3)
     assert clean.status == "FINISHED" and _mismatches(clean) == []
 
     flipped, out = _run(

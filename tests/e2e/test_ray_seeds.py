@@ -105,9 +105,12 @@ def test_seed003_and_004_lightning_on_ray_train_names(tmp_path, seed, package):
     """``strategy=RayDDPStrategy()``, ``plugins=[RayLightningEnvironment()]``,
     ``callbacks=[RayTrainReportCallback()]`` and ``prepare_trainer`` from
     ``ringtrain.train.lightning``, with ``import lightning.pytorch as pl`` (seed 003) and
-    ``import pytorch_lightning as pl`` (seed 004): 2 workers train 3 epochs, keep the 2 best
-    checkpoints by val_loss, and a second run under the same name resumes through Ray's own
-    snippet (``checkpoint.as_directory()`` + ``RayTrainReportCallback.CHECKPOINT_NAME``)."""
+    ``import pytorch_lightning as pl`` (seed 004): 2 workers train 3 epochs and keep the 2 best
+    checkpoints by val_loss; with seed 003, a second run under the same name resumes through
+    Ray's own snippet (``checkpoint.as_directory()`` + ``RayTrainReportCallback.CHECKPOINT_NAME``).
+    Seed 004 does not repeat the resume: its script is seed 003's with the other package name,
+    and the resume goes through the same ringtrain code (its classes' names are checked by the
+    first run)."""
     pytest.importorskip(package)
     script = _ported(seed, tmp_path)
     first = _run(script, "3")
@@ -116,6 +119,8 @@ def test_seed003_and_004_lightning_on_ray_train_names(tmp_path, seed, package):
     run = tmp_path / "runs" / name
     kept = sorted(p.name for p in run.glob("checkpoint_*"))
     assert 2 <= len(kept) <= 3, kept  # the 2 best by val_loss, and the latest
+    if package == "pytorch_lightning":
+        return
     second = _run(script, "5")
     assert re.search(r"^val_loss \S+ epoch 4$", second, re.MULTILINE), second
     reports = [e for e in _events(run) if e.get("type") == "report" and e["rank"] == 0]
