@@ -176,10 +176,10 @@ def test_sigstop_without_hang_detection_is_hung_and_leaves_no_process(tmp_path):
         faults=("hang",),
         faults_per_run=1,
         hang_timeout_s=None,
-        # Twice a clean run's time: the run is SIGSTOPped at step 2 of 10 and hangs for good, so
-        # any budget ends it HUNG; a relative one still reaches step 2 on a busy machine. One
-        # clean run's time was too little beside a CPU burner (the faulty run's start-up alone
-        # took longer than the clean run had: "the SIGSTOP never fired").
+        # Twice a clean run's time, counted from the faulty run's first step: the run is
+        # SIGSTOPped at step 2 of 10 and hangs for good, so any budget ends it HUNG. (Counted
+        # from the driver's start, a start-up slowed by a CPU burner used the budget up before
+        # step 2: "the SIGSTOP never fired".)
         budget_s="2x",
         out_dir=str(tmp_path / "chaos"),
         display=Display("off"),

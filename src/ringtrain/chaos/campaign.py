@@ -226,7 +226,7 @@ class _Campaign:
         outcome = os.path.join(chaos_dir, "outcome.json")
         mode = "start"
         log = os.path.join(chaos_dir, "driver.log")
-        deadline = time.monotonic() + budget_s
+        budget = _Budget(budget_s, chaos_dir)
         try:
             while True:
                 spec = os.path.join(chaos_dir, f"driver_{report.drivers}.json")
@@ -247,14 +247,14 @@ class _Campaign:
                 proc = procs.start_driver(spec, tag, log)
                 report.drivers += 1
                 code = procs.wait_driver(
-                    proc, deadline, lambda: self.display.tick(report, time.monotonic())
+                    proc, budget.deadline, lambda: self.display.tick(report, time.monotonic())
                 )
                 if code is None:
                     procs.kill_tagged(tag)
                     proc.wait()
                     return "hung", (
-                        f"not finished within its budget of {budget_s:.0f} s; killed with every "
-                        "process of the run"
+                        f"not finished within its budget of {budget_s:.0f} s {budget.counted}; "
+                        "killed with every process of the run"
                     )
                 time.sleep(ORPHAN_GRACE_S)
                 left = procs.tagged(tag)
@@ -361,3 +361,30 @@ def _error_of(outcome: str, code: int, log: str) -> str:
         pass
     reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
     return f"the driver ended unexpectedly ({reason}); see {log}"
+
+
+class _Budget:
+    """The deadline of one faulty run (``ChaosConfig.budget_s``): ``budget_s`` from the run's
+    first training step (the chaos log's first ``first_step`` event), all its drivers
+    together. Until that step, ``budget_s`` from the driver's start, so that a start-up slowed
+    by a busy machine does not use up the run's budget (the fault would never fire and the run
+    would be called HUNG for it), and a run that never reaches a step still ends."""
+
+    def __init__(self, budget_s: float, chaos_dir: str) -> None:
+        self.budget_s = budget_s
+        self.chaos_dir = chaos_dir
+        self.at = time.monotonic() + budget_s
+        self.stepped = False
+
+    @property
+    def counted(self) -> str:
+        return "from its first step" if self.stepped else "and no step reached"
+
+    def deadline(self) -> float:
+        """``time.monotonic()`` at which the run is out of budget, as far as known now."""
+        if not self.stepped and any(
+            e.get("event") == "first_step" for e in read_log(self.chaos_dir)
+        ):
+            self.stepped = True
+            self.at = time.monotonic() + self.budget_s
+        return self.at

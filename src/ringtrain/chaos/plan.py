@@ -90,9 +90,11 @@ class ChaosConfig:
         hang_timeout_s: the runs' ``FailureConfig.worker_timeout_s`` in seconds
             (``--hang-timeout``; ``None`` or 0 on the command line: no hang detection, so a
             SIGSTOP fault leaves the run HUNG).
-        budget_s: wall time a faulty run may take, all its drivers together, before it is
-            killed and counted HUNG (``--budget``): seconds, or a string ``"3x"`` for a multiple
-            of the clean run's wall time; ``None``: 5 x the clean run's wall time + 60 s.
+        budget_s: wall time a faulty run may take from its first training step, all its
+            drivers together, before it is killed and counted HUNG (``--budget``): seconds, or
+            a string ``"3x"`` for a multiple of the clean run's wall time; ``None``: 5 x the
+            clean run's wall time + 60 s. Its start-up, before the first step, may take as
+            long again (a busy machine's slow start does not use up the budget).
         out_dir: where the campaign's runs, logs and report go (``--out``).
     """
 

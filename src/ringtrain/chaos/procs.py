@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ringtrain.launch.reaper import remove_worker_temp_dir
@@ -95,11 +96,14 @@ def start_driver(spec_path: str, tag: str, log_path: str) -> subprocess.Popen[by
         )
 
 
-def wait_driver(proc: subprocess.Popen[bytes], deadline: float, tick: object = None) -> int | None:
-    """Wait for the driver until ``deadline`` (``time.monotonic()``); its exit code, or None
-    when the deadline passed. ``tick`` (a callable) is called about twice a second."""
+def wait_driver(
+    proc: subprocess.Popen[bytes], deadline: float | Callable[[], float], tick: object = None
+) -> int | None:
+    """Wait for the driver until ``deadline`` (``time.monotonic()``, or a callable that gives
+    it, asked again about twice a second); its exit code, or None when the deadline passed.
+    ``tick`` (a callable) is called about twice a second."""
     while True:
-        left = deadline - time.monotonic()
+        left = (deadline() if callable(deadline) else deadline) - time.monotonic()
         if left <= 0:
             return None
         try:

@@ -84,8 +84,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--budget",
         metavar="SECONDS|Nx",
-        help="a faulty run not finished after this long is HUNG: seconds, or Nx for N times "
-        "the clean run's wall time (default: 5 x the clean run's wall time + 60 s)",
+        help="a faulty run not finished this long after its first training step is HUNG: "
+        "seconds, or Nx for N times the clean run's wall time (default: 5 x the clean run's "
+        "wall time + 60 s); its start-up may take as long again",
     )
     p.add_argument("--out", default="./chaos", help="campaign directory (default: ./chaos)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
