@@ -123,10 +123,11 @@ def test_a_worker_sigkill_then_a_killed_actor_resume_bit_exactly(
 ):
     """Two failures of one run, each followed by a restart of the whole group from the last
     checkpoint: rank 1's worker process SIGKILLed at step 17 (attempt 0), then rank 1's Ray
-    actor killed by ``ray.kill`` once it reported round 8 (attempt 1: its worker process dies
-    with it). Each is named for what it was; the run ends bit-identical to the local backend's
-    uninterrupted run, with every round's metrics once."""
-    killer = _KillActor("two_kills", at=8, attempt=1)
+    actor killed by ``ray.kill`` once it reported round 5, attempt 1's first new round (its
+    worker process dies with it; 10 of the 30 steps are still to come). Each is named for
+    what it was; the run ends bit-identical to the local backend's uninterrupted run, with
+    every round's metrics once."""
+    killer = _KillActor("two_kills", at=5, attempt=1)
     out = tmp_path / "two_kills.pt"
     cfg = {"epochs": EPOCHS, "out": str(out), "kill": ("step", 17), "kill_rank": 1}
     result = rt.Trainer(
