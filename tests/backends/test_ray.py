@@ -55,13 +55,13 @@ def _run_config(tmp_path, name, **kwargs):
     )
 
 
-def _fit_exact(tmp_path, name, backend="ray", kill=None, callbacks=()):
+def _fit_exact(tmp_path, name, backend="ray", kill=None, callbacks=(), max_failures=1):
     out = tmp_path / f"{name}.pt"
     cfg = {"epochs": EPOCHS, "out": str(out), "kill": kill, "kill_rank": 1}
     result = rt.Trainer(
         workloads.exact_fn,
         rt.ScalingConfig(num_workers=2, backend=backend),
-        _run_config(tmp_path, name, callbacks=callbacks),
+        _run_config(tmp_path, name, callbacks=callbacks, max_failures=max_failures),
         train_loop_config=cfg,
     ).fit()
     return result, torch.load(out, weights_only=True)
@@ -128,20 +128,15 @@ def test_a_worker_sigkill_then_a_killed_actor_resume_bit_exactly(
     what it was; the run ends bit-identical to the local backend's uninterrupted run, with
     every round's metrics once."""
     killer = _KillActor("two_kills", at=5, attempt=1)
-    out = tmp_path / "two_kills.pt"
-    cfg = {"epochs": EPOCHS, "out": str(out), "kill": ("step", 17), "kill_rank": 1}
-    result = rt.Trainer(
-        workloads.exact_fn,
-        rt.ScalingConfig(num_workers=2, backend="ray"),
-        _run_config(tmp_path, "two_kills", max_failures=2, callbacks=[killer]),
-        train_loop_config=cfg,
-    ).fit()
+    result, final = _fit_exact(
+        tmp_path, "two_kills", kill=("step", 17), callbacks=[killer], max_failures=2
+    )
     assert len(killer.killed) == 1
     assert [(f.rank, f.kind) for f in result.failures] == [(1, "signal"), (1, "exception")]
     assert result.failures[0].message == "rank 1 was killed by SIGKILL"
     actor_died = result.failures[1].message
     assert "the Ray actor of rank 1" in actor_died and "died" in actor_died, actor_died
-    assert_bit_identical(_local_final(tmp_path_factory), torch.load(out, weights_only=True))
+    assert_bit_identical(_local_final(tmp_path_factory), final)
     assert [m["step"] for m in result.metrics_history] == EXPECTED_STEPS
     assert_torn_down()
 

@@ -97,13 +97,13 @@ def start_driver(spec_path: str, tag: str, log_path: str) -> subprocess.Popen[by
 
 
 def wait_driver(
-    proc: subprocess.Popen[bytes], deadline: float | Callable[[], float], tick: object = None
+    proc: subprocess.Popen[bytes], deadline: Callable[[], float], tick: object = None
 ) -> int | None:
-    """Wait for the driver until ``deadline`` (``time.monotonic()``, or a callable that gives
-    it, asked again about twice a second); its exit code, or None when the deadline passed.
-    ``tick`` (a callable) is called about twice a second."""
+    """Wait for the driver until ``deadline()`` (``time.monotonic()``; asked again about twice
+    a second, so it may move); its exit code, or None when the deadline passed. ``tick`` (a
+    callable) is called about twice a second."""
     while True:
-        left = (deadline() if callable(deadline) else deadline) - time.monotonic()
+        left = deadline() - time.monotonic()
         if left <= 0:
             return None
         try:
